@@ -1,0 +1,158 @@
+"""The `superslm` command: info, generate, chat."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from superslm.errors import SuperSLMError
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None,
+                   help="a GGUF file, a Hugging Face folder or a known name (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 on GPU)")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--context", type=int, default=None, help="context length of the engine")
+
+
+def _sampling(ns: argparse.Namespace) -> Any:
+    from superslm.sampling import Sampling
+
+    return Sampling(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p, seed=ns.seed)
+
+
+def cmd_info(ns: argparse.Namespace) -> int:
+    import superslm
+
+    model = superslm.load(ns.model, device=ns.device, dtype=ns.dtype)
+    info = model.info()
+    if ns.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    template = info.pop("chat_template")
+    arch = info.pop("arch")
+    for k, v in info.items():
+        print(f"{k:14} {v}")
+    print("arch")
+    for k, v in arch.items():
+        print(f"  {k:16} {v}")
+    print("chat_template" + ("\n" + template if template else "  (none)"))
+    return 0
+
+
+def _stream(engine: Any, request: Any) -> str:
+    """Runs one request, writing its text to stdout as it comes; returns the whole text."""
+    rid = engine.add(request)
+    out = []
+    while engine.busy():
+        for p in engine.advance():
+            if p.id == rid and p.text:
+                sys.stdout.write(p.text)
+                sys.stdout.flush()
+                out.append(p.text)
+    return "".join(out)
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    import superslm
+    from superslm.engine import Request
+
+    model = superslm.load(ns.model, device=ns.device, dtype=ns.dtype)
+    engine = model.engine(slots=1, context=ns.context)
+    if ns.chat:
+        prompt: Any = model.chat_tokens([{"role": "user", "content": ns.prompt}])
+    else:
+        prompt = ns.prompt
+    _stream(engine, Request(prompt=prompt, max_tokens=ns.max_tokens, sampling=_sampling(ns)))
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    import superslm
+    from superslm.engine import Request
+
+    model = superslm.load(ns.model, device=ns.device, dtype=ns.dtype)
+    engine = model.engine(slots=1, context=ns.context)
+    messages: list[dict[str, str]] = []
+    if ns.system:
+        messages.append({"role": "system", "content": ns.system})
+    print("superslm chat: type a message, or /exit (Ctrl-D) to leave, /reset to start over.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if ns.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            prompt = model.chat_tokens(messages)
+            reply = _stream(engine, Request(prompt=prompt, max_tokens=ns.max_tokens, sampling=_sampling(ns)))
+        except SuperSLMError as e:
+            messages.pop()
+            print(f"\nerror: {e}", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="superslm", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="print a model's Arch, parameters, block types and template")
+    info.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as --model")
+    _model_args(info)
+    info.add_argument("--json", action="store_true")
+    info.set_defaults(func=cmd_info)
+
+    gen = sub.add_parser("generate", help="continue a prompt, streaming the text to stdout")
+    _model_args(gen)
+    _sampling_args(gen)
+    gen.add_argument("--prompt", "-p", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="an interactive chat that keeps the conversation")
+    _model_args(chat)
+    _sampling_args(chat)
+    chat.add_argument("--system", default=None, help="a system message")
+    chat.set_defaults(func=cmd_chat)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    if getattr(ns, "model_pos", None) and ns.model is None:
+        ns.model = ns.model_pos
+    try:
+        return int(ns.func(ns) or 0)
+    except SuperSLMError as e:
+        print(f"superslm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

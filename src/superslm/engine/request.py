@@ -1,0 +1,104 @@
+"""What a caller hands the engine (Request) and gets back (Progress), and the engine's own record of a
+sequence (Sequence): its tokens and how many of them are computed. Prefill chunks and decode tokens
+both come from that one number (num_computed_tokens)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+from superslm.sampling import Sampling
+
+#: why a request ended
+END_STOP, END_LENGTH, END_CANCELLED = "stop", "length", "cancelled"
+
+
+@dataclass
+class Request:
+    """A prompt to continue: at most `max_tokens` new tokens, chosen as `sampling` says.
+
+    `prompt` is token ids, or text that the model's tokenizer encodes (with its bos where it adds one).
+    `salt` separates this request's prefix-cache entries from other callers' (as vLLM's cache_salt).
+    """
+
+    prompt: Seq[int] | str
+    max_tokens: int = 256
+    sampling: Sampling = field(default_factory=Sampling)
+    salt: str | None = None
+
+
+@dataclass
+class Logprob:
+    """A chosen token's log probability, and the most likely tokens with theirs (of the raw logits)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Progress:
+    """What a step gave a request (Engine.advance).
+
+    `tokens`: its new tokens (a stop token is not included); `text`: their text, held back while it may
+    still start a stop string or end inside a UTF-8 sequence; `cached`: prompt tokens read from the
+    prefix cache instead of computed; `end`: "" while it goes on, else "stop" (a stop token or string),
+    "length" (max_tokens, the context's end, or a KV pool too small for it alone) or "cancelled".
+    """
+
+    id: int
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    cached: int = 0
+    end: str = ""
+    logprobs: list[Logprob] = field(default_factory=list)
+    #: the stop string or stop token id that ended it, if any
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.end)
+
+
+class Sequence:
+    """The engine's record of one request: prompt + output tokens, computed count and KV pages."""
+
+    def __init__(self, seq_id: int, request: Request, prompt: list[int], max_tokens: int, sampler: Any,
+                 decoder: Any, stops: Any) -> None:
+        self.id = seq_id
+        self.request = request
+        self.prompt = prompt
+        self.output: list[int] = []
+        self.max_tokens = max_tokens
+        #: tokens whose K/V are in this sequence's pages
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        #: full pages already offered to the prefix cache, and the chain's last hash
+        self.num_hashed_pages = 0
+        self.last_hash: bytes | None = None
+        #: prompt tokens taken from the prefix cache at the first admission
+        self.cached = 0
+        self.sampler = sampler
+        self.decoder = decoder
+        self.stops = stops
+        self.end = ""
+        self.stop_reason: str | int | None = None
+        self.preemptions = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def prefilling(self) -> bool:
+        """True while more than the newest token remains to compute (a prompt, or a resume)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def salt(self) -> str | None:
+        return self.request.salt

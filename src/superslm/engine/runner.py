@@ -1,0 +1,83 @@
+"""One step's forward pass: flat rows from the scheduled chunks, through the layers, to logits.
+
+The work of a step is an object (`StepWork`) so it can stop between layers and continue later:
+`Engine.advance(layer_budget=N)` runs at most N layers of it per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from superslm.cache.kv import KVCache
+from superslm.engine.request import Sequence
+from superslm.kernels.attention import AttnMetadata
+from superslm.models.transformer import Transformer
+
+
+@dataclass
+class StepWork:
+    """A step in flight: its chunks, metadata, residual stream and the next layer to run."""
+
+    chunks: list[tuple[Sequence, int]]
+    tokens: torch.Tensor
+    meta: AttnMetadata
+    #: per chunk: the row whose logits are sampled, or -1 while the sequence's prompt is unfinished
+    sample_rows: list[int]
+    h: torch.Tensor | None = None
+    next_layer: int = 0
+
+
+def build_step(chunks: list[tuple[Sequence, int]], page_size: int, device: torch.device) -> StepWork:
+    """Rows, positions, slot mapping and block tables of the scheduled chunks."""
+    tokens: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start = [0]
+    seq_lens: list[int] = []
+    tables: list[tuple[int, ...]] = []
+    sample_rows: list[int] = []
+    for seq, n in chunks:
+        start = seq.num_computed_tokens
+        all_tokens = seq.tokens
+        tokens.extend(all_tokens[start : start + n])
+        table = seq.block_table
+        for p in range(start, start + n):
+            positions.append(p)
+            slots.append(table[p // page_size] * page_size + p % page_size)
+        query_start.append(query_start[-1] + n)
+        seq_lens.append(start + n)
+        tables.append(tuple(table))
+        # a chunk that reaches the newest token gives the next token's logits
+        sample_rows.append(query_start[-1] - 1 if start + n == len(all_tokens) else -1)
+    meta = AttnMetadata(
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        query_start=tuple(query_start),
+        seq_lens=tuple(seq_lens),
+        block_tables=tuple(tables),
+        page_size=page_size,
+    )
+    return StepWork(chunks, torch.tensor(tokens, dtype=torch.long, device=device), meta, sample_rows)
+
+
+def run_layers(net: Transformer, kv: KVCache, work: StepWork, budget: int | None = None) -> bool:
+    """Run up to `budget` layers of the step (all when None); True once every layer has run."""
+    if work.h is None:
+        work.h = net.embed(work.tokens)
+    total = len(net.layers)
+    end = total if budget is None else min(total, work.next_layer + budget)
+    work.h = net.run_layers(work.h, work.meta, kv.k, kv.v, work.next_layer, end)
+    work.next_layer = end
+    return end == total
+
+
+def step_logits(net: Transformer, work: StepWork) -> torch.Tensor:
+    """Logits [rows that sample, vocab] (float32) of a finished step."""
+    rows = [r for r in work.sample_rows if r >= 0]
+    assert work.h is not None
+    if not rows:
+        return torch.empty(0, net.arch.vocab)
+    idx = torch.tensor(rows, dtype=torch.long, device=work.h.device)
+    return net.logits(work.h.index_select(0, idx))

@@ -1,0 +1,395 @@
+"""A hardened GGUF reader: everything is parsed and validated up front, tensor data stays memory-mapped.
+
+Layout (little-endian, versions 2 and 3): magic "GGUF", u32 version, u64 tensor count, u64 metadata
+count; metadata entries (string key, u32 value type, value); tensor infos (string name, u32 n_dims,
+u64 ne[n_dims], u32 ggml type, u64 offset into the data section); padding up to `general.alignment`
+(default 32); the data section. A string is a u64 byte length and that many bytes.
+
+Every malformed file is refused with `GGUFError` from the constructor, before any count or length
+read from the file is used to allocate: counts and lengths are first checked against the bytes left.
+Metadata string values are decoded as UTF-8 with errors="replace" (a model with a stray invalid byte
+in one token still loads); metadata keys and tensor names must be valid UTF-8.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from superslm.errors import GGUFError, InvalidArgument, ModelNotFound
+from superslm.formats.blocks import BlockType, block_type
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # GGML_MAX_DIMS
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+#: GGUF metadata value type id -> name
+VALUE_TYPE_NAMES = {
+    0: "UINT8", 1: "INT8", 2: "UINT16", 3: "INT16", 4: "UINT32", 5: "INT32", 6: "FLOAT32",
+    7: "BOOL", 8: "STRING", 9: "ARRAY", 10: "UINT64", 11: "INT64", 12: "FLOAT64",
+}  # fmt: skip
+_STRING, _ARRAY, _BOOL = 8, 9, 7
+# fixed-size value types -> struct format, spelled out: numpy's 64-bit ints are the platform "l",
+# which struct's "<" mode reads as 4 bytes
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "B", 10: "Q", 11: "q", 12: "d"}
+_NUMERIC_STRUCT = {t: struct.Struct("<" + c) for t, c in _SCALAR_FORMATS.items()}
+_NUMERIC = {t: np.dtype("<" + c) for t, c in _SCALAR_FORMATS.items()}
+# the fewest bytes a metadata entry (u64 key length, u32 type, 1-byte value) and a tensor info
+# (u64 name length, u32 n_dims, one u64 dim, u32 type, u64 offset) can take
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives in the file and how it is stored."""
+
+    name: str
+    #: torch order: the reverse of ggml's ne, so shape[-1] == ne[0] (the contiguous axis)
+    shape: tuple[int, ...]
+    type_id: int
+    block: type[BlockType]
+    #: absolute byte offset of the tensor's data in the file
+    offset: int
+    nbytes: int
+
+    @property
+    def n_elements(self) -> int:
+        """Number of values in the tensor."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads from a buffer; every overrun is a GGUFError."""
+
+    def __init__(self, buf: mmap.mmap, size: int) -> None:
+        self.buf = buf
+        self.size = size
+        self.pos = 0
+
+    def left(self) -> int:
+        return self.size - self.pos
+
+    def need(self, n: int, what: str) -> None:
+        if n > self.size - self.pos:
+            raise GGUFError(
+                f"truncated file: {what} needs {n} bytes at offset {self.pos}, "
+                f"but only {self.size - self.pos} are left"
+            )
+
+    def u32(self, what: str) -> int:
+        self.need(4, what)
+        (v,) = _U32.unpack_from(self.buf, self.pos)
+        self.pos += 4
+        return v
+
+    def u64(self, what: str) -> int:
+        self.need(8, what)
+        (v,) = _U64.unpack_from(self.buf, self.pos)
+        self.pos += 8
+        return v
+
+    def string(self, what: str, strict: bool) -> str:
+        n = self.u64(f"length of {what}")
+        self.need(n, what)
+        raw = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        try:
+            return raw.decode("utf-8", "strict" if strict else "replace")
+        except UnicodeDecodeError as e:
+            raise GGUFError(f"{what} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+    def value(self, vtype: int, what: str) -> Any:
+        """One metadata value of type `vtype` as a plain Python value."""
+        if vtype == _STRING:
+            return self.string(what, strict=False)
+        if vtype == _ARRAY:
+            return self.array(what)
+        st = _NUMERIC_STRUCT.get(vtype)
+        if st is None:
+            raise GGUFError(f"{what}: unknown value type {vtype}")
+        self.need(st.size, what)
+        (v,) = st.unpack_from(self.buf, self.pos)
+        self.pos += st.size
+        if vtype == _BOOL:
+            return self._bool(v, what)
+        return v
+
+    @staticmethod
+    def _bool(v: int, what: str) -> bool:
+        if v > 1:
+            raise GGUFError(f"{what}: bool value byte is {v}, not 0 or 1")
+        return bool(v)
+
+    def array(self, what: str) -> list[Any]:
+        itype = self.u32(f"item type of {what}")
+        n = self.u64(f"length of {what}")
+        if itype == _ARRAY:
+            raise GGUFError(f"{what}: arrays of arrays are not supported")
+        if itype == _STRING:
+            return self.string_array(n, what)
+        dtype = _NUMERIC.get(itype)
+        if dtype is None:
+            raise GGUFError(f"{what}: unknown array item type {itype}")
+        if n * dtype.itemsize > self.left():
+            raise GGUFError(
+                f"truncated file: {what}: array of {n} {VALUE_TYPE_NAMES[itype]} needs "
+                f"{n * dtype.itemsize} bytes, only {self.left()} are left"
+            )
+        values = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos)
+        self.pos += n * dtype.itemsize
+        if itype == _BOOL:
+            if n and int(values.max()) > 1:
+                raise GGUFError(f"{what}: bool array holds a byte other than 0 or 1")
+            return values.astype(bool).tolist()
+        return values.tolist()
+
+    def string_array(self, n: int, what: str) -> list[str]:
+        # each string takes at least its 8-byte length: cap n before allocating the list
+        if n * 8 > self.left():
+            raise GGUFError(
+                f"truncated file: {what}: array of {n} strings cannot fit in the {self.left()} bytes left"
+            )
+        buf, pos, end, unpack = self.buf, self.pos, self.size, _U64.unpack_from
+        out: list[str] = [""] * n
+        for i in range(n):
+            if end - pos < 8:
+                raise GGUFError(f"truncated file: {what}: string {i} of {n} starts past the end")
+            (length,) = unpack(buf, pos)
+            pos += 8
+            if length > end - pos:
+                raise GGUFError(
+                    f"truncated file: {what}: string {i} of {n} has length {length}, "
+                    f"only {end - pos} bytes are left"
+                )
+            out[i] = buf[pos : pos + length].decode("utf-8", "replace")
+            pos += length
+        self.pos = pos
+        return out
+
+
+def _type_name(vtype: int, item_type: int | None) -> str:
+    name = VALUE_TYPE_NAMES[vtype]
+    return f"ARRAY[{VALUE_TYPE_NAMES[item_type]}]" if item_type is not None else name
+
+
+class GGUFFile:
+    """A GGUF file, parsed and validated on construction, its tensor data memory-mapped.
+
+    Use as a context manager or call `close()`. Arrays from `raw()` are read-only views into the map
+    and stay valid after `close()` (the mapping lives until the last view is gone).
+    """
+
+    version: int
+    alignment: int
+    #: key -> plain Python value (int, float, bool, str, or a list of one of those), in file order
+    metadata: dict[str, Any]
+    #: key -> GGUF value type name: "UINT32", "STRING", "ARRAY[INT32]", ...
+    metadata_types: dict[str, str]
+    #: name -> TensorInfo, in file order
+    tensors: dict[str, TensorInfo]
+    #: absolute byte offset of the data section (tensor offsets in the file are relative to it)
+    data_offset: int
+    file_size: int
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._map: mmap.mmap | None = None
+        self._data: np.ndarray | None = None
+        try:
+            with open(self.path, "rb") as f:
+                self.file_size = os.fstat(f.fileno()).st_size
+                if self.file_size < 4 + 4 + 8 + 8:
+                    head = f.read(4)
+                    if len(head) == 4 and head != GGUF_MAGIC:
+                        raise GGUFError(f"{self.path}: not a GGUF file (magic {head!r})")
+                    raise GGUFError(
+                        f"{self.path}: truncated file: {self.file_size} bytes, shorter than a header"
+                    )
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except FileNotFoundError:
+            raise ModelNotFound(f"no GGUF file at {self.path}") from None
+        except OSError as e:
+            raise GGUFError(f"cannot read {self.path}: {e}") from None
+        try:
+            self._parse(_Cursor(self._map, self.file_size))
+        except GGUFError as e:
+            self.close()
+            raise GGUFError(f"{self.path}: {e}") from None
+        except BaseException:
+            self.close()
+            raise
+        self._data = np.frombuffer(self._map, dtype=np.uint8)
+
+    # --- parsing ---------------------------------------------------------------------------------
+
+    def _parse(self, cur: _Cursor) -> None:
+        magic = bytes(cur.buf[0:4])
+        if magic != GGUF_MAGIC:
+            raise GGUFError(f"not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+        cur.pos = 4
+        version = cur.u32("version")
+        if version not in SUPPORTED_VERSIONS:
+            if int.from_bytes(version.to_bytes(4, "little"), "big") in SUPPORTED_VERSIONS:
+                raise GGUFError("big-endian GGUF files are not supported")
+            raise GGUFError(f"unsupported GGUF version {version} (SuperSLM reads versions 2 and 3)")
+        self.version = version
+        n_tensors = cur.u64("tensor count")
+        n_kv = cur.u64("metadata count")
+        if n_kv * _MIN_KV_BYTES > cur.left():
+            raise GGUFError(f"truncated file: metadata count {n_kv} cannot fit in {cur.left()} bytes")
+        if n_tensors * _MIN_TENSOR_INFO_BYTES > cur.left():
+            raise GGUFError(f"truncated file: tensor count {n_tensors} cannot fit in {cur.left()} bytes")
+        if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_INFO_BYTES > cur.left():
+            raise GGUFError(
+                f"truncated file: metadata count {n_kv} and tensor count {n_tensors} cannot fit "
+                f"in the {cur.left()} bytes left"
+            )
+        self._parse_metadata(cur, n_kv)
+        self.alignment = self._check_alignment()
+        infos = [self._parse_tensor_info(cur, i) for i in range(n_tensors)]
+        self.data_offset = -(-cur.pos // self.alignment) * self.alignment
+        self._check_tensors(infos)
+
+    def _parse_metadata(self, cur: _Cursor, n_kv: int) -> None:
+        self.metadata = {}
+        self.metadata_types = {}
+        for i in range(n_kv):
+            key = cur.string(f"key of metadata entry {i}", strict=True)
+            if key in self.metadata:
+                raise GGUFError(f"duplicate metadata key {key!r}")
+            vtype = cur.u32(f"value type of metadata {key!r}")
+            if vtype not in VALUE_TYPE_NAMES:
+                raise GGUFError(f"metadata {key!r} has unknown value type {vtype}")
+            item_type = None
+            if vtype == _ARRAY:
+                # peek at the item type for metadata_types; array() validates it again
+                cur.need(4, f"item type of metadata {key!r}")
+                (item_type,) = _U32.unpack_from(cur.buf, cur.pos)
+            self.metadata[key] = cur.value(vtype, f"metadata {key!r}")
+            self.metadata_types[key] = _type_name(vtype, item_type)
+
+    def _check_alignment(self) -> int:
+        if "general.alignment" not in self.metadata:
+            return DEFAULT_ALIGNMENT
+        if self.metadata_types["general.alignment"] != "UINT32":
+            raise GGUFError(
+                f"general.alignment has type {self.metadata_types['general.alignment']}, expected UINT32"
+            )
+        alignment = self.metadata["general.alignment"]
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise GGUFError(f"general.alignment {alignment} is not a power of two")
+        return alignment
+
+    def _parse_tensor_info(self, cur: _Cursor, i: int) -> tuple[str, tuple[int, ...], int, int]:
+        """-> (name, ne, type_id, offset relative to the data section)."""
+        name = cur.string(f"name of tensor {i}", strict=True)
+        n_dims = cur.u32(f"n_dims of tensor {name!r}")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise GGUFError(f"tensor {name!r} has n_dims {n_dims}, expected 1 to {MAX_DIMS}")
+        ne = tuple(cur.u64(f"dims of tensor {name!r}") for _ in range(n_dims))
+        if min(ne) < 1:
+            raise GGUFError(f"tensor {name!r} has a dimension of 0 (ne={list(ne)})")
+        type_id = cur.u32(f"type of tensor {name!r}")
+        offset = cur.u64(f"offset of tensor {name!r}")
+        return name, ne, type_id, offset
+
+    def _check_tensors(self, infos: list[tuple[str, tuple[int, ...], int, int]]) -> None:
+        self.tensors = {}
+        for name, ne, type_id, rel in infos:
+            if name in self.tensors:
+                raise GGUFError(f"duplicate tensor name {name!r}")
+            try:
+                block = block_type(type_id)
+            except GGUFError as e:
+                raise GGUFError(f"tensor {name!r}: {e}") from None
+            if ne[0] % block.block_size:
+                raise GGUFError(
+                    f"tensor {name!r}: row length {ne[0]} is not a multiple of the "
+                    f"{block.name} block size {block.block_size}"
+                )
+            n_elements = 1
+            for d in ne:
+                n_elements *= d
+            nbytes = n_elements // block.block_size * block.type_size
+            if rel % self.alignment:
+                raise GGUFError(f"tensor {name!r}: data offset {rel} is not aligned to {self.alignment}")
+            start = self.data_offset + rel
+            if start + nbytes > self.file_size:
+                raise GGUFError(
+                    f"tensor {name!r}: data [{start}, {start + nbytes}) runs past the end of the "
+                    f"file ({self.file_size} bytes)"
+                )
+            self.tensors[name] = TensorInfo(name, tuple(reversed(ne)), type_id, block, start, nbytes)
+        by_offset = sorted(self.tensors.values(), key=lambda t: t.offset)
+        for a, b in zip(by_offset, by_offset[1:], strict=False):
+            if a.offset + a.nbytes > b.offset:
+                raise GGUFError(f"tensors {a.name!r} and {b.name!r} overlap")
+
+    # --- public API ------------------------------------------------------------------------------
+
+    @property
+    def architecture(self) -> str:
+        """general.architecture, e.g. "llama" or "gemma3"."""
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise GGUFError(f"{self.path}: general.architecture is missing or not a string")
+        return arch
+
+    @property
+    def closed(self) -> bool:
+        return self._data is None
+
+    def _info(self, name: str) -> TensorInfo:
+        if self._data is None:
+            raise InvalidArgument(f"{self.path} is closed")
+        info = self.tensors.get(name)
+        if info is None:
+            raise GGUFError(f"{self.path}: no tensor named {name!r}")
+        return info
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored bytes of tensor `name`: a read-only uint8 view into the memory map."""
+        info = self._info(name)
+        assert self._data is not None
+        return self._data[info.offset : info.offset + info.nbytes]
+
+    def dequantize(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Tensor `name` as a new torch tensor of `dtype`, shaped `tensors[name].shape`."""
+        info = self._info(name)
+        values = info.block.dequantize(self.raw(name)).reshape(info.shape)
+        t = torch.from_numpy(values)
+        return t if dtype == torch.float32 else t.to(dtype)
+
+    def close(self) -> None:
+        """Drop the memory map; views handed out by `raw()` keep their pages alive."""
+        self._data = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # a raw() view still exports the buffer; the map is unmapped when it dies
+            self._map = None
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{len(self.tensors)} tensors"
+        return f"GGUFFile({self.path!r}, v{getattr(self, 'version', '?')}, {state})"

@@ -1,0 +1,104 @@
+"""Attention over a paged KV cache: the per-step metadata and the torch reference.
+
+A step is a flat list of rows (tokens) from several sequences: prefill chunks and decode tokens
+alike. Each sequence's rows are contiguous (`query_start`), its keys live in the pages of its
+block_table, and every row's K/V is written to `slot_mapping[row]` (page * page_size + offset).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttnMetadata:
+    """Per-step attention layout; built once per step by the engine and shared by every layer."""
+
+    #: [N] position of each row in its sequence
+    positions: torch.Tensor
+    #: [N] flat KV slot each row's key and value are written to
+    slot_mapping: torch.Tensor
+    #: S + 1 offsets: rows query_start[s]:query_start[s+1] belong to sequence s
+    query_start: tuple[int, ...]
+    #: S context lengths after this step (keys 0..seq_lens[s]-1 are visible to the sequence)
+    seq_lens: tuple[int, ...]
+    #: S page-id lists, each covering at least seq_lens[s] tokens
+    block_tables: tuple[tuple[int, ...], ...]
+    page_size: int
+    _slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _masks: dict[tuple[int, int | None], tuple[int, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    def key_slots(self, s: int) -> torch.Tensor:
+        """[seq_lens[s]] KV slots of sequence s, in position order (cached for the step)."""
+        slots = self._slots.get(s)
+        if slots is None:
+            n, ps = self.seq_lens[s], self.page_size
+            pages = torch.tensor(self.block_tables[s][: (n + ps - 1) // ps], dtype=torch.long)
+            slots = (pages[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)[:n]
+            slots = slots.to(self.slot_mapping.device)
+            self._slots[s] = slots
+        return slots
+
+    def mask(self, s: int, window: int | None) -> tuple[int, torch.Tensor]:
+        """(first key position, bool mask [rows, keys]) of sequence s: causal, within the window."""
+        key = (s, window)
+        hit = self._masks.get(key)
+        if hit is None:
+            a, b = self.query_start[s], self.query_start[s + 1]
+            qpos = self.positions[a:b]
+            first = 0
+            if window is not None:
+                # keys before the first row's window are never visible: skip them entirely
+                first = max(0, int(qpos.min()) - window + 1)
+            kpos = torch.arange(first, self.seq_lens[s], device=qpos.device)
+            m = kpos[None, :] <= qpos[:, None]
+            if window is not None:
+                m &= kpos[None, :] > (qpos[:, None] - window)
+            hit = (first, m)
+            self._masks[key] = hit
+        return hit
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k, v [N, kv_heads, head_dim] into the caches [slots, kv_heads, head_dim] at slot_mapping."""
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """Reference: gather each sequence's keys and run SDPA. q [N, heads, D] -> [N, heads, D].
+
+    One sequence at a time, so a row's arithmetic never depends on the other sequences of the step.
+    """
+    out = torch.empty_like(q)
+    groups = q.shape[1] // k_cache.shape[1]
+    for s in range(meta.num_seqs):
+        a, b = meta.query_start[s], meta.query_start[s + 1]
+        if a == b:
+            continue
+        first, mask = meta.mask(s, window)
+        slots = meta.key_slots(s)[first:]
+        k = k_cache[slots].to(q.dtype).transpose(0, 1)  # [kv_heads, L, D]
+        v = v_cache[slots].to(q.dtype).transpose(0, 1)
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=0)  # [heads, L, D]
+            v = v.repeat_interleave(groups, dim=0)
+        o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k, v, attn_mask=mask, scale=scale)
+        out[a:b] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,165 @@
+"""`superslm.load` and `Model`: a model file or folder read into a forward pass and a tokenizer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from superslm import hub
+from superslm.errors import InvalidArgument, ModelNotFound, TemplateError
+from superslm.models.arch import Arch
+from superslm.models.loader import Source, materialize, open_source
+from superslm.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from superslm.engine.engine import Engine
+    from superslm.tokenizer import ChatTemplate, Tokenizer
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_path(path_or_name: str | Path | None) -> Path:
+    """A path on disk, or a known model name fetched on first use (None: the default model)."""
+    if path_or_name is None:
+        return hub.fetch(hub.DEFAULT_MODEL)
+    p = Path(path_or_name).expanduser()
+    if p.exists():
+        return p
+    if hub.is_known(str(path_or_name)):
+        return hub.fetch(str(path_or_name))
+    raise ModelNotFound(f"no model at {p}, and {str(path_or_name)!r} is not a known model name")
+
+
+def pick_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidArgument(f"unknown device {device!r}") from e
+
+
+def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise InvalidArgument(f"unknown dtype {dtype!r} (known: {sorted(DTYPES)})")
+    return DTYPES[dtype]
+
+
+class Model:
+    """A loaded language model: its Arch, tokenizer, chat template and forward pass."""
+
+    def __init__(self, source: Source, net: Transformer, tokenizer: Tokenizer, name: str) -> None:
+        self.source = source
+        self.arch: Arch = source.arch
+        self.net = net
+        self.tokenizer = tokenizer
+        self.name = name
+        self._template: ChatTemplate | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.net.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.net.dtype
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.tokenizer.chat_template
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Token ids that end a generation: the tokenizer's and the config's eos ids."""
+        return frozenset(self.tokenizer.stop_ids) | frozenset(self.arch.eos_ids)
+
+    def chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        enable_thinking: bool | None = None,
+        **extra: Any,
+    ) -> str:
+        """The chat rendered by the model's own template, ready to encode."""
+        from superslm.tokenizer import ChatTemplate
+
+        if self.tokenizer.chat_template is None:
+            raise TemplateError(f"{self.name} has no chat template")
+        if self._template is None:
+            self._template = ChatTemplate(
+                self.tokenizer.chat_template, self.tokenizer.bos_token or "", self.tokenizer.eos_token or ""
+            )
+        return self._template.render(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
+            **extra,
+        )
+
+    def chat_tokens(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int]:
+        """The chat prompt as token ids (the template writes its own bos where it has one)."""
+        text = self.chat_prompt(messages, **kwargs)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        bos = self.tokenizer.bos_id
+        if self.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        return ids
+
+    def engine(self, slots: int = 8, context: int | None = None, **kwargs: Any) -> Engine:
+        """An engine running up to `slots` sequences of at most `context` tokens (see Engine)."""
+        from superslm.engine.engine import Engine
+
+        return Engine(self, slots=slots, context=context, **kwargs)
+
+    def info(self) -> dict[str, Any]:
+        """What `superslm info` prints."""
+        return {
+            "name": self.name,
+            "path": str(self.source.path),
+            "format": self.source.format,
+            "arch": self.arch.summary(),
+            "parameters": self.source.parameter_count(),
+            "block_types": self.source.block_types(),
+            "vocab": self.tokenizer.vocab_size,
+            "bos_id": self.tokenizer.bos_id,
+            "stop_ids": sorted(self.stop_ids),
+            "device": str(self.device),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "chat_template": self.chat_template,
+        }
+
+
+def load_tokenizer(source: Source) -> Tokenizer:
+    from superslm.tokenizer import Tokenizer
+
+    if source.is_hf:
+        return Tokenizer.from_folder(source.path)
+    return Tokenizer.from_gguf(source.gguf.metadata)
+
+
+def load(
+    path_or_name: str | Path | None = None,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    layers: int | None = None,
+) -> Model:
+    """Load a GGUF file, a Hugging Face folder or a known model name (None: the default model).
+
+    `device` defaults to cuda when present, else cpu; `dtype` to bf16 on a GPU and fp32 on the CPU.
+    With `layers`, only the first layers are kept (hidden states, no logits).
+    """
+    path = resolve_path(path_or_name)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    source = open_source(path)
+    tokenizer = load_tokenizer(source)
+    net = Transformer(source.arch, materialize(source, dt, dev, layers), layers)
+    name = str(path_or_name) if path_or_name is not None and not Path(str(path_or_name)).exists() else path.name
+    return Model(source, net, tokenizer, name or hub.DEFAULT_MODEL)

@@ -1,0 +1,290 @@
+"""Arch: what a model computes, as one frozen dataclass read from config.json or GGUF metadata.
+
+Every family runs on the same forward pass (models/transformer.py); a family's recipe only reads its
+config into an Arch and names its tensors. Anything the forward pass cannot honour is refused here,
+with an error that names the option, rather than computed wrongly later.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from superslm.errors import UnsupportedModel
+
+ROPE_KINDS = ("default", "linear", "dynamic", "yarn", "llama3")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary positions of one kind of layer: base frequency and scaling (as HF's rope_parameters)."""
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    #: llama3: low/high frequency factors; yarn: beta_fast/beta_slow; all: the trained context
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    #: yarn: attention temperature (mscale) override; None: derived from factor
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    #: per-dimension divisors of the inverse frequencies (GGUF's rope_freqs tensor, Llama 3.1)
+    freq_factors: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_KINDS:
+            raise UnsupportedModel(f"rope scaling kind {self.kind!r} is not supported (known: {ROPE_KINDS})")
+        if self.theta <= 0 or not math.isfinite(self.theta):
+            raise UnsupportedModel(f"rope theta must be a positive number, got {self.theta}")
+        if self.kind != "default" and not (self.factor > 0 and math.isfinite(self.factor)):
+            raise UnsupportedModel(f"rope scaling factor must be positive, got {self.factor}")
+
+    def inv_freq(self, rotary_dim: int) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies [rotary_dim // 2] (float32) and the attention scaling of cos/sin."""
+        base = 1.0 / (self.theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+        if self.freq_factors is not None:
+            base = base / torch.tensor(self.freq_factors, dtype=torch.float32)
+        if self.kind in ("default", "dynamic"):
+            # dynamic NTK depends on the position; see Arch.rope_for_positions.
+            return base, 1.0
+        if self.kind == "linear":
+            return base / self.factor, 1.0
+        if self.kind == "llama3":
+            return _llama3(base, self), 1.0
+        return _yarn(self, rotary_dim)
+
+    def dynamic_inv_freq(self, rotary_dim: int, seq_len: int, context: int) -> torch.Tensor:
+        """Dynamic NTK: the base grows once a sequence passes the trained context (HF's formula)."""
+        original = self.original_context or context
+        seq_len = max(seq_len, original)
+        theta = self.theta * ((self.factor * seq_len / original) - (self.factor - 1)) ** (
+            rotary_dim / (rotary_dim - 2)
+        )
+        return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+
+
+def _llama3(inv_freq: torch.Tensor, r: Rope) -> torch.Tensor:
+    old_context = r.original_context or 8192
+    low_wavelen = old_context / r.low_freq_factor
+    high_wavelen = old_context / r.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / r.factor, inv_freq)
+    smooth = (old_context / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def _yarn(r: Rope, dim: int) -> tuple[torch.Tensor, float]:
+    factor = r.factor
+    if r.attention_factor is not None:
+        attention = r.attention_factor
+    elif r.mscale and r.mscale_all_dim:
+        attention = _yarn_mscale(factor, r.mscale) / _yarn_mscale(factor, r.mscale_all_dim)
+    else:
+        attention = _yarn_mscale(factor)
+    original = r.original_context
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(r.theta))
+
+    low, high = correction_dim(r.beta_fast), correction_dim(r.beta_slow)
+    if r.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a division by zero in the ramp
+    pos_freqs = r.theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_factor = 1 - ramp
+    inv = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv, attention
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What a decoder-only transformer computes; one field per choice the forward pass makes."""
+
+    family: str
+    vocab: int
+    dim: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    #: rotary positions on the first `rotary_dim` dimensions of each head (NeoX half-split layout)
+    rotary_dim: int
+    #: rope of global (full-attention) layers and, when different, of sliding-window layers
+    rope: Rope = field(default_factory=Rope)
+    rope_local: Rope | None = None
+    norm_eps: float = 1e-6
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tied: bool = False
+    #: one entry per layer: None for full attention, else the window in tokens (keys j > i - window)
+    windows: tuple[int | None, ...] = ()
+    context: int = 2048
+    act: str = "silu"
+    #: the embedding is multiplied by this (Gemma: sqrt(dim), rounded to the compute dtype)
+    embed_scale: float = 1.0
+    #: softmax scale of attention scores (head_dim**-0.5, Gemma: query_pre_attn_scalar**-0.5)
+    attn_scale: float = 0.0
+    #: Gemma's sandwich norms: a norm after attention and after the MLP, before the residual add
+    post_norms: bool = False
+    #: Gemma multiplies by the norm weight in float32 before casting; Llama casts first
+    norm_float: bool = False
+    bos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "dim", "ffn", "layers", "heads", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise UnsupportedModel(f"{self.family}: {name} must be a positive integer, got {value!r}")
+        if self.heads % self.kv_heads:
+            raise UnsupportedModel(f"{self.family}: heads ({self.heads}) not a multiple of kv heads ({self.kv_heads})")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise UnsupportedModel(f"{self.family}: rotary dims {self.rotary_dim} invalid for head dim {self.head_dim}")
+        if self.act not in ACTIVATIONS:
+            raise UnsupportedModel(f"{self.family}: activation {self.act!r} is not supported")
+        if not self.windows:
+            object.__setattr__(self, "windows", (None,) * self.layers)
+        if len(self.windows) != self.layers:
+            raise UnsupportedModel(f"{self.family}: {len(self.windows)} layer kinds for {self.layers} layers")
+        if not self.attn_scale:
+            object.__setattr__(self, "attn_scale", self.head_dim**-0.5)
+
+    def rope_of(self, layer: int) -> Rope:
+        """The rope of a layer: sliding-window layers use `rope_local` where the family has one."""
+        if self.windows[layer] is not None and self.rope_local is not None:
+            return self.rope_local
+        return self.rope
+
+    def with_layers(self, n: int) -> Arch:
+        """The same model cut after its first n layers."""
+        return replace(self, layers=n, windows=self.windows[:n])
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-able view for `superslm info`."""
+        out: dict[str, Any] = {}
+        for k, v in self.__dict__.items():
+            out[k] = v.__dict__ if isinstance(v, Rope) else v
+        return out
+
+
+# --- reading Hugging Face configs ---------------------------------------------------------------
+
+
+def rope_from_params(p: Mapping[str, Any], default_theta: float, context: int) -> Rope:
+    """A Rope from HF's rope_parameters / rope_scaling dict (both spellings of the kind)."""
+    kind = p.get("rope_type", p.get("type", "default")) or "default"
+    if kind == "longrope":
+        raise UnsupportedModel("rope scaling kind 'longrope' is not supported")
+    known = {
+        "rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+        "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
+        "mscale_all_dim", "truncate", "partial_rotary_factor",
+    }
+    unknown = sorted(set(p) - known)
+    if unknown:
+        raise UnsupportedModel(f"rope scaling option(s) {unknown} are not supported")
+    original = p.get("original_max_position_embeddings")
+    if kind == "yarn" and not original:
+        original = context
+    return Rope(
+        theta=float(p.get("rope_theta", default_theta)),
+        kind=kind,
+        factor=float(p.get("factor", 1.0) or 1.0),
+        low_freq_factor=float(p.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(p.get("high_freq_factor", 4.0)),
+        original_context=int(original or 0),
+        beta_fast=float(p.get("beta_fast") or 32.0),
+        beta_slow=float(p.get("beta_slow") or 1.0),
+        attention_factor=p.get("attention_factor"),
+        mscale=p.get("mscale"),
+        mscale_all_dim=p.get("mscale_all_dim"),
+        truncate=bool(p.get("truncate", True)),
+    )
+
+
+def hf_ropes(cfg: Mapping[str, Any], local_theta_key: str | None = None) -> tuple[Rope, Rope | None]:
+    """(global rope, local rope or None) from a config in either the old or the new (v5) spelling."""
+    context = int(cfg.get("max_position_embeddings", 2048))
+    params = cfg.get("rope_parameters")
+    theta = float(cfg.get("rope_theta", 10000.0))
+    if isinstance(params, Mapping) and "full_attention" in params:
+        glob = rope_from_params(params["full_attention"], theta, context)
+        loc = params.get("sliding_attention")
+        return glob, rope_from_params(loc, theta, context) if loc else None
+    if isinstance(params, Mapping) and params:
+        glob = rope_from_params(params, theta, context)
+    elif cfg.get("rope_scaling"):
+        glob = rope_from_params(cfg["rope_scaling"], theta, context)
+    else:
+        glob = Rope(theta=theta)
+    local = None
+    if local_theta_key and cfg.get(local_theta_key):
+        local = Rope(theta=float(cfg[local_theta_key]))
+    return glob, local
+
+
+def eos_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def hf_layer_windows(cfg: Mapping[str, Any], layers: int) -> tuple[int | None, ...]:
+    """Per-layer windows from `layer_types` (v5 and recent configs) or None everywhere."""
+    kinds = cfg.get("layer_types")
+    window = cfg.get("sliding_window")
+    if not kinds:
+        return (None,) * layers
+    out: list[int | None] = []
+    for kind in kinds:
+        if kind == "full_attention":
+            out.append(None)
+        elif kind == "sliding_attention":
+            if not window:
+                raise UnsupportedModel("a sliding_attention layer without sliding_window")
+            out.append(int(window))
+        else:
+            raise UnsupportedModel(f"layer type {kind!r} is not supported")
+    return tuple(out)
+
+
+def check_known(cfg: Mapping[str, Any], refusals: Mapping[str, Any]) -> None:
+    """Refuse options whose value changes what is computed in a way we do not implement."""
+    for key, allowed in refusals.items():
+        value = cfg.get(key)
+        if value not in allowed:
+            raise UnsupportedModel(f"config option {key}={value!r} is not supported")
+
+
+def gguf_get(md: Mapping[str, Any], key: str, default: Any = None, required: bool = False) -> Any:
+    if key in md:
+        return md[key]
+    if required:
+        raise UnsupportedModel(f"GGUF metadata has no {key}")
+    return default

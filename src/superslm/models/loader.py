@@ -1,0 +1,241 @@
+"""Reading a model's tensors from a Hugging Face folder or a GGUF file into canonical names.
+
+Each tensor stays as its file holds it (`Stored`: a GGUF block type or a safetensors dtype) until the
+compute layer decides what to make of it; `materialize` is the plain float path (fp32 / bf16).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from superslm.errors import FormatError, ModelNotFound, UnsupportedModel
+from superslm.models.arch import Arch
+from superslm.models.registry import LAYER_KEYS, Recipe, recipe_for_gguf, recipe_for_hf
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A tensor in its file: its shape (torch order), its storage kind ("Q4_1", "BF16", ...) and a loader."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+    load: Callable[[], torch.Tensor]
+
+
+@dataclass
+class Source:
+    """What a model file or folder holds: its recipe, Arch, tensors and where it came from."""
+
+    path: Path
+    format: str  # "gguf" or "hf"
+    recipe: Recipe
+    arch: Arch
+    tensors: dict[str, Stored]
+    config: dict[str, Any]
+    gguf: Any = None  # the open GGUFFile, for the tokenizer and metadata
+
+    @property
+    def is_hf(self) -> bool:
+        return self.format == "hf"
+
+    def block_types(self) -> dict[str, int]:
+        """How many tensors of each storage kind the source holds."""
+        out: dict[str, int] = {}
+        for t in self.tensors.values():
+            out[t.kind] = out.get(t.kind, 0) + 1
+        return out
+
+    def parameter_count(self) -> int:
+        total = 0
+        for t in self.tensors.values():
+            n = 1
+            for d in t.shape:
+                n *= d
+            total += n
+        return total
+
+
+# --- Hugging Face folders -------------------------------------------------------------------------
+
+
+def _hf_tensors(folder: Path) -> dict[str, Stored]:
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise FormatError(f"{index}: malformed safetensors index ({e})") from e
+    else:
+        shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not shards:
+        raise FormatError(f"{folder}: no safetensors files")
+    out: dict[str, Stored] = {}
+    for shard in shards:
+        path = folder / shard
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except Exception as e:  # safetensors raises its own error types
+            raise FormatError(f"{path}: not a readable safetensors file ({e})") from e
+        for name in handle.keys():
+            if name in out:
+                raise FormatError(f"{path}: tensor {name} appears in two shards")
+            sl = handle.get_slice(name)
+            out[name] = Stored(
+                name=name,
+                shape=tuple(sl.get_shape()),
+                kind=str(sl.get_dtype()),
+                load=(lambda h=handle, n=name: h.get_tensor(n)),
+            )
+    return out
+
+
+def open_hf(folder: Path) -> Source:
+    cfg_path = folder / "config.json"
+    try:
+        config = json.loads(cfg_path.read_text())
+    except FileNotFoundError as e:
+        raise ModelNotFound(f"{folder}: no config.json") from e
+    except ValueError as e:
+        raise FormatError(f"{cfg_path}: not valid JSON ({e})") from e
+    recipe = recipe_for_hf(config)
+    arch = recipe.arch_from_hf(config)
+    gen = folder / "generation_config.json"
+    if gen.exists():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except ValueError:
+            eos = None
+        if eos is not None:
+            ids = (eos,) if isinstance(eos, int) else tuple(eos)
+            arch = replace(arch, eos_ids=tuple(dict.fromkeys(arch.eos_ids + ids)))
+    return Source(folder, "hf", recipe, arch, _hf_tensors(folder), config)
+
+
+# --- GGUF files -----------------------------------------------------------------------------------
+
+
+def open_gguf(path: Path) -> Source:
+    from superslm.formats.gguf import GGUFFile
+
+    g = GGUFFile(path)
+    md = g.metadata
+    recipe = recipe_for_gguf(md)
+    arch = recipe.arch_from_gguf(md)
+    names = set(g.tensors)
+    arch = replace(
+        arch,
+        tied="output.weight" not in names,
+        qkv_bias=arch.qkv_bias or "blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+    )
+    if "rope_freqs.weight" in names:
+        factors = tuple(float(x) for x in g.dequantize("rope_freqs.weight").reshape(-1))
+        arch = replace(arch, rope=replace(arch.rope, freq_factors=factors))
+    tensors = {
+        name: Stored(name, tuple(info.shape), info.block.name, (lambda n=name: g.dequantize(n)))
+        for name, info in g.tensors.items()
+    }
+    return Source(path, "gguf", recipe, arch, tensors, dict(md), gguf=g)
+
+
+def open_source(path: str | Path) -> Source:
+    """A GGUF file or a Hugging Face folder, read lazily (no tensor is loaded yet)."""
+    p = Path(path)
+    if p.is_dir():
+        return open_hf(p)
+    if p.is_file():
+        return open_gguf(p)
+    raise ModelNotFound(f"no model file or folder at {p}")
+
+
+# --- canonical weights ----------------------------------------------------------------------------
+
+
+def _expected(arch: Arch) -> set[str]:
+    want = {"attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down"}
+    if arch.qkv_bias:
+        want |= {"q_bias", "k_bias", "v_bias"}
+    if arch.o_bias:
+        want.add("o_bias")
+    if arch.qk_norm:
+        want |= {"q_norm", "k_norm"}
+    if arch.post_norms:
+        want |= {"post_attn_norm", "post_ffn_norm"}
+    return want
+
+
+def _find(src: Source, name: str) -> Stored | None:
+    for prefix in src.recipe.hf_prefixes if src.is_hf else ("",):
+        t = src.tensors.get(prefix + name)
+        if t is not None:
+            return t
+    return None
+
+
+def canonical_names(src: Source, layers: int | None = None) -> dict[str, Stored]:
+    """Canonical name -> stored tensor, for the first `layers` layers (all by default)."""
+    arch, recipe, hf = src.arch, src.recipe, src.is_hf
+    n = arch.layers if layers is None else layers
+    if not 0 < n <= arch.layers:
+        raise UnsupportedModel(f"cannot keep {n} of {arch.layers} layers")
+    glob, per_layer = recipe.global_names(hf), recipe.layer_names(hf)
+    out: dict[str, Stored] = {}
+    wanted = [("embed", True)]
+    if n == arch.layers:
+        wanted += [("norm", True), ("head", not arch.tied)]
+    for key, required in wanted:
+        t = _find(src, glob[key])
+        if t is None and required:
+            raise FormatError(f"{src.path}: missing tensor {glob[key]}")
+        if t is not None:
+            out[key] = t
+    want = _expected(arch)
+    for i in range(n):
+        prefix = f"model.layers.{i}." if hf else f"blk.{i}."
+        for key in LAYER_KEYS:
+            if key not in want:
+                continue
+            t = _find(src, prefix + per_layer[key]) if key in per_layer else None
+            if t is None:
+                raise FormatError(f"{src.path}: missing tensor {prefix + per_layer.get(key, key)}")
+            out[f"layers.{i}.{key}"] = t
+    return out
+
+
+def materialize(
+    src: Source, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", layers: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Canonical weights as dense tensors of `dtype`, with the recipe's fixes applied."""
+    fix = src.recipe.fix_hf if src.is_hf else src.recipe.fix_gguf
+    out: dict[str, torch.Tensor] = {}
+    for key, stored in canonical_names(src, layers).items():
+        t = stored.load().float()
+        short = key.rsplit(".", 1)[-1] if key.startswith("layers.") else key
+        t = fix(short, t, src.arch)
+        _check_shape(key, short, t, src.arch)
+        out[key] = t.to(device=device, dtype=dtype).contiguous()
+    return out
+
+
+def _check_shape(key: str, short: str, t: torch.Tensor, a: Arch) -> None:
+    q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    shapes: Mapping[str, tuple[int, ...]] = {
+        "embed": (a.vocab, a.dim), "head": (a.vocab, a.dim), "norm": (a.dim,),
+        "attn_norm": (a.dim,), "ffn_norm": (a.dim,), "post_attn_norm": (a.dim,), "post_ffn_norm": (a.dim,),
+        "q": (q, a.dim), "k": (kv, a.dim), "v": (kv, a.dim), "o": (a.dim, q),
+        "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,), "o_bias": (a.dim,),
+        "q_norm": (a.head_dim,), "k_norm": (a.head_dim,),
+        "gate": (a.ffn, a.dim), "up": (a.ffn, a.dim), "down": (a.dim, a.ffn),
+    }
+    want = shapes[short]
+    if tuple(t.shape) != want:
+        raise FormatError(f"tensor {key} has shape {tuple(t.shape)}, the config implies {want}")

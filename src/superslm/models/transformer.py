@@ -1,0 +1,186 @@
+"""The one forward pass every family runs, driven by its Arch.
+
+Split in three so the engine can slice a token's work (layer budgets): `embed` (tokens -> residual
+stream), `run_layers(h, meta, kv, start, end)` and `logits`/`final_norm`. Rows are flat: a step may
+mix prefill chunks and decode tokens of many sequences; `AttnMetadata` says which is which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from superslm.kernels.attention import AttnMetadata, paged_attention, store_kv
+from superslm.kernels.norm import rms_norm
+from superslm.kernels.rope import apply_rope, rope_cos_sin
+from superslm.models.arch import Arch
+
+
+class DenseLinear(nn.Module):
+    """y = x W^T (+ b) with W in the compute dtype; other weight formats replace this module."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _act(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "silu":
+        return F.silu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    return F.gelu(x)
+
+
+class Layer(nn.Module):
+    """One transformer block: attention over the paged cache, then a gated MLP."""
+
+    def __init__(self, arch: Arch, index: int, w: Mapping[str, torch.Tensor | None]) -> None:
+        super().__init__()
+        self.arch, self.index = arch, index
+        self.window = arch.windows[index]
+        # q, k, v fused into one matmul; gate and up into another
+        bias = None
+        if arch.qkv_bias:
+            bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]])  # type: ignore[list-item]
+        self.qkv = DenseLinear(torch.cat([w["q"], w["k"], w["v"]]), bias)  # type: ignore[list-item]
+        self.o = DenseLinear(w["o"], w["o_bias"] if arch.o_bias else None)  # type: ignore[arg-type]
+        self.gate_up = DenseLinear(torch.cat([w["gate"], w["up"]]))  # type: ignore[list-item]
+        self.down = DenseLinear(w["down"])  # type: ignore[arg-type]
+        norms = ["attn_norm", "ffn_norm"]
+        if arch.qk_norm:
+            norms += ["q_norm", "k_norm"]
+        if arch.post_norms:
+            norms += ["post_attn_norm", "post_ffn_norm"]
+        for n in norms:
+            self.register_buffer(n, w[n], persistent=False)
+
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return rms_norm(x, getattr(self, name), self.arch.norm_eps, self.arch.norm_float)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        meta: AttnMetadata,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        a = self.arch
+        n = h.shape[0]
+        qkv = self.qkv(self.norm(h, "attn_norm"))
+        q_size, kv_size = a.heads * a.head_dim, a.kv_heads * a.head_dim
+        q = qkv[:, :q_size].view(n, a.heads, a.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(n, a.kv_heads, a.head_dim)
+        v = qkv[:, q_size + kv_size :].view(n, a.kv_heads, a.head_dim)
+        if a.qk_norm:
+            q, k = self.norm(q, "q_norm"), self.norm(k, "k_norm")
+        cos, sin = cos_sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, meta, self.window, a.attn_scale)
+        o = self.o(o.reshape(n, q_size))
+        if a.post_norms:
+            o = self.norm(o, "post_attn_norm")
+        h = h + o
+        gate, up = self.gate_up(self.norm(h, "ffn_norm")).chunk(2, dim=-1)
+        y = self.down(_act(a.act, gate) * up)
+        if a.post_norms:
+            y = self.norm(y, "post_ffn_norm")
+        return h + y
+
+
+class Transformer(nn.Module):
+    """A decoder-only model built from canonical weights (see models/registry.py for the names)."""
+
+    def __init__(self, arch: Arch, weights: Mapping[str, torch.Tensor | None], layers: int | None = None) -> None:
+        super().__init__()
+        self.arch = arch
+        n = arch.layers if layers is None else layers
+        self.embed_weight = nn.Parameter(weights["embed"], requires_grad=False)  # type: ignore[arg-type]
+        self.layers = nn.ModuleList(
+            Layer(arch, i, {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")})
+            for i in range(n)
+        )
+        self.has_head = n == arch.layers and "norm" in weights
+        if self.has_head:
+            self.register_buffer("norm_weight", weights["norm"], persistent=False)
+            head = weights["embed"] if arch.tied or weights.get("head") is None else weights["head"]
+            self.head = DenseLinear(head)  # type: ignore[arg-type]
+        self._inv_freq: dict[int, tuple[torch.Tensor, float]] = {}
+        self._kinds = sorted({self._rope_key(i) for i in range(n)})
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_weight.device
+
+    def _rope_key(self, layer: int) -> int:
+        # 0: the global rope, 1: the local (sliding-window) rope where the family has one
+        return int(self.arch.windows[layer] is not None and self.arch.rope_local is not None)
+
+    def _rope_tables(self, positions: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        a = self.arch
+        out = {}
+        for kind in self._kinds:
+            rope = a.rope_local if kind else a.rope
+            assert rope is not None
+            if rope.kind == "dynamic":
+                # batch-invariant variant of HF's dynamic NTK: the base follows each row's own length
+                tabs = [
+                    rope_cos_sin(p[None], rope.dynamic_inv_freq(a.rotary_dim, int(p) + 1, a.context).to(self.device),
+                                 1.0, self.dtype)
+                    for p in positions
+                ]
+                out[kind] = (torch.cat([t[0] for t in tabs]), torch.cat([t[1] for t in tabs]))
+                continue
+            if kind not in self._inv_freq:
+                inv, scale = rope.inv_freq(a.rotary_dim)
+                self._inv_freq[kind] = (inv.to(self.device), scale)
+            inv, scale = self._inv_freq[kind]
+            out[kind] = rope_cos_sin(positions, inv, scale, self.dtype)
+        return out
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [N] -> residual stream [N, dim]."""
+        h = F.embedding(tokens, self.embed_weight)
+        if self.arch.embed_scale != 1.0:
+            h = h * torch.tensor(self.arch.embed_scale, dtype=h.dtype)
+        return h
+
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        meta: AttnMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        start: int = 0,
+        end: int | None = None,
+    ) -> torch.Tensor:
+        """Layers start..end-1 on the residual stream h [N, dim]; k_cache/v_cache are [layers, slots, kv, D]."""
+        end = len(self.layers) if end is None else end
+        tables = self._rope_tables(meta.positions)
+        for i in range(start, end):
+            h = self.layers[i](h, meta, tables[self._rope_key(i)], k_cache[i], v_cache[i])
+        return h
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return rms_norm(h, self.norm_weight, self.arch.norm_eps, self.arch.norm_float)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Residual rows [n, dim] -> logits [n, vocab] in float32."""
+        return self.head(self.final_norm(h)).float()

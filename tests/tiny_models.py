@@ -1,0 +1,153 @@
+"""Tiny random-weight models built from real configs with transformers (the oracle), saved as
+Hugging Face folders; and a minimal single-sequence runner over our paged forward pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from superslm.cache.kv import KVCache
+from superslm.kernels.attention import AttnMetadata
+from superslm.models.transformer import Transformer
+
+SMALL = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    # SmolLM2-135M's config, shrunk (llama, GQA 3:1 there)
+    "llama": ("LlamaConfig", dict(SMALL, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)),
+    # Llama 3.2's rope scaling
+    "llama3": (
+        "LlamaConfig",
+        dict(
+            SMALL,
+            rope_theta=500000.0,
+            max_position_embeddings=2048,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "llama_linear": ("LlamaConfig", dict(SMALL, rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "llama_yarn": (
+        "LlamaConfig",
+        dict(
+            SMALL,
+            max_position_embeddings=1024,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+        ),
+    ),
+    "mistral": ("MistralConfig", dict(SMALL, sliding_window=6, head_dim=16)),
+    # Qwen2.5-0.5B's config, shrunk: q/k/v biases, tied
+    "qwen2": ("Qwen2Config", dict(SMALL, rope_theta=1000000.0, tie_word_embeddings=True)),
+    # Qwen3-0.6B's config, shrunk: q/k norms, explicit head_dim != dim/heads
+    "qwen3": ("Qwen3Config", dict(SMALL, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True)),
+    # Gemma 3 270M's config, shrunk: sliding window 6 so the window matters at 36 tokens
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            SMALL,
+            num_hidden_layers=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            sliding_window=6,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
+}
+
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs! "
+    "def main():\n    return 42\n# comment\n\tindented = [1, 2, 3]\n"
+    "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich. 日本語のテキスト。 "
+)
+
+
+def write_tokenizer(folder: Path, vocab: int) -> None:
+    """A byte-level BPE tokenizer of exactly `vocab` tokens (<s>=0, </s>=1) trained on TEXT."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([TEXT] * 4, trainer)
+    assert tok.get_vocab_size() == vocab, tok.get_vocab_size()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        '{"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": false, '
+        '"chat_template": "{% for m in messages %}<s>{{ m.role }}\\n{{ m.content }}</s>{% endfor %}'
+        '{% if add_generation_prompt %}<s>assistant\\n{% endif %}"}'
+    )
+
+
+def build_hf_model(family: str, folder: Path, seed: int = 0) -> Any:
+    """A transformers model with random weights (norms perturbed too), saved to `folder`."""
+    import transformers
+
+    cls_name, kwargs = CONFIGS[family]
+    config = getattr(transformers, cls_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.08)
+    model.eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    write_tokenizer(folder, config.vocab_size)
+    return model
+
+
+class SingleSequence:
+    """Runs one sequence through our forward pass, a chunk at a time, on shuffled KV pages."""
+
+    def __init__(self, net: Transformer, pages: int = 64, page_size: int = 4, seed: int = 0) -> None:
+        a = net.arch
+        self.net, self.page_size = net, page_size
+        self.kv = KVCache(len(net.layers), pages, page_size, a.kv_heads, a.head_dim, net.dtype)
+        g = torch.Generator().manual_seed(seed)
+        self.block_table = tuple(torch.randperm(pages, generator=g).tolist())
+        self.length = 0
+
+    def step(self, tokens: list[int]) -> torch.Tensor:
+        """Feed tokens; returns the logits [len(tokens), vocab] of every row."""
+        n, ps = len(tokens), self.page_size
+        pos = torch.arange(self.length, self.length + n)
+        slots = torch.tensor([self.block_table[p // ps] * ps + p % ps for p in pos.tolist()])
+        meta = AttnMetadata(pos, slots, (0, n), (self.length + n,), (self.block_table,), ps)
+        h = self.net.embed(torch.tensor(tokens))
+        h = self.net.run_layers(h, meta, self.kv.k, self.kv.v)
+        self.length += n
+        return self.net.logits(h)
+
+
+def hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy continuation, with no logits processor (EOS is just a token)."""
+    out: list[int] = []
+    with torch.no_grad():
+        res = hf(torch.tensor([prompt]), use_cache=True)
+        for _ in range(n):
+            tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+            res = hf(torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True)
+    return out
