@@ -52,9 +52,7 @@ def pools(tokenizers: dict[str, Tokenizer]) -> dict[str, tuple[list[int], list[i
     return out
 
 
-def _random_ids(
-    tok: Tokenizer, pools: tuple[list[int], list[int], list[int]], rng: random.Random
-) -> list[int]:
+def _random_ids(tok: Tokenizer, pools: tuple[list[int], list[int], list[int]], rng: random.Random) -> list[int]:
     specials, singles, spaces = pools
     ids = []
     for _ in range(rng.randint(0, 40)):

@@ -263,3 +263,26 @@ def test_complete_from_text(tiny, tmp_path: Path) -> None:
     text = model.engine(slots=1, context=64).complete("The quick", 5, Sampling(ignore_eos=True))
     ids = model.tokenizer.encode("The quick")
     assert text == model.tokenizer.decode(greedy(model, [ids], 5)[0])
+
+
+def test_low_level_step_equals_requests(tiny) -> None:
+    model, hf = tiny
+    a, b = prompts(2, seed=13)
+    engine = model.engine(slots=2, context=128)
+    # both prompts in one step, rows interleaved by slot; logits of each prompt's last row
+    rows = [(t, 0) for t in a] + [(t, 1) for t in b]
+    wanted = [False] * len(rows)
+    wanted[len(a) - 1] = wanted[-1] = True
+    logits = engine.step([t for t, _ in rows], [s for _, s in rows], wanted)
+    with torch.no_grad():
+        want_a = hf(torch.tensor([a])).logits[0, -1]
+        want_b = hf(torch.tensor([b])).logits[0, -1]
+    assert (logits[0] - want_a).abs().max() <= 1e-4 and (logits[1] - want_b).abs().max() <= 1e-4
+    nxt = engine.step([int(want_a.argmax())], [0], [True])
+    with torch.no_grad():
+        want = hf(torch.tensor([a + [int(want_a.argmax())]])).logits[0, -1]
+    assert (nxt[0] - want).abs().max() <= 1e-4
+    used = engine.pool.num_used
+    engine.reset(0)
+    engine.reset(1)
+    assert used > 0 and engine.pool.num_used == 0

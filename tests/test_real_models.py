@@ -44,3 +44,31 @@ def test_default_model_answers(smollm2_gguf: Path) -> None:
     engine = model.engine(slots=1, context=512)
     text = engine.complete(model.chat_tokens([{"role": "user", "content": "What is 2+2?"}]), 24)
     assert "4" in text
+
+
+def test_engine_matrix_on_default_model(smollm2_gguf: Path) -> None:
+    """Alone, batched, chunked, cache warm, and preempted: the same greedy tokens on SmolLM2."""
+    from superslm.cache.kv import KVCache
+
+    model = superslm.load(smollm2_gguf, device="cpu", dtype="float32")
+    texts = PROMPTS + ["Hello", "The year 1999 was", "Paris and London are both"]
+    prompts = [model.tokenizer.encode(t) for t in texts]
+
+    def run(**kwargs) -> list[list[int]]:
+        engine = model.engine(**{"slots": 8, "context": 128, **kwargs})
+        return [c.tokens for c in engine.generate([Request(p, 12, Sampling(ignore_eos=True)) for p in prompts])]
+
+    alone = []
+    for p in prompts:
+        engine = model.engine(slots=1, context=128)
+        alone.append(engine.generate([Request(p, 12, Sampling(ignore_eos=True))])[0].tokens)
+    assert run() == alone
+    for chunk in (1, 7, 64):
+        assert run(chunk=chunk) == alone, f"chunk {chunk}"
+    a = model.arch
+    page = KVCache.page_bytes(a.layers, 4, a.kv_heads, a.head_dim, model.dtype)
+    engine = model.engine(slots=8, context=128, page_size=4, kv_budget=24 * page)
+    got = [c.tokens for c in engine.generate([Request(p, 12, Sampling(ignore_eos=True)) for p in prompts])]
+    assert engine.scheduler.num_preemptions > 0 and got == alone
+    warm = [c for c in engine.generate([Request(p, 12, Sampling(ignore_eos=True)) for p in prompts])]
+    assert [c.tokens for c in warm] == alone and any(c.cached for c in warm)

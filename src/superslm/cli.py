@@ -138,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(chat)
     chat.add_argument("--system", default=None, help="a system message")
     chat.set_defaults(func=cmd_chat)
+
+    # other layers' subcommands; each module imports its heavy dependencies only when run
+    from superslm.encoders.cli import add_parser as add_embed
+    from superslm.serve.cli import add_parser as add_serve
+
+    add_serve(sub)
+    add_embed(sub)
     return p
 
 

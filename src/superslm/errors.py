@@ -105,3 +105,23 @@ class UnknownRequest(SuperSLMError, KeyError):
 
     code = "unknown_request"
     http_status = 404
+
+
+class QueueFull(SuperSLMError):
+    """The engine's waiting queue is full; try again later."""
+
+    code = "queue_full"
+    http_status = 503
+
+
+class GrammarError(InvalidArgument):
+    """A JSON schema, regex or grammar that cannot be compiled (or took too long to compile)."""
+
+    code = "invalid_grammar"
+
+
+class InternalError(SuperSLMError, AssertionError):
+    """A broken internal invariant (a bug): never the caller's fault."""
+
+    code = "internal_error"
+    http_status = 500

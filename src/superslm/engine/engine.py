@@ -19,6 +19,7 @@ import torch
 
 from superslm.cache import PagePool
 from superslm.cache.kv import KVCache
+from superslm.engine.manual import ManualSlots
 from superslm.engine.request import END_CANCELLED, END_LENGTH, END_STOP, Progress, Request, Sequence
 from superslm.engine.runner import StepWork, build_step, run_layers, step_logits
 from superslm.engine.scheduler import Scheduler
@@ -118,6 +119,7 @@ class Engine:
         self._work: StepWork | None = None
         self._rng = random.Random()
         self.steps = 0
+        self._manual: ManualSlots | None = None
 
     # --- requests ---------------------------------------------------------------------------------
 
@@ -262,6 +264,20 @@ class Engine:
         if progress is None:
             (self._pending if into is None else into).append(p)
         return p
+
+    # --- low-level use ----------------------------------------------------------------------------
+
+    def step(self, tokens: list[int], slots: list[int], wanted: list[bool]) -> torch.Tensor:
+        """Low level: append each token row to its slot (0..slots-1, caller-owned sequences sharing
+        the KV pool with requests) and return the logits of the wanted rows, in row order."""
+        if self._manual is None:
+            self._manual = ManualSlots(self.net, self.kv, self.pool, self.slots, self.context)
+        return self._manual.step(tokens, slots, wanted)
+
+    def reset(self, slot: int) -> None:
+        """Empty a low-level slot (see `step`) and free its pages."""
+        if self._manual is not None:
+            self._manual.reset(slot)
 
     # --- conveniences -----------------------------------------------------------------------------
 

@@ -24,13 +24,10 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 # --- pre-tokenizer splits, as the original tokenizer.json files spell them ------------------------
 
 _CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
-_LLAMA3 = (
-    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+_LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN35 = (
-    _CONTRACTIONS
-    + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
@@ -166,7 +163,7 @@ def _get_list(md: Mapping[str, Any], key: str) -> list[Any] | None:
     value = md.get(key)
     if value is None:
         return None
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) and not hasattr(value, "tolist"):
+    if isinstance(value, (str, bytes)) or (not isinstance(value, Sequence) and not hasattr(value, "tolist")):
         raise TokenizerError(f"GGUF metadata {key} is not an array")
     return value.tolist() if hasattr(value, "tolist") else list(value)
 
@@ -188,9 +185,7 @@ def template_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None)
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
 
-def _byte_level_model(
-    md: Mapping[str, Any], tokens: list[str], types: list[int]
-) -> tuple[Backend, list[str], bool]:
+def _byte_level_model(md: Mapping[str, Any], tokens: list[str], types: list[int]) -> tuple[Backend, list[str], bool]:
     pre_name = md.get("tokenizer.ggml.pre") or "default"
     pre = _PRE_TYPES.get(pre_name)
     if pre is None:
@@ -230,9 +225,7 @@ def _byte_level_model(
     return backend, spelled, pre.add_bos
 
 
-def _spm_merges(
-    tokens: list[str], vocab: dict[str, int], scores: list[float] | None
-) -> list[tuple[str, str]]:
+def _spm_merges(tokens: list[str], vocab: dict[str, int], scores: list[float] | None) -> list[tuple[str, str]]:
     """Merges implied by a SentencePiece vocabulary: every split of a token into two tokens.
 
     Ranked best-first by the merged token's score (file order when `scores` is None: Gemma's scores
@@ -258,9 +251,7 @@ def _spm_merges(
     return merges
 
 
-def _sentencepiece_model(
-    md: Mapping[str, Any], tokens: list[str], unk_id: int | None
-) -> tuple[Backend, list[str]]:
+def _sentencepiece_model(md: Mapping[str, Any], tokens: list[str], unk_id: int | None) -> tuple[Backend, list[str]]:
     gemma = md.get("general.architecture") in _GEMMA_ARCHS
     if gemma:
         # a token of only spaces is stored with real spaces, but looked up as "▁"s
@@ -327,9 +318,7 @@ def build_from_gguf(md: Mapping[str, Any]) -> GGUFVocab:
     # skip_special_tokens. User-defined ones (like "<think>") are matched whole but kept.
     named = {i for i in (bos_id, eos_id, unk_id, pad_id) if i is not None}
     special = [
-        AddedToken(spelled[i], normalized=False, special=True)
-        for i in range(n)
-        if types[i] == CONTROL or i in named
+        AddedToken(spelled[i], normalized=False, special=True) for i in range(n) if types[i] == CONTROL or i in named
     ]
     backend.add_special_tokens(special)
     user = [
@@ -348,13 +337,14 @@ def build_from_gguf(md: Mapping[str, Any]) -> GGUFVocab:
         (spelled[eos_id], eos_id) if add_eos and eos_id is not None else None,
     )
 
-    # llama.cpp finds end-of-turn tokens by their text when the file names none
+    # llama.cpp finds end-of-turn tokens by their text when the file names none, and stops on
+    # every token spelled like one (Gemma's files name no <end_of_turn>, yet a turn ends with it)
     index = {t: i for i, t in enumerate(tokens) if t in _EOG_TEXTS or t in _EOT_TEXTS}
     if eot_id is None:
         eot_id = next((index[t] for t in _EOT_TEXTS if t in index), None)
     if eom_id is None:
         eom_id = index.get("<|eom_id|>")
-    stops = {i for t, i in index.items() if t in _EOG_TEXTS and types[i] in (CONTROL, USER_DEFINED)}
+    stops = {i for t, i in index.items() if t in _EOG_TEXTS}
     stops |= {i for i in (eos_id, eot_id, eom_id) if i is not None}
 
     template = md.get("tokenizer.chat_template")

@@ -109,12 +109,8 @@ class Tokenizer:
         self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
         self._all_bytes: list[bytes] | None = None
         # SentencePiece byte-fallback tokens <0xNN> (the streaming detokenizer treats runs of them apart)
-        byte_ids = (
-            (backend.token_to_id(f"<0x{b:02X}>") for b in range(256)) if self.kind == "sentencepiece" else ()
-        )
-        self.byte_fallback_ids: frozenset[int] = frozenset(
-            i for i in byte_ids if i is not None and i not in added
-        )
+        byte_ids = (backend.token_to_id(f"<0x{b:02X}>") for b in range(256)) if self.kind == "sentencepiece" else ()
+        self.byte_fallback_ids: frozenset[int] = frozenset(i for i in byte_ids if i is not None and i not in added)
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -171,9 +167,7 @@ class Tokenizer:
         bos_id, eos_id = special_id("bos_token"), special_id("eos_token")
         pad_id, unk_id = special_id("pad_token"), special_id("unk_token")
         gen_eos = gen.get("eos_token_id")
-        gen_eos_ids = (
-            [gen_eos] if isinstance(gen_eos, int) else [i for i in gen_eos or [] if isinstance(i, int)]
-        )
+        gen_eos_ids = [gen_eos] if isinstance(gen_eos, int) else [i for i in gen_eos or [] if isinstance(i, int)]
         if bos_id is None and isinstance(gen.get("bos_token_id"), int):
             bos_id = gen["bos_token_id"]
         if eos_id is None and gen_eos_ids:
@@ -309,10 +303,7 @@ class Tokenizer:
         return self._all_bytes
 
     def __repr__(self) -> str:
-        return (
-            f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, "
-            f"bos={self.bos_id}, eos={self.eos_id})"
-        )
+        return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id})"
 
 
 _BYTE_DECODER: dict[str, int] = {}

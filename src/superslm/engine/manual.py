@@ -1,0 +1,86 @@
+"""Low-level stepping: the caller says which slot each token row belongs to and which rows it wants
+logits of (the seed's Engine.step). Slots here are caller-owned sequences that share the KV pool with
+the engine's requests; their pages stay referenced until `reset`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from superslm.cache import PagePool
+from superslm.cache.kv import KVCache
+from superslm.engine.runner import StepWork
+from superslm.errors import ContextLengthExceeded, InvalidArgument, KVCacheFull, TokenOutOfRange
+from superslm.kernels.attention import AttnMetadata
+from superslm.models.transformer import Transformer
+
+
+class ManualSlots:
+    """Caller-driven sequences: `step(tokens, slots, wanted)` appends rows and returns logits."""
+
+    def __init__(self, net: Transformer, kv: KVCache, pool: PagePool, slots: int, context: int) -> None:
+        self.net, self.kv, self.pool = net, kv, pool
+        self.slots, self.context = slots, context
+        self.lengths = [0] * slots
+        self.tables: list[list[int]] = [[] for _ in range(slots)]
+
+    def reset(self, slot: int) -> None:
+        """Empty a slot and give its pages back."""
+        self._check_slot(slot)
+        if self.tables[slot]:
+            self.pool.release(self.tables[slot])
+        self.tables[slot], self.lengths[slot] = [], 0
+
+    def _check_slot(self, slot: int) -> None:
+        if not isinstance(slot, int) or not 0 <= slot < self.slots:
+            raise InvalidArgument(f"slot {slot!r} is outside 0..{self.slots - 1}")
+
+    def step(self, tokens: Seq[int], slots: Seq[int], wanted: Seq[bool]) -> torch.Tensor:
+        """Append token rows to their slots; logits [number of wanted rows, vocab] in row order.
+
+        Rows of one slot keep their order; each slot's positions continue from its length.
+        """
+        n = len(tokens)
+        if not n or len(slots) != n or len(wanted) != n:
+            raise InvalidArgument("tokens, slots and wanted must be non-empty and of equal length")
+        vocab = self.net.arch.vocab
+        by_slot: dict[int, list[int]] = {}
+        for row, (t, s) in enumerate(zip(tokens, slots)):
+            self._check_slot(s)
+            if not isinstance(t, int) or not 0 <= t < vocab:
+                raise TokenOutOfRange(f"token {t!r} at row {row} is outside the vocabulary [0, {vocab})")
+            by_slot.setdefault(s, []).append(row)
+        ps = self.pool.page_size
+        need = {}
+        for s, rows in by_slot.items():
+            if self.lengths[s] + len(rows) > self.context:
+                raise ContextLengthExceeded(f"slot {s} would hold {self.lengths[s] + len(rows)} tokens")
+            need[s] = -(-(self.lengths[s] + len(rows)) // ps) - len(self.tables[s])
+        if not self.pool.can_allocate(sum(need.values())):
+            raise KVCacheFull(f"the KV pool cannot hold {sum(need.values())} more pages")
+        for s, k in need.items():
+            if k > 0:
+                self.tables[s].extend(self.pool.allocate(k))
+        # the step's rows grouped by slot; `order` maps them back to the caller's row order
+        order = [row for rows in by_slot.values() for row in rows]
+        positions, slot_map, starts, lens, tables = [], [], [0], [], []
+        for s, rows in by_slot.items():
+            for i in range(len(rows)):
+                p = self.lengths[s] + i
+                positions.append(p)
+                slot_map.append(self.tables[s][p // ps] * ps + p % ps)
+            self.lengths[s] += len(rows)
+            starts.append(starts[-1] + len(rows))
+            lens.append(self.lengths[s])
+            tables.append(tuple(self.tables[s]))
+        dev = self.net.device
+        meta = AttnMetadata(torch.tensor(positions, device=dev), torch.tensor(slot_map, device=dev),
+                            tuple(starts), tuple(lens), tuple(tables), ps)
+        work = StepWork([], torch.tensor([tokens[r] for r in order], device=dev), meta, [])
+        with torch.inference_mode():
+            h = self.net.run_layers(self.net.embed(work.tokens), meta, self.kv.k, self.kv.v)
+            picked = [i for i, r in sorted(enumerate(order), key=lambda x: x[1]) if wanted[r]]
+            if not picked:
+                return torch.empty(0, vocab)
+            return self.net.logits(h.index_select(0, torch.tensor(picked, device=dev)))

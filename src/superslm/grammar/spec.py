@@ -1,0 +1,215 @@
+"""`Constraint`: what a request's output must match, as plain data.
+
+A constraint is one of five kinds: a JSON schema, any JSON object, a regex, a Lark grammar (in
+llguidance's dialect) or a choice among literal strings. It is frozen, hashable and serialises with
+`to_dict()` / `from_dict()`, so it can ride on `Sampling` and in saved request state; compiling it
+against a tokenizer is `GrammarCompiler.compile`'s job.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from superslm.errors import GrammarError, InvalidArgument
+
+ConstraintKind = Literal["json_schema", "json_object", "regex", "lark", "choice"]
+KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "lark", "choice")
+
+#: default bound on one run of JSON whitespace (between two JSON tokens): room for pretty printing a
+#: few levels deep, but a model stuck on spaces or newlines must move on after this many
+DEFAULT_MAX_WHITESPACE = 32
+#: the largest whitespace bound accepted (a regex counted repetition; larger is pointless)
+MAX_WHITESPACE_LIMIT = 1000
+
+# JSON's four whitespace characters (RFC 8259), as a regex class
+_JSON_WS = r"[\x20\x0A\x0D\x09]"
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A structured-output constraint (build it with the class methods, e.g. `Constraint.regex(...)`).
+
+    Fields are plain values so the object is hashable and its `to_dict()` is JSON-ready: a JSON
+    schema is kept as its compact JSON text (property order matters: llguidance generates
+    properties in schema order), a choice as a tuple of strings.
+    """
+
+    kind: ConstraintKind
+    """"json_schema", "json_object", "regex", "lark" or "choice"."""
+    value: str | tuple[str, ...] | None = None
+    """The schema's JSON text, the regex, the Lark grammar, the choices; None for json_object."""
+    max_whitespace: int | None = DEFAULT_MAX_WHITESPACE
+    """JSON kinds only: longest run of whitespace between JSON tokens; 0 means compact JSON,
+    None unbounded (llguidance's default). Ignored by regex, lark and choice."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidArgument(f"constraint kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        value = self.value
+        if self.kind == "json_object":
+            if value is not None:
+                raise InvalidArgument("a json_object constraint takes no value")
+        elif self.kind == "json_schema":
+            object.__setattr__(self, "value", _schema_text(value))
+        elif self.kind == "choice":
+            object.__setattr__(self, "value", _choices(value))
+        elif not isinstance(value, str) or not value:
+            raise InvalidArgument(f"a {self.kind} constraint needs a non-empty string, got {value!r}")
+        ws = self.max_whitespace
+        if ws is not None and (isinstance(ws, bool) or not isinstance(ws, int) or not 0 <= ws <= MAX_WHITESPACE_LIMIT):
+            raise InvalidArgument(f"max_whitespace must be None or an int in [0, {MAX_WHITESPACE_LIMIT}], got {ws!r}")
+
+    # --- constructors -------------------------------------------------------------------------
+
+    @classmethod
+    def json_schema(
+        cls, schema: Mapping[str, Any] | bool | str, *, max_whitespace: int | None = DEFAULT_MAX_WHITESPACE
+    ) -> Constraint:
+        """Output must be JSON valid for `schema` (a dict, `true`, or its JSON text)."""
+        return cls("json_schema", schema, max_whitespace)  # type: ignore[arg-type]
+
+    @classmethod
+    def json_object(cls, *, max_whitespace: int | None = DEFAULT_MAX_WHITESPACE) -> Constraint:
+        """Output must be a JSON object (any keys and values): OpenAI's {"type": "json_object"}."""
+        return cls("json_object", None, max_whitespace)
+
+    @classmethod
+    def regex(cls, pattern: str) -> Constraint:
+        """Output must match `pattern` in full (Rust `regex` syntax; no look-around or backrefs)."""
+        return cls("regex", pattern)
+
+    @classmethod
+    def lark(cls, grammar: str) -> Constraint:
+        """Output must be derivable from `grammar`'s `start` rule (llguidance's Lark dialect)."""
+        return cls("lark", grammar)
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> Constraint:
+        """Output must be exactly one of `options`."""
+        return cls("choice", tuple(options))
+
+    # --- views --------------------------------------------------------------------------------
+
+    @property
+    def schema(self) -> dict[str, Any] | bool | None:
+        """The JSON schema as data (json_object: {"type": "object"}); None for other kinds."""
+        if self.kind == "json_object":
+            return {"type": "object"}
+        if self.kind == "json_schema":
+            return json.loads(self.value)  # type: ignore[arg-type]
+        return None
+
+    @property
+    def is_json(self) -> bool:
+        """True for json_schema and json_object (their output parses as JSON)."""
+        return self.kind in ("json_schema", "json_object")
+
+    def grammar(self) -> str:
+        """This constraint as an llguidance grammar (its JSON text; no tokenizer involved).
+
+        Raises GrammarError where the value cannot even be turned into a grammar request (a schema
+        llguidance's front end rejects outright); most errors surface when compiling.
+        """
+        from llguidance import LLMatcher  # kept local: spec stays importable for plain-data use
+
+        if self.is_json:
+            schema = self.schema
+            try:
+                return LLMatcher.grammar_from_json_schema(
+                    json.dumps(schema), defaults=self.json_options()  # type: ignore[arg-type]
+                )
+            except ValueError as e:
+                raise GrammarError(f"invalid JSON schema: {e}") from e
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.value)  # type: ignore[arg-type]
+        if self.kind == "lark":
+            return LLMatcher.grammar_from_lark(self.value)  # type: ignore[arg-type]
+        return LLMatcher.grammar_from_lark(choice_lark(self.value))  # type: ignore[arg-type]
+
+    def json_options(self) -> dict[str, Any]:
+        """llguidance JSON compile options carrying the whitespace bound (a schema's own
+        "x-guidance" key overrides them)."""
+        if self.max_whitespace is None:
+            return {}
+        if self.max_whitespace == 0:
+            return {"whitespace_flexible": False}
+        # the pattern is matched at most once where JSON allows whitespace, so the bound holds
+        return {"whitespace_pattern": f"{_JSON_WS}{{1,{self.max_whitespace}}}"}
+
+    def key(self) -> str:
+        """A string naming the content exactly (the compile cache's key)."""
+        return json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":"))
+
+    # --- plain data ---------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready plain data: {"kind", "value", "max_whitespace"} (a choice's value as a list)."""
+        value: Any = list(self.value) if isinstance(self.value, tuple) else self.value
+        return {"kind": self.kind, "value": value, "max_whitespace": self.max_whitespace}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Constraint:
+        """Rebuild from `to_dict()` output (unknown keys raise InvalidArgument)."""
+        unknown = set(data) - {"kind", "value", "max_whitespace"}
+        if unknown:
+            raise InvalidArgument(f"unknown constraint fields: {sorted(unknown)}")
+        if "kind" not in data:
+            raise InvalidArgument("a constraint needs a kind")
+        return cls(data["kind"], data.get("value"), data.get("max_whitespace", DEFAULT_MAX_WHITESPACE))
+
+    @classmethod
+    def from_response_format(cls, response_format: Mapping[str, Any] | None) -> Constraint | None:
+        """The constraint of an OpenAI `response_format` ({"type": "text" | "json_object" |
+        "json_schema", "json_schema": {"name", "schema", "strict"}}); None for text or None."""
+        if response_format is None:
+            return None
+        if not isinstance(response_format, Mapping):
+            raise InvalidArgument("response_format must be an object")
+        kind = response_format.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls.json_object()
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, Mapping):
+                raise InvalidArgument("response_format.json_schema must be an object")
+            # OpenAI names it "schema"; some clients send "json_schema" or nothing (any JSON)
+            schema = spec.get("schema", spec.get("json_schema", {"type": "object"}))
+            return cls.json_schema(schema)
+        raise InvalidArgument(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+
+
+def choice_lark(options: Sequence[str]) -> str:
+    """A Lark grammar matching exactly one of `options` (JSON string escapes are Lark's too)."""
+    return "start: " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
+
+
+def _schema_text(value: object) -> str:
+    """A schema (dict, bool or JSON text) as compact JSON text, key order kept."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"JSON schema is not valid JSON: {e}") from e
+    if not isinstance(value, (Mapping, bool)):
+        raise GrammarError(f"a JSON schema must be an object or a boolean, got {type(value).__name__}")
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise GrammarError(f"JSON schema is not plain JSON data: {e}") from e
+
+
+def _choices(value: object) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise InvalidArgument(f"choice needs a list of strings, got {value!r}")
+    options = tuple(value)
+    if not options:
+        raise InvalidArgument("choice needs at least one option")
+    for o in options:
+        if not isinstance(o, str):
+            raise InvalidArgument(f"choice options must be strings, got {o!r}")
+    return options

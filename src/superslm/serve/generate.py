@@ -1,0 +1,247 @@
+"""The generation endpoints' flow: body -> token ids -> Submission -> a JSON body or an SSE stream.
+
+A client that goes away is noticed by a task reading the ASGI `receive` channel: it puts a `None`
+into the submission's event queue, and whoever reads the queue cancels the submission at once, so
+its KV pages return to the pool. A stream sends its headers only once the first event has come, so
+a request that fails before its first token gets a plain HTTP error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from superslm.engine import Request
+from superslm.errors import ContextLengthExceeded, SuperSLMError, TokenOutOfRange
+from superslm.serve.loop import Event, Submission
+from superslm.serve.output import Job
+from superslm.serve.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    bad,
+    chat_messages,
+    check_chat,
+    check_completion,
+    param_of,
+    parse,
+    to_sampling,
+)
+
+if TYPE_CHECKING:
+    from superslm.serve.app import ServerState
+
+#: what a handler answers a client that is gone (nginx's "client closed request"; nobody reads it)
+CLIENT_GONE = 499
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that leaves disconnect detection to our own watcher (see module doc)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.stream_response(send)
+        except OSError:  # the client went away mid-write
+            pass
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+def watch_disconnect(request: HTTPRequest, sub: Submission) -> asyncio.Task[None]:
+    """A task that puts None into the submission's queue when the client disconnects."""
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                sub.events.put_nowait(None)  # type: ignore[arg-type]
+                return
+
+    return asyncio.create_task(watch())
+
+
+def budget(prompt_len: int, asked: int | None, default: int | None, context: int, param: str) -> int:
+    """The max_tokens of one prompt: prompt + answer must fit in the context."""
+    if prompt_len >= context:
+        e = ContextLengthExceeded(f"the prompt has {prompt_len} tokens; the context holds {context} tokens")
+        e.param = param  # type: ignore[attr-defined]
+        raise e
+    if asked is None:
+        return min(default or context, context - prompt_len)
+    if prompt_len + asked > context:
+        e = ContextLengthExceeded(
+            f"the prompt ({prompt_len} tokens) plus max_tokens ({asked}) is more than the context ({context} tokens)"
+        )
+        e.param = "max_tokens"  # type: ignore[attr-defined]
+        raise e
+    return asked
+
+
+def _prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        ids = state.model.tokenizer.encode(prompt, add_special_tokens=True)
+    else:
+        ids = list(prompt)
+        vocab = state.engine.vocab
+        for t in ids:
+            if not 0 <= t < vocab:
+                e = TokenOutOfRange(f"prompt: token {t} is outside the vocabulary [0, {vocab})")
+                e.param = "prompt"  # type: ignore[attr-defined]
+                raise e
+    if not ids:
+        raise bad("prompt", "prompt: is empty")
+    return ids
+
+
+async def completions(state: ServerState, request: HTTPRequest) -> Response:
+    """POST /v1/completions."""
+    body = await state.read_body(request)
+    req = parse(CompletionRequest, body)
+    check_completion(req)
+    model_name = state.check_model(req.model)
+    p = req.prompt
+    prompts: list[str | list[int]]
+    if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+        prompts = [p]  # type: ignore[list-item]
+    else:
+        prompts = list(p)  # type: ignore[arg-type]
+    if not prompts:
+        raise bad("prompt", "prompt: is empty")
+    ids = await run_in_threadpool(lambda: [_prompt_ids(state, x) for x in prompts])
+    job = Job(state.model.tokenizer, model_name, False, req.n, [len(x) for x in ids], req.logprobs,
+              bool(req.stream_options and req.stream_options.include_usage))
+    return await _run(state, request, req, job, ids, req.max_tokens, DEFAULT_COMPLETION_TOKENS, req.logprobs)
+
+
+async def chat_completions(state: ServerState, request: HTTPRequest) -> Response:
+    """POST /v1/chat/completions."""
+    body = await state.read_body(request)
+    req = parse(ChatRequest, body)
+    check_chat(req)
+    model_name = state.check_model(req.model)
+    messages = chat_messages(req.messages)
+    kwargs = dict(req.chat_template_kwargs or {})
+    enable_thinking = kwargs.pop("enable_thinking", None)
+    for reserved in ("messages", "tools", "add_generation_prompt"):
+        kwargs.pop(reserved, None)
+
+    def render() -> list[int]:
+        return state.model.chat_tokens(messages, add_generation_prompt=req.add_generation_prompt,
+                                       enable_thinking=enable_thinking, **kwargs)
+
+    ids = await run_in_threadpool(render)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    job = Job(state.model.tokenizer, model_name, True, req.n, [len(ids)], logprobs,
+              bool(req.stream_options and req.stream_options.include_usage))
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return await _run(state, request, req, job, [ids], asked, None, logprobs)
+
+
+async def _run(state: ServerState, request: HTTPRequest, req: CompletionRequest | ChatRequest, job: Job,
+               prompts: list[list[int]], asked: int | None, default: int | None, logprobs: int | None) -> Response:
+    """Submit every choice, then answer with the whole body or a stream."""
+    if asked is not None and asked < 1:
+        raise bad("max_tokens", f"max_tokens: must be at least 1, got {asked}")
+    total = len(prompts) * req.n
+    if total > state.loop.capacity:
+        raise bad("n", f"n: the request asks for {total} sequences; this server holds at most {state.loop.capacity}")
+    requests = []
+    for k, ids in enumerate(prompts):
+        max_tokens = budget(len(ids), asked, default, state.engine.context, "messages" if job.chat else "prompt")
+        for i in range(req.n):
+            sampling = to_sampling(req, logprobs, seed_offset=k * req.n + i)
+            requests.append(Request(prompt=ids, max_tokens=max_tokens, sampling=sampling))
+    for r in requests:  # the checks engine.add makes, here so that they fail as a 400 before any work
+        try:
+            r.sampling.validate(state.engine.vocab)
+        except SuperSLMError as e:
+            e.param = param_of(str(e), {"logprobs": "top_logprobs"} if job.chat else None)  # type: ignore[attr-defined]
+            raise
+    sub = Submission(requests, prompt_tokens=sum(len(x) for x in prompts))
+    state.loop.submit(sub)
+    watcher = watch_disconnect(request, sub)
+    try:
+        if req.stream:
+            first = await sub.events.get()
+        else:
+            first = await _collect(job, sub)
+    except BaseException:
+        state.loop.cancel(sub)
+        watcher.cancel()
+        raise
+    if first is None:  # the client went away
+        state.loop.cancel(sub)
+        watcher.cancel()
+        state.metrics.on_request(state.endpoint(job), "cancelled")
+        return Response(status_code=CLIENT_GONE)
+    if not req.stream:
+        watcher.cancel()
+        state.metrics.on_request(state.endpoint(job), "success")
+        return JSONResponse(job.response())
+    failed = next((ev.error for ev in first if ev.error is not None), None)
+    if failed is not None:
+        state.loop.cancel(sub)
+        watcher.cancel()
+        raise failed
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return EventStream(_frames(state, job, sub, first, watcher), media_type="text/event-stream", headers=headers)
+
+
+async def _collect(job: Job, sub: Submission) -> list[Event] | None:
+    """Every event to the end (None: the client went away); an error event is raised."""
+    while not job.done:
+        events = await sub.events.get()
+        if events is None:
+            return None
+        for ev in events:
+            if ev.error is not None:
+                raise ev.error
+            assert ev.progress is not None
+            job.absorb(ev.index, ev.progress)
+    return []
+
+
+async def _frames(state: ServerState, job: Job, sub: Submission, first: list[Event],
+                  watcher: asyncio.Task[None]) -> AsyncIterator[str]:
+    endpoint = state.endpoint(job)
+    outcome = "cancelled"
+    try:
+        if job.chat:
+            yield sse(job.role_chunk())
+        events: list[Event] | None = first
+        while events is not None:
+            for ev in events:
+                if ev.error is not None:  # after the headers: the error goes in the stream
+                    outcome = "error" if ev.error.http_status >= 500 else "invalid"
+                    yield sse({"error": state.error_body(ev.error)})
+                    yield "data: [DONE]\n\n"
+                    return
+                assert ev.progress is not None
+                piece = job.absorb(ev.index, ev.progress)
+                if piece is not None:
+                    yield sse(job.chunk([piece]))
+            if job.done:
+                # counted before the last frames, so a client that has read [DONE] sees it in /metrics
+                outcome = "success"
+                state.metrics.on_request(endpoint, outcome)
+                if job.include_usage:
+                    yield sse(job.chunk([], usage=job.usage()))
+                yield "data: [DONE]\n\n"
+                return
+            events = await sub.events.get()
+    finally:
+        watcher.cancel()
+        if outcome != "success":
+            state.loop.cancel(sub)
+            state.metrics.on_request(endpoint, outcome)

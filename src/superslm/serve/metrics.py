@@ -1,0 +1,149 @@
+"""Server metrics in the Prometheus text format (version 0.0.4), with no client library.
+
+Counters and histograms are updated from two threads (the engine loop: tokens and sequence ends; the
+event loop: request outcomes), so every update takes one lock. Engine gauges (running, waiting, KV
+pages, prefix cache) come from the engine loop's latest snapshot at scrape time.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from collections.abc import Sequence
+
+from superslm.serve.loop import EngineStats
+
+#: generation endpoints, as the `endpoint` label spells them
+ENDPOINTS = ("completions", "chat_completions")
+#: request outcomes: finished and answered; the client went away; 4xx; 503 (queue full, draining); 5xx
+OUTCOMES = ("success", "cancelled", "invalid", "rejected", "error")
+#: why a sequence (one choice) ended
+REASONS = ("stop", "length", "cancelled")
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+
+
+class Histogram:
+    """Cumulative buckets, a sum and a count (not thread-safe on its own; Metrics holds the lock)."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        # `le` buckets: a value equal to a bound belongs in that bound's bucket
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, total = [], 0
+        for bound, n in zip((*self.bounds, math.inf), self.counts):
+            total += n
+            out.append(f'{name}_bucket{{le="{_num(bound)}"}} {total}')
+        out += [f"{name}_sum {_num(self.sum)}", f"{name}_count {self.count}"]
+        return out
+
+
+def _num(x: float) -> str:
+    if x == math.inf:
+        return "+Inf"
+    return repr(float(x)) if not float(x).is_integer() else f"{x:.1f}"
+
+
+class Metrics:
+    """Every counter and histogram the server exports; `render(stats)` writes the scrape text."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self._lock = threading.Lock()
+        self.requests = {(e, o): 0 for e in ENDPOINTS for o in OUTCOMES}
+        self.sequences = dict.fromkeys(REASONS, 0)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.tpot = Histogram(TPOT_BUCKETS)
+
+    # --- from the event loop ----------------------------------------------------------------------
+
+    def on_request(self, endpoint: str, outcome: str) -> None:
+        """Count one HTTP request to a generation endpoint by how it ended."""
+        with self._lock:
+            self.requests[(endpoint, outcome)] += 1
+
+    # --- from the engine loop (the LoopMetrics protocol) -----------------------------------------
+
+    def on_admitted(self, prompt_tokens: int) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+
+    def on_generated(self, tokens: int) -> None:
+        with self._lock:
+            self.generation_tokens += tokens
+
+    def on_first_token(self, seconds: float) -> None:
+        with self._lock:
+            self.ttft.observe(seconds)
+
+    def on_next_token(self, seconds: float) -> None:
+        with self._lock:
+            self.tpot.observe(seconds)
+
+    def on_sequence_end(self, reason: str) -> None:
+        with self._lock:
+            self.sequences[reason] = self.sequences.get(reason, 0) + 1
+
+    # --- the scrape -------------------------------------------------------------------------------
+
+    def render(self, stats: EngineStats, alive: bool) -> str:
+        """The Prometheus text exposition of everything, engine gauges from `stats`."""
+        lines: list[str] = []
+
+        def family(name: str, kind: str, help_text: str, samples: list[str]) -> None:
+            lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples])
+
+        def one(name: str, kind: str, help_text: str, value: float) -> None:
+            family(name, kind, help_text, [f"{name} {_num(value) if isinstance(value, float) else value}"])
+
+        with self._lock:
+            family(
+                "superslm_requests_total", "counter",
+                "Requests to the generation endpoints by outcome (success, cancelled, invalid, rejected, error).",
+                [f'superslm_requests_total{{endpoint="{e}",outcome="{o}"}} {n}'
+                 for (e, o), n in self.requests.items()],
+            )
+            family(
+                "superslm_sequences_finished_total", "counter", "Sequences (choices) that ended, by reason.",
+                [f'superslm_sequences_finished_total{{reason="{r}"}} {n}' for r, n in self.sequences.items()],
+            )
+            one("superslm_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", self.prompt_tokens)
+            one("superslm_generation_tokens_total", "counter", "Tokens sampled (stop tokens included).",
+                self.generation_tokens)
+            family("superslm_time_to_first_token_seconds", "histogram",
+                   "Seconds from admission to a sequence's first sampled token.",
+                   self.ttft.lines("superslm_time_to_first_token_seconds"))
+            family("superslm_time_per_output_token_seconds", "histogram",
+                   "Seconds between consecutive sampled tokens of a sequence.",
+                   self.tpot.lines("superslm_time_per_output_token_seconds"))
+        s = stats
+        one("superslm_requests_running", "gauge", "Sequences in the engine's running set.", s.running)
+        one("superslm_requests_waiting", "gauge", "Sequences admitted but not yet running.", s.waiting)
+        one("superslm_kv_pages_total", "gauge", "KV cache pages in the pool.", s.pages_total)
+        one("superslm_kv_pages_used", "gauge", "KV pages held by sequences.", s.pages_used)
+        one("superslm_kv_pages_cached", "gauge", "Free KV pages that keep a prefix (evictable).", s.pages_cached)
+        one("superslm_kv_pages_free", "gauge", "Empty KV pages.", s.pages_free)
+        one("superslm_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+            s.prefix_query_tokens)
+        one("superslm_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
+            s.prefix_hit_tokens)
+        one("superslm_prefix_cache_hit_rate", "gauge", "prefix_cache_hits_total / prefix_cache_queries_total.",
+            float(s.prefix_hit_rate))
+        one("superslm_preemptions_total", "counter", "Sequences preempted for lack of KV pages.", s.preemptions)
+        one("superslm_kv_evictions_total", "counter", "Cached KV pages evicted to make room.", s.evictions)
+        one("superslm_engine_steps_total", "counter", "Engine steps run.", s.steps)
+        one("superslm_engine_alive", "gauge", "1 while the engine loop runs.", int(alive))
+        return "\n".join(lines) + "\n"

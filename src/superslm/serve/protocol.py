@@ -1,0 +1,226 @@
+"""The OpenAI request bodies as pydantic models, and their checks beyond what types say.
+
+Models are strict (a string is not a number, 5.0 is not an integer) and allow unknown fields, as
+OpenAI clients send fields a server may not know (`metadata`, `store`, ...). Fields whose silent
+omission would change the answer (`tools`, `echo`, `response_format` other than text, ...) are
+refused with a 400 instead.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from superslm.errors import InvalidArgument
+from superslm.sampling import MAX_LOGPROBS, Sampling
+
+#: most choices per request, as OpenAI's API
+MAX_N = 128
+#: most stop strings per request, and the longest one (characters)
+MAX_STOPS, MAX_STOP_CHARS = 16, 1024
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_TOKEN_KEY = re.compile(r"-?[0-9]{1,12}")
+
+
+def bad(param: str | None, message: str) -> InvalidArgument:
+    """An InvalidArgument naming the request field at fault (the error body's `param`)."""
+    e = InvalidArgument(message)
+    e.param = param  # type: ignore[attr-defined]
+    return e
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool = False
+
+
+class _Generate(BaseModel):
+    """Fields both generation endpoints share (OpenAI's, then vLLM's extensions)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extensions
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+
+class CompletionRequest(_Generate):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatRequest(_Generate):
+    """POST /v1/chat/completions."""
+
+    messages: Any
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: a prompt, or chat messages rendered by the model's template."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: Any = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse(cls: type[BaseModel], body: bytes) -> Any:
+    """Validate a JSON body into `cls`; a bad body raises InvalidArgument without echoing it."""
+    try:
+        return cls.model_validate_json(body)
+    except ValidationError as e:
+        err = e.errors(include_input=False, include_url=False)[0]
+        kind = err.get("type", "")
+        loc = [str(x) for x in err.get("loc", ())]
+        if kind == "json_invalid":
+            raise bad(None, "the body is not valid JSON") from None
+        if kind == "model_type" or not loc:
+            raise bad(None, "the body must be a JSON object") from None
+        # a union reports its member types in loc ("prompt", "str"): the field is what callers know
+        param = loc[0]
+        raise bad(param, f"{param}: {err.get('msg', 'invalid value')}") from None
+
+
+def check_common(req: _Generate) -> None:
+    """Checks both generation endpoints need beyond types (ranges are Sampling.validate's)."""
+    if not 1 <= req.n <= MAX_N:
+        raise bad("n", f"n: must be in [1, {MAX_N}], got {req.n}")
+    if req.stream_options is not None and not req.stream:
+        raise bad("stream_options", "stream_options: only allowed when stream is true")
+    if req.logit_bias is not None:
+        for key in req.logit_bias:
+            if not _TOKEN_KEY.fullmatch(key):
+                raise bad("logit_bias", "logit_bias: keys must be token ids")
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    if len(stops) > MAX_STOPS:
+        raise bad("stop", f"stop: at most {MAX_STOPS} stop strings")
+    for s in stops:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise bad("stop", f"stop: stop strings must have 1 to {MAX_STOP_CHARS} characters")
+
+
+def check_completion(req: CompletionRequest) -> None:
+    check_common(req)
+    if req.echo:
+        raise bad("echo", "echo: not supported")
+    if req.suffix:
+        raise bad("suffix", "suffix: not supported")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad("best_of", "best_of: only best_of == n is supported")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise bad("logprobs", f"logprobs: must be in [0, {MAX_LOGPROBS}], got {req.logprobs}")
+
+
+def check_chat(req: ChatRequest) -> None:
+    check_common(req)
+    if req.tools:
+        raise bad("tools", "tools: tool calling is not supported yet")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise bad("response_format", "response_format: only type 'text' is supported yet")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad("top_logprobs", "top_logprobs: needs logprobs set to true")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad("top_logprobs", f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}")
+
+
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """The messages as the template wants them; text parts are joined. Raises InvalidArgument."""
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "messages: must be a non-empty list of messages")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad("messages", f"{where}: must be an object")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise bad("messages", f"{where}.role: must be one of {sorted(ROLES)}")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad("messages", f"{where}.content: only text parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None:
+            if role != "assistant":
+                raise bad("messages", f"{where}.content: missing")
+            content = ""
+        elif not isinstance(content, str):
+            raise bad("messages", f"{where}.content: must be a string or a list of text parts")
+        out.append({**m, "content": content})
+    return out
+
+
+def to_sampling(req: _Generate, logprobs: int | None, seed_offset: int) -> Sampling:
+    """The engine's Sampling for one choice (choice i of a seeded request gets seed + i)."""
+    try:
+        return Sampling(
+            temperature=req.temperature,
+            top_k=0 if req.top_k == -1 else req.top_k,  # vLLM's -1 means "off", as our 0
+            top_p=req.top_p,
+            min_p=req.min_p,
+            seed=None if req.seed is None else req.seed + seed_offset,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=dict(req.logit_bias) if req.logit_bias else None,
+            logprobs=logprobs,
+            stop=req.stop if req.stop is not None else (),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+        )
+    except InvalidArgument as e:
+        raise bad(param_of(str(e)), str(e)) from None
+
+
+def param_of(message: str, renames: Mapping[str, str] | None = None) -> str | None:
+    """The field a Sampling message names ("top_p: must be ..." -> "top_p")."""
+    m = re.match(r"([a-z_]+)(\[[^\]]*\])?:", message)
+    if not m:
+        return None
+    return (renames or {}).get(m.group(1), m.group(1))

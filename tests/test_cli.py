@@ -1,0 +1,60 @@
+"""The `superslm` command as a user runs it: info, generate, chat (a subprocess each)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import build_hf_model
+
+
+def superslm(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "superslm.cli", *args], input=stdin, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_info_of_gguf(smollm2_gguf: Path) -> None:
+    r = superslm("info", str(smollm2_gguf), "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["arch"]["family"] == "llama" and info["arch"]["layers"] == 30
+    assert info["block_types"] == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
+    assert 130e6 < info["parameters"] < 140e6
+    assert "<|im_start|>" in info["chat_template"]
+    text = superslm("info", str(smollm2_gguf)).stdout
+    assert "rotary_dim" in text and "Q4_1" in text
+
+
+def test_generate_default_model_answers(smollm2_gguf: Path) -> None:
+    r = superslm("generate", "--model", str(smollm2_gguf), "--chat", "--prompt", "What is 2+2?", "--max-tokens", "24")
+    assert r.returncode == 0, r.stderr
+    assert "4" in r.stdout
+
+
+def test_generate_known_name_and_sampling(smollm2_gguf: Path) -> None:
+    # the known name resolves to the cached fetch (no network once fetched)
+    args = ["generate", "--model", "smollm2", "-p", "Once upon a time", "--max-tokens", "8",
+            "--temperature", "0.8", "--seed", "3"]
+    a, b = superslm(*args), superslm(*args)
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout and len(a.stdout.strip()) > 0
+
+
+def test_chat_keeps_the_conversation(tmp_path: Path) -> None:
+    build_hf_model("llama", tmp_path)
+    r = superslm("chat", "--model", str(tmp_path), "--max-tokens", "4", stdin="hello\nand again\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("\n") >= 2  # one streamed answer line per message
+
+
+@pytest.mark.parametrize("args", [["info", "/no/such/model"], ["generate", "-m", "nope-model", "-p", "x"]])
+def test_errors_are_clear(args: list[str]) -> None:
+    r = superslm(*args)
+    assert r.returncode == 2
+    assert r.stderr.startswith("superslm: error:") and "Traceback" not in r.stderr
