@@ -220,6 +220,8 @@ def read_sentence_spec(folder: Path) -> SentenceSpec:
             pooling = parse_pooling(read_json(sub / "config.json"), str(sub))
         elif kind == "Dense":
             cfg = read_json(sub / "config.json")
+            if pooling is None or cfg.get("module_input_name", "sentence_embedding") != "sentence_embedding":
+                raise UnsupportedModel(f"{sub}: a Dense module on token vectors (only after pooling is run)")
             try:
                 dense.append(DenseSpec(sub, int(cfg["in_features"]), int(cfg["out_features"]),
                                        bool(cfg.get("bias", True)),

@@ -65,6 +65,12 @@ class Engine:
     `page_size` is the tokens per KV page; `prefix_caching` keeps full pages for later prompts;
     `chunk` caps the prompt tokens one sequence reads per step (default: rows). With rows >= slots
     every generating sequence gets its next token in every step.
+
+    `deterministic=True`: a request's tokens and logprobs are bit-identical whatever else is in the
+    batch, however its prompt is chunked, cache hit or miss, preemption, save/restore or layer budget
+    (batch-invariant kernels; see kernels/attention_invariant.py). The default mode gives the same
+    tokens for the same inputs and batch, and seeded sampling independent of the batch, but float
+    rounding may differ between batch compositions (and so, rarely, a greedy token).
     """
 
     def __init__(
@@ -77,6 +83,7 @@ class Engine:
         page_size: int = 16,
         prefix_caching: bool = True,
         chunk: int | None = None,
+        deterministic: bool = False,
     ) -> None:
         a = model.arch
         context = min(a.context, 4096) if context is None else context
@@ -120,6 +127,7 @@ class Engine:
         self._rng = random.Random()
         self.steps = 0
         self._manual: ManualSlots | None = None
+        self.deterministic = bool(deterministic)
 
     # --- requests ---------------------------------------------------------------------------------
 
@@ -192,7 +200,7 @@ class Engine:
                 self._finish(seq, END_LENGTH, into=out)
             if not sched.chunks:
                 return out
-            self._work = build_step(sched.chunks, self.page_size, self.net.device)
+            self._work = build_step(sched.chunks, self.page_size, self.net.device, self.deterministic)
         with torch.inference_mode():
             done = run_layers(self.net, self.kv, self._work, layer_budget)
             if not done:

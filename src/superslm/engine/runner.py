@@ -29,7 +29,9 @@ class StepWork:
     next_layer: int = 0
 
 
-def build_step(chunks: list[tuple[Sequence, int]], page_size: int, device: torch.device) -> StepWork:
+def build_step(
+    chunks: list[tuple[Sequence, int]], page_size: int, device: torch.device, deterministic: bool = False
+) -> StepWork:
     """Rows, positions, slot mapping and block tables of the scheduled chunks."""
     tokens: list[int] = []
     positions: list[int] = []
@@ -58,6 +60,7 @@ def build_step(chunks: list[tuple[Sequence, int]], page_size: int, device: torch
         seq_lens=tuple(seq_lens),
         block_tables=tuple(tables),
         page_size=page_size,
+        deterministic=deterministic,
     )
     return StepWork(chunks, torch.tensor(tokens, dtype=torch.long, device=device), meta, sample_rows)
 
@@ -80,4 +83,4 @@ def step_logits(net: Transformer, work: StepWork) -> torch.Tensor:
     if not rows:
         return torch.empty(0, net.arch.vocab)
     idx = torch.tensor(rows, dtype=torch.long, device=work.h.device)
-    return net.logits(work.h.index_select(0, idx))
+    return net.logits(work.h.index_select(0, idx), work.meta.deterministic)

@@ -258,6 +258,7 @@ class GrammarState:
             "stop_ids": list(self.extra_stop_ids),
             "tokens": list(self.tokens),
             "num_forced": self.num_forced,
+            "dead": self._dead,
         }
 
     @classmethod
@@ -275,7 +276,9 @@ class GrammarState:
         except (KeyError, TypeError) as e:
             raise InvalidArgument(f"malformed grammar state: {e}") from e
         if st.active:
-            st.accept_many(tokens)  # a refused token leaves it dead, as the original was
+            st.accept_many(tokens)
+        if data.get("dead"):
+            st._dead = st._dead or str(data["dead"])  # the refused token itself is not replayed
         st.num_forced = int(data.get("num_forced", 0))
         return st
 
@@ -342,7 +345,8 @@ def fill_bitmasks(states: Sequence[GrammarState | None], bitmask: Any) -> list[b
             raise InvalidArgument("every grammar in a batch must have the bitmask's width")
         if _EXECUTOR is None:
             _EXECUTOR = llg.LLExecutor()
-        _EXECUTOR.unsafe_compute_mask_ptr([(s._matcher, i) for s, i in pending], arr.ctypes.data, words * 4, len(states))
+        jobs = [(s._matcher, i) for s, i in pending]
+        _EXECUTOR.unsafe_compute_mask_ptr(jobs, arr.ctypes.data, words * 4, len(states))
         for s, i in pending:
             mask = s._finish_mask(s._matcher, arr[i].copy())  # type: ignore[arg-type]
             if mask is None:

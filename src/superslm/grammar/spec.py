@@ -26,6 +26,8 @@ MAX_WHITESPACE_LIMIT = 1000
 
 # JSON's four whitespace characters (RFC 8259), as a regex class
 _JSON_WS = r"[\x20\x0A\x0D\x09]"
+# x-guidance keys that decide whitespace
+_WS_KEYS = {"whitespace_flexible", "whitespace_pattern"}
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ class Constraint:
     @classmethod
     def choice(cls, options: Sequence[str]) -> Constraint:
         """Output must be exactly one of `options`."""
-        return cls("choice", tuple(options))
+        return cls("choice", options)  # type: ignore[arg-type]
 
     # --- views --------------------------------------------------------------------------------
 
@@ -117,10 +119,16 @@ class Constraint:
 
         if self.is_json:
             schema = self.schema
+            if schema is False:
+                raise GrammarError("invalid json_schema: the schema `false` admits no value")
+            if schema is True:
+                schema = {}  # same meaning, and llguidance applies options to objects only
+            own = schema.get("x-guidance") if isinstance(schema, dict) else None
+            # a schema's own whitespace setting wins (our pattern would override its
+            # whitespace_flexible, as llguidance ranks a pattern above the flag)
+            ours = {} if isinstance(own, dict) and own.keys() & _WS_KEYS else self.json_options()
             try:
-                return LLMatcher.grammar_from_json_schema(
-                    json.dumps(schema), defaults=self.json_options()  # type: ignore[arg-type]
-                )
+                return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=ours)  # type: ignore[arg-type]
             except ValueError as e:
                 raise GrammarError(f"invalid JSON schema: {e}") from e
         if self.kind == "regex":

@@ -28,6 +28,8 @@ class AttnMetadata:
     #: S page-id lists, each covering at least seq_lens[s] tokens
     block_tables: tuple[tuple[int, ...], ...]
     page_size: int
+    #: deterministic mode: batch-invariant kernels and rows padded to a multiple of 16
+    deterministic: bool = False
     _slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _masks: dict[tuple[int, int | None], tuple[int, torch.Tensor]] = field(default_factory=dict, repr=False)
 

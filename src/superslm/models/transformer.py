@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from superslm.kernels.attention import AttnMetadata, paged_attention, store_kv
+from superslm.kernels.attention_invariant import BLOCK, paged_attention_invariant
 from superslm.kernels.norm import rms_norm
 from superslm.kernels.rope import apply_rope, rope_cos_sin
 from superslm.models.arch import Arch
@@ -88,8 +89,10 @@ class Layer(nn.Module):
             q, k = self.norm(q, "q_norm"), self.norm(k, "k_norm")
         cos, sin = cos_sin
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, meta, self.window, a.attn_scale)
+        rows = meta.slot_mapping.shape[0]  # rows past this are padding (deterministic mode)
+        store_kv(k_cache, v_cache, k[:rows], v[:rows], meta.slot_mapping)
+        attend = paged_attention_invariant if meta.deterministic else paged_attention
+        o = attend(q, k_cache, v_cache, meta, self.window, a.attn_scale)
         o = self.o(o.reshape(n, q_size))
         if a.post_norms:
             o = self.norm(o, "post_attn_norm")
@@ -173,7 +176,11 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Layers start..end-1 on the residual stream h [N, dim]; k_cache/v_cache are [layers, slots, kv, D]."""
         end = len(self.layers) if end is None else end
-        tables = self._rope_tables(meta.positions)
+        positions = meta.positions
+        if meta.deterministic:
+            # fixed-shape matmuls: every row gets the same bits wherever it sits in the step
+            h, positions = pad_rows(h, BLOCK), pad_rows(positions, BLOCK)
+        tables = self._rope_tables(positions)
         for i in range(start, end):
             h = self.layers[i](h, meta, tables[self._rope_key(i)], k_cache[i], v_cache[i])
         return h
@@ -181,6 +188,15 @@ class Transformer(nn.Module):
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return rms_norm(h, self.norm_weight, self.arch.norm_eps, self.arch.norm_float)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
         """Residual rows [n, dim] -> logits [n, vocab] in float32."""
-        return self.head(self.final_norm(h)).float()
+        n = h.shape[0]
+        if deterministic:
+            h = pad_rows(h, BLOCK)
+        return self.head(self.final_norm(h))[:n].float()
+
+
+def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """x with zero rows appended up to a multiple of `multiple` rows."""
+    pad = (-x.shape[0]) % multiple
+    return torch.cat([x, x.new_zeros((pad, *x.shape[1:]))]) if pad else x

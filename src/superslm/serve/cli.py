@@ -1,9 +1,85 @@
-"""`superslm serve` (placeholder until the server lands: registers nothing)."""
+"""`superslm serve`: the OpenAI-compatible server on uvicorn.
+
+SIGTERM (or Ctrl-C) drains: /health turns 503 and new requests are refused at once, the listening
+socket closes, requests in flight run to their end (at most --drain-timeout seconds, then they are
+cancelled), and the process exits 0.
+"""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 
 def add_parser(sub: Any) -> None:
     """Register the `serve` subcommand on the CLI's subparsers."""
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", "-m", default=None,
+                   help="a GGUF file, a Hugging Face folder or a known name (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("SUPERSLM_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on every route but /health "
+                        "(default: $SUPERSLM_API_KEY; none: no key needed)")
+    p.add_argument("--slots", type=int, default=8, help="sequences the engine runs at once")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens per sequence, prompt and answer (default: the model's, at most 4096)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the name(s) clients pass as `model` (default: the model's name)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="sequences admitted beyond the slots before requests get 503")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds a SIGTERM waits for requests in flight before cancelling them")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    """Load the model, build the app and run uvicorn until SIGTERM/SIGINT."""
+    try:
+        import uvicorn
+
+        from superslm.serve.app import create_app
+    except ImportError as e:
+        print(f"superslm serve needs the server extra ({e.name} is missing): pip install 'superslm[serve]'",
+              file=sys.stderr)
+        return 2
+    import superslm
+
+    model = superslm.load(ns.model, device=ns.device, dtype=ns.dtype)
+    app = create_app(model, slots=ns.slots, context=ns.context, served_model_name=ns.served_model_name,
+                     api_key=ns.api_key, max_waiting=ns.max_waiting, max_body_bytes=ns.max_body_bytes)
+    state = app.state.server
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's Server that refuses new requests as soon as the signal comes, and exits 0."""
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            state.drain()
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # as uvicorn's, but a drained shutdown is a clean exit: the signal is not raised again after
+            handled = (signal.SIGINT, signal.SIGTERM)
+            before = {s: signal.signal(s, self.handle_exit) for s in handled}
+            try:
+                yield
+            finally:
+                for s, handler in before.items():
+                    signal.signal(s, handler)
+
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, lifespan="on",
+                            timeout_graceful_shutdown=ns.drain_timeout)
+    DrainingServer(config).run()
+    return 0

@@ -1,0 +1,189 @@
+"""The face every runtime weight format shares, and the registry of formats by name.
+
+A format is an `nn.Module` that replaces `DenseLinear`: `forward(x) -> y` in x's dtype, `out_features`,
+`dequantize() -> [out, in] float32` (the weight the module actually computes with, in the model's
+basis) and `describe()`. Each stores its weight in the basis it computes in: optionally rotated
+(`Rotation` applied to x inside forward) and with the input dimension padded to what its kernel needs
+(`k_pad`, zeros). Save/load go through `to_tensors()` -> (flat dict of tensors, JSON-able metadata)
+and `load_linear(tensors, meta)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from superslm.errors import FormatError, InvalidArgument, UnsupportedModel
+from superslm.quant.hadamard import Rotation, unrotate_weight
+
+#: name -> format class
+FORMATS: dict[str, type[LinearFormat]] = {}
+
+#: version of the tensors/metadata layout written by `to_tensors`
+LAYOUT_VERSION = 1
+
+
+def register_format(cls: type[LinearFormat]) -> type[LinearFormat]:
+    """Class decorator: make `cls` findable by its `name`."""
+    FORMATS[cls.name] = cls
+    return cls
+
+
+def format_class(name: str) -> type[LinearFormat]:
+    """The format class registered as `name` (UnsupportedModel, naming the known ones, otherwise)."""
+    cls = FORMATS.get(name)
+    if cls is None:
+        raise UnsupportedModel(f"unknown linear format {name!r} (known: {sorted(FORMATS)})")
+    return cls
+
+
+def as_parts(weight: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """One weight [out, in], or several stacked along out (fused qkv, gate_up), as float32."""
+    if isinstance(weight, torch.Tensor):
+        parts = [weight]
+    else:
+        parts = list(weight)
+    if not parts or any(p.dim() != 2 for p in parts) or len({p.shape[1] for p in parts}) != 1:
+        raise InvalidArgument("a linear's weight is one [out, in] matrix or a list of them sharing `in`")
+    return torch.cat([p.detach().float() for p in parts]) if len(parts) > 1 else parts[0].detach().float()
+
+
+def as_bias(bias: torch.Tensor | Sequence[torch.Tensor | None] | None, out: int) -> torch.Tensor | None:
+    """None, one bias [out] or one per part (a part without bias contributes zeros), as float32."""
+    if bias is None:
+        return None
+    if isinstance(bias, torch.Tensor):
+        b = bias.detach().float()
+    else:
+        if all(p is None for p in bias):
+            return None
+        raise InvalidArgument("pass fused biases already concatenated (one tensor [out])")
+    if b.shape != (out,):
+        raise InvalidArgument(f"bias has shape {tuple(b.shape)}, expected ({out},)")
+    return b
+
+
+class LinearFormat(nn.Module):
+    """Base of the runtime weight formats (see the module docstring)."""
+
+    #: registry name
+    name: ClassVar[str]
+    #: dtype the kernel wants its activations in (bf16: the packed CPU kernels are fast only there)
+    compute_dtype: torch.dtype = torch.bfloat16
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        k_pad: int,
+        bias: torch.Tensor | None,
+        rotation: tuple[int, int] | None,
+        note: str = "",
+    ) -> None:
+        super().__init__()
+        self.in_features, self._out, self.k_pad, self.note = in_features, out_features, k_pad, note
+        self.bias: torch.Tensor | None
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+        # rotation: (seed, block) over the padded input dimension
+        self.rotation = None if rotation is None else Rotation(k_pad, rotation[0], rotation[1])
+
+    @property
+    def out_features(self) -> int:
+        return self._out
+
+    # --- what each format provides -------------------------------------------------------------
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, k_pad] in compute_dtype (already rotated) -> [M, out_features] in compute_dtype."""
+        raise NotImplementedError
+
+    def dequantize_stored(self) -> torch.Tensor:
+        """The stored weight as float32 [out, k_pad]: rotated basis, padding included."""
+        raise NotImplementedError
+
+    def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The format's own tensors and metadata (the base adds shape, bias and rotation)."""
+        raise NotImplementedError
+
+    @classmethod
+    def _from_state(cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], **common: Any) -> LinearFormat:
+        raise NotImplementedError
+
+    # --- shared --------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, lead = x.dtype, x.shape[:-1]
+        h = x.reshape(-1, x.shape[-1]).to(self.compute_dtype)  # [M, in]
+        if self.k_pad != self.in_features:
+            h = F.pad(h, (0, self.k_pad - self.in_features))
+        if self.rotation is not None:
+            h = self.rotation(h)
+        y = self._matmul(h)  # [M, out]
+        if self.bias is not None:
+            y = y.float() + self.bias
+        return y.to(dtype).view(*lead, self._out)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight this module computes with, float32 [out, in] in the model's (unrotated) basis."""
+        w = self.dequantize_stored()
+        if self.rotation is not None:
+            w = unrotate_weight(w, self.rotation.seed, self.rotation.block)
+        return w[:, : self.in_features].contiguous()
+
+    def describe(self) -> str:
+        """One line for `superslm info`: format, its options, rotation and where it came from."""
+        parts = [self._describe_format()]
+        if self.rotation is not None:
+            parts.append(self.rotation.describe())
+        if self.k_pad != self.in_features:
+            parts.append(f"in {self.in_features} padded to {self.k_pad}")
+        if self.note:
+            parts.append(self.note)
+        return ", ".join(parts)
+
+    def _describe_format(self) -> str:
+        return self.name
+
+    def nbytes(self) -> int:
+        """Bytes of weight storage (packed weight, scales, bias)."""
+        return sum(t.numel() * t.element_size() for t in self._state()[0].values()) + (
+            0 if self.bias is None else self.bias.numel() * 4
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.describe()}: {self.in_features} -> {self._out}"
+
+    def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(flat dict of CPU tensors, JSON-able metadata) from which `load_linear` rebuilds the module."""
+        tensors, meta = self._state()
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        if self.bias is not None:
+            tensors["bias"] = self.bias.detach().cpu().contiguous()
+        meta = dict(
+            meta, format=self.name, layout=LAYOUT_VERSION, in_features=self.in_features,
+            out_features=self._out, k_pad=self.k_pad, note=self.note,
+            rotation=None if self.rotation is None else {"seed": self.rotation.seed, "block": self.rotation.block},
+        )
+        return tensors, meta
+
+
+def load_linear(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> LinearFormat:
+    """Rebuild a format module from `LinearFormat.to_tensors()` output (FormatError when inconsistent)."""
+    if meta.get("layout") != LAYOUT_VERSION:
+        raise FormatError(f"linear layout version {meta.get('layout')!r}, this SuperSLM reads {LAYOUT_VERSION}")
+    cls = format_class(str(meta.get("format")))
+    rot = meta.get("rotation")
+    try:
+        common = dict(
+            in_features=int(meta["in_features"]), out_features=int(meta["out_features"]), k_pad=int(meta["k_pad"]),
+            bias=tensors.get("bias"), rotation=None if rot is None else (int(rot["seed"]), int(rot["block"])),
+            note=str(meta.get("note", "")),
+        )
+        module = cls._from_state(tensors, meta, **common)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise FormatError(f"{cls.name} linear: inconsistent tensors or metadata ({e})") from e
+    return module

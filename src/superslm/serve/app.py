@@ -1,0 +1,270 @@
+"""The FastAPI app: routes, API-key check, body limit, and errors in OpenAI's shape.
+
+    import superslm
+    from superslm.serve import create_app
+    app = create_app(superslm.load("model.gguf"), slots=8, api_key="secret")
+    # then: uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Every error answers `{"error": {"message", "type", "param", "code"}}`: SuperSLM errors with their
+own `http_status` and `code`, HTTP-level ones (401, 404 route, 405, 413) with codes of their own.
+Messages are cut short so that no error echoes a whole input back.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Depends, FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from superslm.errors import InternalError, ModelNotFound, SuperSLMError
+from superslm.serve import generate
+from superslm.serve.loop import EngineLoop
+from superslm.serve.metrics import Metrics
+from superslm.serve.output import Job
+from superslm.serve.protocol import DetokenizeRequest, TokenizeRequest, bad, chat_messages, parse
+
+if TYPE_CHECKING:
+    from superslm.engine import Engine
+    from superslm.model import Model
+
+MAX_MESSAGE = 400
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error"}
+HTTP_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def error_payload(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
+    """The inside of an OpenAI error body (the message cut to MAX_MESSAGE characters)."""
+    if len(message) > MAX_MESSAGE:
+        message = message[: MAX_MESSAGE - 3] + "..."
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"message": message, "type": kind, "param": param, "code": code}
+
+
+def error_json(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
+    """An error response in OpenAI's shape."""
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": error_payload(status, message, code, param)}, status_code=status, headers=headers)
+
+
+class ServerState:
+    """What the routes share: the model, the engine loop, the metrics and the settings."""
+
+    def __init__(self, model: Model, engine: Engine, served_names: list[str], api_key: str | None,
+                 max_waiting: int, max_body_bytes: int) -> None:
+        self.model, self.engine = model, engine
+        self.served_names = served_names
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.metrics = Metrics(served_names[0])
+        self.loop = EngineLoop(engine, max_waiting, self.metrics)
+        self.draining = False
+        self.created = int(time.time())
+
+    def drain(self) -> None:
+        """Refuse new work from now on (SIGTERM); what is in flight goes on. /health turns 503."""
+        self.draining = True
+        self.loop.drain()
+
+    def check_model(self, name: str | None) -> str:
+        """The served name a request means (None: the first), or ModelNotFound (404)."""
+        if name is None:
+            return self.served_names[0]
+        if name not in self.served_names:
+            e = ModelNotFound(f"the model {name[:100]!r} does not exist; this server serves {self.served_names}")
+            e.param = "model"  # type: ignore[attr-defined]
+            raise e
+        return name
+
+    async def read_body(self, request: HTTPRequest) -> bytes:
+        """The request body, or 413 once it passes max_body_bytes (without reading the rest)."""
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise HTTPException(413, f"the body is larger than {self.max_body_bytes} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise HTTPException(413, f"the body is larger than {self.max_body_bytes} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @staticmethod
+    def endpoint(job: Job) -> str:
+        return "chat_completions" if job.chat else "completions"
+
+    @staticmethod
+    def error_body(e: SuperSLMError) -> dict[str, Any]:
+        """The `error` object for an error inside a stream."""
+        return error_payload(e.http_status, str(e), e.code, getattr(e, "param", None))
+
+
+def create_app(
+    model: Model,
+    engine: Engine | None = None,
+    *,
+    slots: int = 8,
+    context: int | None = None,
+    served_model_name: str | list[str] | None = None,
+    api_key: str | None = None,
+    max_waiting: int = 256,
+    max_body_bytes: int = 4 << 20,
+    **engine_kwargs: Any,
+) -> FastAPI:
+    """The OpenAI-compatible app serving `model`.
+
+    `engine` defaults to `model.engine(slots, context, **engine_kwargs)`. `served_model_name`: the
+    name(s) requests may give as `model` (default: model.name). `api_key`: when set, every route but
+    /health needs `Authorization: Bearer <api_key>`. `max_waiting`: sequences admitted beyond the
+    engine's slots before requests get 503. `max_body_bytes`: larger bodies get 413.
+    The engine loop thread starts with the app's lifespan (or at the first request) and stops with it.
+    """
+    if engine is None:
+        engine = model.engine(slots=slots, context=context, **engine_kwargs)
+    if served_model_name is None:
+        names = [model.name]
+    elif isinstance(served_model_name, str):
+        names = [served_model_name]
+    else:
+        names = list(served_model_name)
+    if not names:
+        raise bad("served_model_name", "served_model_name: give at least one name")
+    state = ServerState(model, engine, names, api_key, max_waiting, max_body_bytes)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop.start()
+        yield
+        state.drain()
+        await run_in_threadpool(state.loop.stop)
+
+    app = FastAPI(title="SuperSLM", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    _errors(app)
+    auth = Depends(_auth(state))
+
+    @app.get("/health")
+    async def health() -> Response:
+        state.loop.start()  # no-op once started (the lifespan starts it; some test clients skip that)
+        if not state.loop.alive:
+            return error_json(503, "the engine loop has stopped", "engine_stopped")
+        if state.draining:
+            return error_json(503, "the server is shutting down", "shutting_down")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics", dependencies=[auth])
+    async def metrics() -> Response:
+        text = state.metrics.render(state.loop.stats(), state.loop.alive)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "superslm",
+                "max_model_len": engine.context}
+
+    @app.get("/v1/models", dependencies=[auth])
+    async def models() -> Response:
+        return JSONResponse({"object": "list", "data": [card(n) for n in names]})
+
+    @app.get("/v1/models/{name:path}", dependencies=[auth])
+    async def model_card(name: str) -> Response:
+        return JSONResponse(card(state.check_model(name)))
+
+    def counted(endpoint: str, run: Callable[[ServerState, HTTPRequest], Awaitable[Response]]) -> Any:
+        async def handler(request: HTTPRequest) -> Response:
+            try:
+                return await run(state, request)
+            except (SuperSLMError, HTTPException) as e:
+                status = e.http_status if isinstance(e, SuperSLMError) else e.status_code
+                outcome = "rejected" if status == 503 else "invalid" if status < 500 else "error"
+                state.metrics.on_request(endpoint, outcome)
+                raise
+            except Exception:
+                state.metrics.on_request(endpoint, "error")
+                raise
+
+        return handler
+
+    app.post("/v1/completions", dependencies=[auth])(counted("completions", generate.completions))
+    app.post("/v1/chat/completions", dependencies=[auth])(counted("chat_completions", generate.chat_completions))
+
+    @app.post("/tokenize", dependencies=[auth])
+    async def tokenize(request: HTTPRequest) -> Response:
+        req = parse(TokenizeRequest, await state.read_body(request))
+        state.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad(None, "give either prompt or messages")
+        tok = model.tokenizer
+        if req.prompt is not None:
+            prompt: str = req.prompt
+            ids = await run_in_threadpool(tok.encode, prompt, req.add_special_tokens)
+        else:
+            messages = chat_messages(req.messages)
+            ids = await run_in_threadpool(
+                lambda: model.chat_tokens(messages, add_generation_prompt=req.add_generation_prompt)
+            )
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.context, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = [tok.id_to_token(i) for i in ids]
+        return JSONResponse(out)
+
+    @app.post("/detokenize", dependencies=[auth])
+    async def detokenize(request: HTTPRequest) -> Response:
+        req = parse(DetokenizeRequest, await state.read_body(request))
+        state.check_model(req.model)
+        try:
+            text = model.tokenizer.decode(req.tokens)
+        except SuperSLMError as e:
+            e.param = "tokens"  # type: ignore[attr-defined]
+            raise
+        return JSONResponse({"prompt": text})
+
+    return app
+
+
+def _auth(state: ServerState) -> Callable[[HTTPRequest], None]:
+    expected = state.api_key.encode() if state.api_key else None
+
+    def check(request: HTTPRequest) -> None:
+        if expected is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        # compare_digest takes as long whatever the key's first differing byte
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+            raise HTTPException(401, "a missing or wrong API key (send Authorization: Bearer <key>)")
+
+    return check
+
+
+def _errors(app: FastAPI) -> None:
+    """Every error in OpenAI's shape."""
+
+    @app.exception_handler(SuperSLMError)
+    async def superslm_error(request: HTTPRequest, e: SuperSLMError) -> Response:
+        return error_json(e.http_status, str(e), e.code, getattr(e, "param", None))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: HTTPRequest, e: HTTPException) -> Response:
+        code = HTTP_CODES.get(e.status_code, "http_error")
+        message = e.detail if isinstance(e.detail, str) and e.status_code not in (404, 405) else {
+            404: "no such route", 405: "method not allowed"}.get(e.status_code, str(e.detail))
+        return error_json(e.status_code, message, code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: HTTPRequest, e: RequestValidationError) -> Response:
+        return error_json(400, "the request is malformed", "invalid_argument")
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: HTTPRequest, e: Exception) -> Response:
+        # a bug: say so without details (they may hold the input)
+        err = InternalError(f"internal error ({type(e).__name__})")
+        return error_json(err.http_status, str(err), err.code)
