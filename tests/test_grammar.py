@@ -23,7 +23,7 @@ from superslm.grammar import (
     GrammarState,
     UnknownSchema,
     compiler_for,
-    fill_bitmasks,
+    constraint_from_request,
     load_schemas,
     named_constraint,
 )
@@ -76,6 +76,7 @@ def test_constraint_is_plain_data() -> None:
         data = json.loads(json.dumps(c.to_dict()))
         assert Constraint.from_dict(data) == c
     assert Constraint.json_schema(PERSON, max_whitespace=4) != a
+    assert Constraint("regex", "x", 4) == Constraint.regex("x")  # the bound is JSON's only
 
 
 @pytest.mark.parametrize(
@@ -94,6 +95,17 @@ def test_constraint_is_plain_data() -> None:
 def test_constraint_rejects_malformed(make) -> None:
     with pytest.raises(InvalidArgument):
         make()
+
+
+def test_constraint_from_request() -> None:
+    assert constraint_from_request() is None
+    assert constraint_from_request(guided_regex="[0-9]+") == Constraint.regex("[0-9]+")
+    assert constraint_from_request(guided_choice=["a", "b"]) == Constraint.choice(["a", "b"])
+    assert constraint_from_request(guided_json=PERSON) == Constraint.json_schema(PERSON)
+    assert constraint_from_request(guided_grammar="start: /x/") == Constraint.lark("start: /x/")
+    assert constraint_from_request(response_format={"type": "text"}, guided_regex="x") == Constraint.regex("x")
+    with pytest.raises(InvalidArgument, match="only one"):
+        constraint_from_request(guided_regex="x", guided_choice=["x"])
 
 
 def test_from_response_format() -> None:
@@ -206,6 +218,9 @@ def test_refused_token_is_a_dead_end(tok: Tokenizer, compiler: GrammarCompiler) 
     assert state.is_dead and state.dead_reason
     assert not mask_of(state).any()  # the engine ends the request with reason "grammar"
     assert not state.accept(ids(tok, "{")[0])
+    for bad in (-1, tok.vocab_size):  # an engine bug must not crash the grammar either
+        fresh = GrammarState(state.grammar)
+        assert not fresh.accept(bad) and fresh.is_dead
 
 
 def test_dead_end_when_no_token_fits() -> None:
@@ -273,124 +288,6 @@ def test_whitespace_cannot_eat_the_token_budget(tok: Tokenizer, compiler: Gramma
     assert json.loads(text) == [] and len(text) < 400
 
 
-# --- jump-forward --------------------------------------------------------------------------------
-
-
-def test_forced_tokens_are_the_only_allowed_ones(tok: Tokenizer, compiler: GrammarCompiler) -> None:
-    schema = {"type": "object", "properties": {"temperature_celsius": {"type": "integer"}},
-              "required": ["temperature_celsius"], "additionalProperties": False}
-    state = GrammarState(compiler.compile(Constraint.json_schema(schema, max_whitespace=0)))
-    state.accept(ids(tok, "{")[0])
-    peek = state.forced_tokens()
-    probe = GrammarState(state.grammar)
-    probe.accept(ids(tok, "{")[0])
-    for t in peek:  # independent check: each is the single bit of its mask
-        assert allowed_ids(mask_of(probe)).tolist() == [t]
-        probe.accept(t)
-    assert len(allowed_ids(mask_of(probe))) > 1
-    taken = state.take_forced()
-    assert taken == peek and len(taken) >= 3 and state.num_forced == len(taken)
-    assert text_of(tok, ids(tok, "{") + taken).startswith('{"temperature_celsius')
-    assert state.forced_tokens() == []
-
-
-def fake_logits(prefix: list[int], vocab: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(hash(tuple(prefix[-4:])) % (2**31) + len(prefix))
-    return torch.randn(1, vocab, generator=gen)
-
-
-def greedy(state: GrammarState, vocab: int, stops: set[int], jump: bool, n: int = 80) -> list[int]:
-    out: list[int] = []
-    row = torch.zeros(1, state.grammar.compiler.bitmask_words, dtype=torch.int32)
-    while len(out) < n:
-        if jump:
-            out += state.take_forced(n - len(out))
-        state.fill_bitmask(row[0])
-        logits = apply_token_bitmask(fake_logits(out, vocab), row)
-        token = int(logits.argmax())
-        if token in stops:
-            break
-        assert state.accept(token)
-        out.append(token)
-    return out
-
-
-@pytest.mark.parametrize("schema", [PERSON, {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]},
-                                               "minItems": 2, "maxItems": 4}])
-def test_jump_forward_matches_masked_greedy(tok: Tokenizer, compiler: GrammarCompiler, schema: dict) -> None:
-    grammar = compiler.compile(Constraint.json_schema(schema))
-    plain = greedy(GrammarState(grammar), tok.vocab_size, set(tok.stop_ids), jump=False)
-    jumped_state = GrammarState(grammar)
-    jumped = greedy(jumped_state, tok.vocab_size, set(tok.stop_ids), jump=True)
-    assert jumped == plain
-    assert jumped_state.num_forced > 0
-
-
-# --- start-after, state round trip, batches ------------------------------------------------------
-
-
-def test_start_after_token(tok: Tokenizer, compiler: GrammarCompiler) -> None:
-    end_think = ids(tok, "\n\n")[0]  # stands in for a reasoning model's </think>
-    state = GrammarState(compiler.compile(Constraint.regex("(yes|no)")), after=end_think)
-    row = np.zeros(compiler.bitmask_words, dtype=np.int32)
-    assert not state.active and not state.fill_bitmask(row) and (row == -1).all()
-    assert state.allows_stop and not state.is_accepting and state.forced_tokens() == []
-    thinking = ids(tok, "Let me think. Maybe yes, maybe no")
-    assert state.accept_many(thinking) == len(thinking) and not state.active
-    saved = json.loads(json.dumps(state.state()))
-    assert state.accept(end_think) and state.active
-    assert state.fill_bitmask(row)
-    assert {text_of(tok, [int(t)]) for t in allowed_ids(row)} <= {"y", "ye", "yes", "n", "no"}
-    restored = GrammarState.from_state(saved, compiler)
-    assert not restored.active and restored.accept(end_think) and np.array_equal(mask_of(restored), row)
-
-
-def test_state_round_trip(tok: Tokenizer, compiler: GrammarCompiler) -> None:
-    grammar = compiler.compile(Constraint.json_schema(PERSON))
-    state = GrammarState(grammar, stop_ids=[1])
-    walked = random_walk(GrammarState(grammar), tok.all_token_bytes(), random.Random(3))
-    prefix = walked.tokens[: len(walked.tokens) // 2]
-    assert state.accept_many(prefix) == len(prefix)
-    state.take_forced()
-    data = json.loads(json.dumps(state.state()))
-    restored = GrammarState.from_state(data, compiler)
-    assert restored.tokens == state.tokens and restored.num_forced == state.num_forced
-    assert restored.extra_stop_ids == (1,)
-    assert np.array_equal(mask_of(restored), mask_of(state))
-    rest = walked.tokens[len(state.tokens):]
-    assert restored.accept_many(rest) == len(rest) and restored.is_accepting
-    # a dead state stays dead through the round trip
-    state.accept(ids(tok, "]")[0])
-    assert GrammarState.from_state(json.loads(json.dumps(state.state())), compiler).is_dead
-
-
-def test_rollback(tok: Tokenizer, compiler: GrammarCompiler) -> None:
-    state = GrammarState(compiler.compile(Constraint.json_schema(PERSON)))
-    state.accept_many(ids(tok, '{"name": "Al'))
-    before = mask_of(state).copy()
-    state.accept_many(ids(tok, 'ice"'))
-    state.rollback(len(ids(tok, 'ice"')))
-    assert np.array_equal(mask_of(state), before)
-    with pytest.raises(InvalidArgument):
-        state.rollback(99)
-
-
-def test_fill_bitmasks_batch(tok: Tokenizer, compiler: GrammarCompiler) -> None:
-    grammars = [compiler.compile(c) for c in (Constraint.json_schema(PERSON), Constraint.regex("[0-9]{3}"),
-                                             Constraint.choice(["left", "right"]))]
-    states: list[GrammarState | None] = [GrammarState(g) for g in grammars]
-    states[0].accept_many(ids(tok, '{"name":'))  # type: ignore[union-attr]
-    states.insert(1, None)
-    states.append(GrammarState(grammars[1], after=5))
-    twins = [None if s is None else GrammarState.from_state(s.state(), compiler) for s in states]
-    bitmask = torch.zeros(len(states), compiler.bitmask_words, dtype=torch.int32)
-    flags = fill_bitmasks(states, bitmask)
-    assert flags == [True, False, True, True, False]
-    for i, twin in enumerate(twins):
-        expected = np.full(compiler.bitmask_words, -1, np.int32) if twin is None else mask_of(twin)
-        assert np.array_equal(bitmask[i].numpy(), expected)
-
-
 def test_choice_and_lark(tok: Tokenizer, compiler: GrammarCompiler) -> None:
     options = ["naïve", 'say "hi"', "日本", "x"]
     for seed in range(6):
@@ -403,6 +300,16 @@ def test_choice_and_lark(tok: Tokenizer, compiler: GrammarCompiler) -> None:
     import re
 
     assert re.fullmatch(r"ticket-[0-9]{2}(,[0-9]{2})*", text_of(tok, walk.tokens))
+
+
+def test_gbnf_grammar_is_converted(tok: Tokenizer, compiler: GrammarCompiler) -> None:
+    gbnf = 'root ::= answer "."\nanswer ::= "yes" | "no"'
+    for seed in range(4):
+        walk = random_walk(GrammarState(compiler.compile(Constraint.lark(gbnf))), tok.all_token_bytes(),
+                           random.Random(seed))
+        assert text_of(tok, walk.tokens) in ("yes.", "no.")
+    with pytest.raises(GrammarError):
+        compiler.compile(Constraint.lark('root ::= "a" | ('))
 
 
 def test_sentencepiece_vocabulary(gemma3_gguf: Path) -> None:

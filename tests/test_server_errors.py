@@ -11,7 +11,7 @@ import pytest
 
 import superslm
 from superslm.errors import InvalidArgument
-from tests.test_server_helpers import LiveServer, assert_error, metrics, tiny_folder, wait_for
+from tests.test_server_helpers import LiveServer, assert_error, metrics, slow_steps, tiny_folder, wait_for
 
 CONTEXT = 64
 KEY = "sk-test-0123456789"
@@ -66,7 +66,7 @@ BAD_400 = [
     ("/v1/chat/completions", {k: v for k, v in CHAT.items() if k != "messages"}, "messages"),
     ("/v1/completions", {**COMP, "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {**COMP, "max_tokens": -3}, "max_tokens"),
-    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/completions", {**COMP, "max_tokens": "5"}, "max_tokens"),
     ("/v1/completions", {**COMP, "temperature": -0.5}, "temperature"),
     ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p"),
@@ -174,11 +174,13 @@ def test_queue_full_503(model) -> None:
     from superslm.serve import create_app
 
     app = create_app(model, slots=1, max_waiting=1, context=512, served_model_name="tiny")
+    slow_steps(app)  # the first request lasts about 5 s, unless cancelled
     with LiveServer(app) as s:
         long = {"model": "tiny", "prompt": "hold", "max_tokens": 480, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=60) as c, c.stream("POST", f"{s.url}/v1/completions", json=long) as r1:
             assert r1.status_code == 200
-            next(r1.iter_lines())  # running: holds the only slot
+            lines = r1.iter_lines()  # kept: a dropped iterator closes the connection
+            next(lines)  # running: holds the only slot
             second: dict[str, httpx.Response] = {}
             t = threading.Thread(target=lambda: second.update(r=httpx.post(
                 f"{s.url}/v1/completions", json={**COMP, "max_tokens": 3}, timeout=60)))
@@ -204,7 +206,9 @@ def test_queue_full_503(model) -> None:
 def test_disconnect_cancels_non_stream(model) -> None:
     from superslm.serve import create_app
 
-    with LiveServer(create_app(model, slots=2, context=512, served_model_name="tiny")) as s:
+    app = create_app(model, slots=2, context=512, served_model_name="tiny")
+    slow_steps(app)  # 480 tokens would take about 5 s
+    with LiveServer(app) as s:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{s.url}/v1/completions", json={**COMP, "max_tokens": 480, "ignore_eos": True}, timeout=0.5)
         # cancelled at once: its pages are back long before 480 tokens could have been made

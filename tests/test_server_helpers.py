@@ -123,3 +123,15 @@ def assert_error(r: httpx.Response, status: int, code: str | None = None, param:
     if param is not None:
         assert err["param"] == param, err
     return err
+
+
+def slow_steps(app, seconds: float = 0.01) -> None:
+    """Make each engine step take at least `seconds`, so that a request lasts long enough to act on."""
+    engine = app.state.server.engine
+    advance = engine.advance
+
+    def slow_advance(*args, **kwargs):
+        time.sleep(seconds)
+        return advance(*args, **kwargs)
+
+    engine.advance = slow_advance

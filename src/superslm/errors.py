@@ -125,3 +125,51 @@ class InternalError(SuperSLMError, AssertionError):
 
     code = "internal_error"
     http_status = 500
+
+
+# --- saved sequences -----------------------------------------------------------------------------
+
+
+class StateError(SuperSLMError):
+    """A saved sequence cannot be restored (base class of the three causes below)."""
+
+    code = "invalid_state"
+    http_status = 400
+
+
+class StateCorrupted(StateError):
+    """A saved sequence is truncated, corrupted or not a saved sequence at all."""
+
+    code = "state_corrupted"
+
+
+class StateVersionUnsupported(StateError):
+    """A saved sequence of a format version this release cannot read (a future one)."""
+
+    code = "state_version_unsupported"
+
+
+class StateModelMismatch(StateError):
+    """A saved sequence of another model (weights, format, dtype or KV layout differ)."""
+
+    code = "state_model_mismatch"
+
+
+class SequenceBusy(SuperSLMError):
+    """The sequence is in the middle of a step (a layer budget left it half done); finish the step first."""
+
+    code = "sequence_busy"
+    http_status = 409
+
+
+class PrefixInUse(SuperSLMError):
+    """A prefix handle cannot be released while requests still use it."""
+
+    code = "prefix_in_use"
+    http_status = 409
+
+
+class UnknownSchema(InvalidArgument):
+    """No named schema of that name ships with the model."""
+
+    code = "unknown_schema"

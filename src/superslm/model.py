@@ -63,6 +63,7 @@ class Model:
         self.tokenizer = tokenizer
         self.name = name
         self._template: ChatTemplate | None = None
+        self._fingerprint: str | None = None
 
     @property
     def device(self) -> torch.device:
@@ -117,6 +118,22 @@ class Model:
         from superslm.engine.engine import Engine
 
         return Engine(self, slots=slots, context=context, **kwargs)
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the Arch and every weight as computed (format and dtype included); saved
+        sequences carry it so they are restored only into the model they came from."""
+        if self._fingerprint is None:
+            import hashlib
+            import json
+
+            h = hashlib.sha256(json.dumps(self.arch.summary(), sort_keys=True, default=str).encode())
+            for name, t in list(self.net.named_parameters()) + list(self.net.named_buffers()):
+                h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+                data = t.detach().contiguous().cpu()
+                h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
     def info(self) -> dict[str, Any]:
         """What `superslm info` prints."""

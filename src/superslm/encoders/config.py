@@ -123,6 +123,8 @@ class BertSpec:
             raise FormatError(f"{where}: config.json lacks or garbles {e}") from e
         if dim % heads:
             raise FormatError(f"{where}: hidden_size {dim} is not a multiple of num_attention_heads {heads}")
+        if spec.layers < 1:
+            raise FormatError(f"{where}: num_hidden_layers is {spec.layers}")
         if spec.capacity < 2:
             raise FormatError(f"{where}: max_position_embeddings {spec.max_positions} leaves no room for tokens")
         return spec
@@ -248,15 +250,46 @@ def max_length(spec: BertSpec, folder: Path, configured: int | None) -> int:
     return spec.capacity if configured is None else max(1, min(int(configured), spec.capacity))
 
 
-def cross_activation(config: dict[str, Any], num_labels: int, where: Path) -> str:
-    """A cross-encoder's score activation: config.json's sentence_transformers.activation_fn (or the
-    pre-4.0 key), else sigmoid for one label and identity for more (as sentence-transformers)."""
+def cross_activation(config: dict[str, Any], st_config: dict[str, Any], num_labels: int, where: Path) -> str:
+    """A cross-encoder's score activation, as sentence-transformers picks it: activation_fn of
+    config_sentence_transformers.json (`st_config`), else config.json's sentence_transformers.activation_fn
+    (or the pre-4.0 key), else sigmoid for one label and identity for more."""
     st = config.get("sentence_transformers")
-    name = st.get("activation_fn") if isinstance(st, dict) else None
+    name = st_config.get("activation_fn")
+    name = name or (st.get("activation_fn") if isinstance(st, dict) else None)
     name = name or config.get("sbert_ce_default_activation_function")
-    if name:
-        if not str(name).startswith("torch."):
-            # sentence-transformers ignores untrusted (non-torch) classes unless told to trust remote code
-            return "sigmoid" if num_labels == 1 else "identity"
+    # sentence-transformers ignores classes outside torch unless told to trust remote code
+    if name and str(name).startswith("torch."):
         return torch_act(name, str(where))
     return "sigmoid" if num_labels == 1 else "identity"
+
+
+def transformer_dir(folder: Path) -> Path:
+    """The folder of a sentence-transformers model's Transformer module (the folder itself without modules.json)."""
+    modules = read_json(folder / "modules.json", required=False)
+    if not modules:
+        return folder
+    if not isinstance(modules, list):
+        raise FormatError(f"{folder}/modules.json is not a list")
+    for entry in modules:
+        if isinstance(entry, dict) and _module_kind(entry, folder) == "Transformer":
+            return folder / str(entry.get("path", ""))
+    raise UnsupportedModel(f"{folder}: modules.json names no Transformer module")
+
+
+def model_kind(folder: Path) -> str:
+    """What a model path holds: "encoder" (a BERT-family model, embedded by `Encoder`), "cross-encoder"
+    (a BERT-family sequence classifier, scored by `CrossEncoder`) or "decoder" (anything else: a GGUF
+    file or a language-model folder, for `superslm.load`)."""
+    if not folder.is_dir():
+        return "decoder"
+    model_dir = transformer_dir(folder)
+    config = read_json(model_dir / "config.json", required=False)
+    if str(config.get("model_type", "")) not in FAMILIES:
+        return "decoder"
+    if (folder / "modules.json").is_file():
+        task = read_json(model_dir / "sentence_bert_config.json", required=False).get("transformer_task")
+        st_type = read_json(folder / "config_sentence_transformers.json", required=False).get("model_type")
+        return "cross-encoder" if task == "sequence-classification" or st_type == "CrossEncoder" else "encoder"
+    archs = config.get("architectures") or []
+    return "cross-encoder" if any(str(a).endswith("ForSequenceClassification") for a in archs) else "encoder"

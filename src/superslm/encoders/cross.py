@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from superslm.encoders.batching import TextTokens, check_texts, pack, plan
-from superslm.encoders.config import BertSpec, cross_activation, max_length, read_json, read_sentence_spec
+from superslm.encoders.config import BertSpec, cross_activation, max_length, read_json, transformer_dir
 from superslm.encoders.encoder import resolve_dtype
 from superslm.encoders.net import ACTIVATIONS, BertNet, ClassifierHead, Weights, read_tensors
 from superslm.errors import InvalidArgument, UnsupportedModel
@@ -48,8 +48,7 @@ class CrossEncoder:
 
         folder = resolve_path(path_or_name)
         dev, dt = pick_device(device), resolve_dtype(dtype)
-        # a folder saved by sentence-transformers >= 5 may put the model in a module folder
-        model_dir = read_sentence_spec(folder).model_dir if (folder / "modules.json").is_file() else folder
+        model_dir = transformer_dir(folder)
         config = read_json(model_dir / "config.json")
         spec = BertSpec.from_config(config, model_dir)
         sbert = read_json(model_dir / "sentence_bert_config.json", required=False).get("max_seq_length")
@@ -61,8 +60,10 @@ class CrossEncoder:
         w = Weights(read_tensors(model_dir), model_dir, dt, dev)
         head = ClassifierHead(spec, w)
         net = BertNet(spec, w)
+        st_config = read_json(folder / "config_sentence_transformers.json", required=False)
+        activation = cross_activation(config, st_config, spec.num_labels, model_dir)
         name = folder.name if Path(str(path_or_name)).exists() else str(path_or_name)
-        return cls(spec, net, head, tokens, cross_activation(config, spec.num_labels, model_dir), name, folder)
+        return cls(spec, net, head, tokens, activation, name, folder)
 
     @property
     def num_labels(self) -> int:

@@ -124,17 +124,19 @@ class EncoderLayer:
     def __init__(self, s: BertSpec, w: Weights, i: int) -> None:
         p, d = f"encoder.layer.{i}.", s.dim
         self.spec = s
+
+        def pair(name: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+            # (weight, bias) of a linear layer or (gamma, beta) of a LayerNorm
+            return w.get(p + name + ".weight", shape), w.get(p + name + ".bias", shape[:1])
+
         # q, k, v fused into one matmul
-        self.qkv = Linear(
-            torch.cat([w.get(p + f"attention.self.{n}.weight", (d, d)) for n in ("query", "key", "value")]),
-            torch.cat([w.get(p + f"attention.self.{n}.bias", (d,)) for n in ("query", "key", "value")]),
-        )
-        self.o = Linear(w.get(p + "attention.output.dense.weight", (d, d)), w.get(p + "attention.output.dense.bias", (d,)))
-        self.ln1 = (w.get(p + "attention.output.LayerNorm.weight", (d,)), w.get(p + "attention.output.LayerNorm.bias", (d,)))
-        self.up = Linear(w.get(p + "intermediate.dense.weight", (s.ffn, d)), w.get(p + "intermediate.dense.bias", (s.ffn,)),
-                         s.act)
-        self.down = Linear(w.get(p + "output.dense.weight", (d, s.ffn)), w.get(p + "output.dense.bias", (d,)))
-        self.ln2 = (w.get(p + "output.LayerNorm.weight", (d,)), w.get(p + "output.LayerNorm.bias", (d,)))
+        q, k, v = (pair(f"attention.self.{n}", (d, d)) for n in ("query", "key", "value"))
+        self.qkv = Linear(torch.cat([q[0], k[0], v[0]]), torch.cat([q[1], k[1], v[1]]))
+        self.o = Linear(*pair("attention.output.dense", (d, d)))
+        self.ln1 = pair("attention.output.LayerNorm", (d,))
+        self.up = Linear(*pair("intermediate.dense", (s.ffn, d)), s.act)
+        self.down = Linear(*pair("output.dense", (d, s.ffn)))
+        self.ln2 = pair("output.LayerNorm", (d,))
 
     def __call__(self, h: torch.Tensor, packed: Packed, keep: torch.Tensor | None = None) -> torch.Tensor:
         """h [N, dim] -> [N, dim], or only the rows `keep` (every row still serves as a key)."""

@@ -23,7 +23,16 @@ from superslm.engine.manual import ManualSlots
 from superslm.engine.request import END_CANCELLED, END_LENGTH, END_STOP, Progress, Request, Sequence
 from superslm.engine.runner import StepWork, build_step, run_layers, step_logits
 from superslm.engine.scheduler import Scheduler
-from superslm.errors import ContextLengthExceeded, InvalidArgument, TokenOutOfRange, UnknownRequest
+from superslm.engine import persist
+from superslm.errors import (
+    ContextLengthExceeded,
+    InvalidArgument,
+    KVCacheFull,
+    SequenceBusy,
+    StateCorrupted,
+    TokenOutOfRange,
+    UnknownRequest,
+)
 from superslm.sampling import SamplerState, Sampling, StopChecker, TokenLogprobs, sample
 
 if TYPE_CHECKING:
@@ -217,6 +226,9 @@ class Engine:
             seq.num_computed_tokens += n
             if row >= 0:
                 sampling_seqs.append(seq)
+                if not seq.output and work.h is not None:
+                    # the seed's prefill hidden state: final norm at the last prompt position
+                    seq.prefill_hidden = self.net.final_norm(work.h[row]).float().clone()
             elif not seq.end:
                 self.scheduler.register(seq)
         out: list[Progress] = []
@@ -272,6 +284,88 @@ class Engine:
         if progress is None:
             (self._pending if into is None else into).append(p)
         return p
+
+    # --- sequence state -------------------------------------------------------------------------
+
+    def _live(self, request_id: int) -> Sequence:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise UnknownRequest(f"no live request with id {request_id}")
+        return seq
+
+    def stats(self, request_id: int) -> dict[str, object]:
+        """Where a live request stands: tokens, layers run, KV pages resident, cached prompt tokens."""
+        seq = self._live(request_id)
+        return {
+            "prompt_tokens": len(seq.prompt),
+            "output_tokens": len(seq.output),
+            "num_computed_tokens": seq.num_computed_tokens,
+            "layers_run": seq.layers_run,
+            "forced_tokens": 0,
+            "kv_pages": len(seq.block_table),
+            "cached": seq.cached,
+            "preemptions": seq.preemptions,
+            "grammar_accepting": None,
+            "in_step": self._work is not None and any(s is seq for s, _ in self._work.chunks),
+        }
+
+    def prefill_hidden(self, request_id: int) -> torch.Tensor | None:
+        """The final normed hidden state [dim] of a live request's last prompt position (None until
+        its prompt has been read)."""
+        return self._live(request_id).prefill_hidden
+
+    def save(self, request_id: int) -> bytes:
+        """The whole state of a live request as a versioned blob (see engine/persist.py)."""
+        seq = self._live(request_id)
+        if self._work is not None and any(s is seq for s, _ in self._work.chunks):
+            raise SequenceBusy(f"request {request_id} is mid-step; advance until its step completes")
+        n, ps = seq.num_computed_tokens, self.page_size
+        slots = torch.tensor([seq.block_table[p // ps] * ps + p % ps for p in range(n)], dtype=torch.long,
+                             device=self.kv.k.device)
+        header = {"model": self.model.fingerprint, "page_size": ps, "sequence": persist.sequence_state(seq)}
+        return persist.encode(header, self.kv.k[:, slots], self.kv.v[:, slots])
+
+    def restore(self, blob: bytes) -> int:
+        """A new live request continuing a saved one exactly; returns its id. With no room in the KV
+        pool or no free slot it waits in the queue and recomputes its KV when admitted."""
+        from superslm.tokenizer import StreamDecoder
+
+        saved = persist.decode(blob, self.model.fingerprint)
+        try:
+            st = saved.header["sequence"]
+            sampler = SamplerState.from_state(st["sampler"])
+            request = Request(prompt=list(st["prompt"]), max_tokens=int(st["request_max_tokens"]),
+                              sampling=sampler.params, salt=st["salt"])
+            seq = Sequence(self._next_id, request, list(st["prompt"]), int(st["max_tokens"]), sampler,
+                           StreamDecoder.from_state(self.model.tokenizer, st["decoder"]),
+                           StopChecker.from_state(st["stops"]))
+            seq.output = list(st["output"])
+            seq.cached, seq.preemptions, seq.layers_run = int(st["cached"]), int(st["preemptions"]), int(st["layers_run"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise StateCorrupted(f"saved sequence state is malformed ({e})") from e
+        sampler.params.validate(self.vocab)
+        self._prompt_ids(seq.tokens)  # token ids in range
+        if seq.num_tokens > self.context:
+            raise ContextLengthExceeded(f"the saved sequence has {seq.num_tokens} tokens; the context holds {self.context}")
+        n, ps = saved.k.shape[1], self.page_size
+        pages = -(-n // ps)
+        self._next_id += 1
+        self._seqs[seq.id] = seq
+        if n and len(self.scheduler.running) < self.slots and self.pool.can_allocate(pages):
+            try:
+                seq.block_table = self.pool.allocate(pages)
+            except KVCacheFull:
+                seq.block_table = []
+            if seq.block_table:
+                slots = torch.tensor([seq.block_table[p // ps] * ps + p % ps for p in range(n)],
+                                     dtype=torch.long, device=self.kv.k.device)
+                self.kv.k[:, slots] = saved.k.to(self.kv.k)
+                self.kv.v[:, slots] = saved.v.to(self.kv.v)
+                seq.num_computed_tokens = n
+                self.scheduler.running.append(seq)
+                return seq.id
+        self.scheduler.add(seq)
+        return seq.id
 
     # --- low-level use ----------------------------------------------------------------------------
 

@@ -85,6 +85,10 @@ class Sequence:
         self.end = ""
         self.stop_reason: str | int | None = None
         self.preemptions = 0
+        #: layers of forward work this sequence's rows have been through (Engine.stats)
+        self.layers_run = 0
+        #: the final normed hidden state of the last prompt position (Engine.prefill_hidden)
+        self.prefill_hidden: Any = None
 
     @property
     def tokens(self) -> list[int]:

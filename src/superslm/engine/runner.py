@@ -72,6 +72,8 @@ def run_layers(net: Transformer, kv: KVCache, work: StepWork, budget: int | None
     total = len(net.layers)
     end = total if budget is None else min(total, work.next_layer + budget)
     work.h = net.run_layers(work.h, work.meta, kv.k, kv.v, work.next_layer, end)
+    for seq, _ in work.chunks:
+        seq.layers_run += end - work.next_layer
     work.next_layer = end
     return end == total
 

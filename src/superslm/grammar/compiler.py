@@ -171,7 +171,7 @@ class GrammarCompiler:
 
 def _first_lines(message: str, n: int = 6) -> str:
     """An llguidance error without its trailing parser-state dump."""
-    head = message.split("\n<state>", 1)[0].strip()
+    head = message.split("\n<state>", 1)[0].replace("<non-verbose/>", "").strip()
     return "\n".join(head.splitlines()[:n])
 
 

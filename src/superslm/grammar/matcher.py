@@ -173,6 +173,9 @@ class GrammarState:
         if self._dead is not None or self._stopped:
             self._dead = self._dead or f"token {token} after the grammar finished"
             return False
+        if not 0 <= token < self.grammar.compiler.vocab_size:
+            self._dead = f"token id {token} is outside the vocabulary"
+            return False
         if token in self._stops:
             if not self._matcher.is_accepting():
                 self._dead = f"stop token {token} where the grammar does not accept"
@@ -226,7 +229,7 @@ class GrammarState:
             if token is None or token in self._stops:
                 break
             if not self.accept(token):
-                raise InternalError(f"grammar refused its own forced token {token}: {self._dead}")
+                break  # llguidance refused its own mask's token: the state is dead, never a crash
             out.append(token)
         self.num_forced += len(out)
         return out
@@ -237,6 +240,9 @@ class GrammarState:
             raise InvalidArgument(f"cannot roll back {n} of {len(self.tokens)} tokens")
         if n == 0 or self._matcher is None:
             return
+        if self._matcher.is_error():
+            # llguidance never leaves its error state: check drafts against the mask instead
+            raise InvalidArgument(f"cannot roll back a grammar state that errored: {self._dead}")
         undone = self.tokens[-n:]
         del self.tokens[-n:]
         if self._stopped:
@@ -290,14 +296,19 @@ class GrammarState:
     def _current_mask(self) -> np.ndarray:
         if self._mask is None:
             assert self._matcher is not None
-            mask = self._compute(self._matcher)
-            if mask is None:
-                self._dead = self._dead or _short(self._matcher.get_error()) or "grammar error"
-                mask = np.zeros(self._words, dtype=np.int32)
-            elif not mask.any():
-                self._dead = self._dead or "no token is allowed here"
-            self._mask = mask
+            self._keep_mask(self._compute(self._matcher))
+        assert self._mask is not None
         return self._mask
+
+    def _keep_mask(self, mask: np.ndarray | None) -> None:
+        """Cache the current position's mask (None: llguidance errored); an empty one is a dead end."""
+        if mask is None:
+            assert self._matcher is not None
+            self._dead = self._dead or _short(self._matcher.get_error()) or "grammar error"
+            mask = np.zeros(self._words, dtype=np.int32)
+        elif not mask.any():
+            self._dead = self._dead or "no token is allowed here"
+        self._mask = mask
 
     def _compute(self, matcher: llg.LLMatcher) -> np.ndarray | None:
         """The mask of `matcher` with the extra stop ids where it accepts; None on a grammar error."""
@@ -316,7 +327,8 @@ class GrammarState:
 
 
 def _short(message: str) -> str:
-    return message.split("\n<state>", 1)[0].strip()
+    """An llguidance error without the parser-state dump (or its placeholder) it may carry."""
+    return message.split("\n<state>", 1)[0].replace("<non-verbose/>", "").strip()
 
 
 _EXECUTOR: llg.LLExecutor | None = None
@@ -348,13 +360,7 @@ def fill_bitmasks(states: Sequence[GrammarState | None], bitmask: Any) -> list[b
         jobs = [(s._matcher, i) for s, i in pending]
         _EXECUTOR.unsafe_compute_mask_ptr(jobs, arr.ctypes.data, words * 4, len(states))
         for s, i in pending:
-            mask = s._finish_mask(s._matcher, arr[i].copy())  # type: ignore[arg-type]
-            if mask is None:
-                s._dead = _short(s._matcher.get_error()) or "grammar error"  # type: ignore[union-attr]
-                mask = np.zeros(s._words, dtype=np.int32)
-            elif not mask.any():
-                s._dead = "no token is allowed here"
-            s._mask = mask
+            s._keep_mask(s._finish_mask(s._matcher, arr[i].copy()))  # type: ignore[arg-type]
     out: list[bool] = []
     for i, s in enumerate(states):
         if s is None:

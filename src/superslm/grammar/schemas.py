@@ -12,18 +12,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from superslm.errors import FormatError, InvalidArgument
+from superslm.errors import FormatError, UnknownSchema
 from superslm.grammar.spec import Constraint
 
 #: a schema name: what a file stem may be (no path separators, no leading dot)
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
-
-
-class UnknownSchema(InvalidArgument):
-    """A schema name the model does not ship (proposed for superslm.errors; until then this local
-    subclass keeps `InvalidArgument`'s 400, with its own code)."""
-
-    code = "unknown_schema"
 
 
 def load_schemas(folder: str | Path) -> dict[str, dict[str, Any] | bool]:

@@ -45,7 +45,7 @@ class Constraint:
     """The schema's JSON text, the regex, the Lark grammar, the choices; None for json_object."""
     max_whitespace: int | None = DEFAULT_MAX_WHITESPACE
     """JSON kinds only: longest run of whitespace between JSON tokens; 0 means compact JSON,
-    None unbounded (llguidance's default). Ignored by regex, lark and choice."""
+    None unbounded (llguidance's default). Always None for regex, lark and choice."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -60,6 +60,8 @@ class Constraint:
             object.__setattr__(self, "value", _choices(value))
         elif not isinstance(value, str) or not value:
             raise InvalidArgument(f"a {self.kind} constraint needs a non-empty string, got {value!r}")
+        if not self.is_json:
+            object.__setattr__(self, "max_whitespace", None)  # JSON only: equal grammars compare equal
         ws = self.max_whitespace
         if ws is not None and (isinstance(ws, bool) or not isinstance(ws, int) or not 0 <= ws <= MAX_WHITESPACE_LIMIT):
             raise InvalidArgument(f"max_whitespace must be None or an int in [0, {MAX_WHITESPACE_LIMIT}], got {ws!r}")
@@ -85,7 +87,8 @@ class Constraint:
 
     @classmethod
     def lark(cls, grammar: str) -> Constraint:
-        """Output must be derivable from `grammar`'s `start` rule (llguidance's Lark dialect)."""
+        """Output must be derivable from `grammar`'s `start` rule (llguidance's Lark dialect; a
+        GBNF grammar, llama.cpp's `root ::= ...`, is converted when compiled)."""
         return cls("lark", grammar)
 
     @classmethod
@@ -134,7 +137,7 @@ class Constraint:
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.value)  # type: ignore[arg-type]
         if self.kind == "lark":
-            return LLMatcher.grammar_from_lark(self.value)  # type: ignore[arg-type]
+            return LLMatcher.grammar_from_lark(_as_lark(self.value))  # type: ignore[arg-type]
         return LLMatcher.grammar_from_lark(choice_lark(self.value))  # type: ignore[arg-type]
 
     def json_options(self) -> dict[str, Any]:
@@ -191,9 +194,45 @@ class Constraint:
         raise InvalidArgument(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
 
 
+def _as_lark(text: str) -> str:
+    """A grammar in Lark syntax: GBNF (llama.cpp's, as vLLM's guided_grammar may carry) converted."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(text)
+    except Exception as e:  # the converter raises plain exceptions on malformed GBNF
+        raise GrammarError(f"invalid grammar: {e}") from e
+
+
 def choice_lark(options: Sequence[str]) -> str:
     """A Lark grammar matching exactly one of `options` (JSON string escapes are Lark's too)."""
     return "start: " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
+
+
+def constraint_from_request(
+    *,
+    response_format: Mapping[str, Any] | None = None,
+    guided_json: Mapping[str, Any] | str | None = None,
+    guided_regex: str | None = None,
+    guided_grammar: str | None = None,
+    guided_choice: Sequence[str] | None = None,
+) -> Constraint | None:
+    """The one constraint an OpenAI / vLLM request body asks for, or None.
+
+    `response_format` as OpenAI has it; `guided_*` as vLLM's extra body fields (`guided_grammar`
+    is Lark or GBNF). Raises InvalidArgument when more than one is given.
+    """
+    given = {
+        "response_format": Constraint.from_response_format(response_format),
+        "guided_json": None if guided_json is None else Constraint.json_schema(guided_json),
+        "guided_regex": None if guided_regex is None else Constraint.regex(guided_regex),
+        "guided_grammar": None if guided_grammar is None else Constraint.lark(guided_grammar),
+        "guided_choice": None if guided_choice is None else Constraint.choice(guided_choice),
+    }
+    chosen = {k: v for k, v in given.items() if v is not None}
+    if len(chosen) > 1:
+        raise InvalidArgument(f"only one structured-output option may be given, got {', '.join(chosen)}")
+    return next(iter(chosen.values()), None)
 
 
 def _schema_text(value: object) -> str:

@@ -90,6 +90,25 @@ def parse_tool_calls(
     return _parse_json(text, known)
 
 
+def tool_call_start(text: str) -> int | None:
+    """Where a tool call may begin in text streamed so far, or None: a server streams the content
+    before this index and holds the rest until `parse_tool_calls` can decide. Covers a (partial)
+    <tool_call> or <|python_tag|> tag and text that opens with JSON; a call embedded after prose
+    in the generic format is only found by the final parse."""
+    found = [i for i in (text.find(HERMES_OPEN), text.find(PYTHON_TAG)) if i >= 0]
+    if found:
+        return min(found)
+    stripped = text.lstrip()
+    if stripped.startswith(("{", "[", "`")):
+        return len(text) - len(stripped)
+    # a tag cut by the stream: "...<tool" could still become <tool_call>
+    for tag in (HERMES_OPEN, PYTHON_TAG):
+        for n in range(min(len(tag) - 1, len(text)), 0, -1):
+            if text.endswith(tag[:n]):
+                return len(text) - n
+    return None
+
+
 # --- the formats -------------------------------------------------------------------------------
 
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from superslm.errors import FormatError, InvalidArgument, UnsupportedModel
+from superslm.formats.blocks import BlockType
 from superslm.quant.hadamard import Rotation, unrotate_weight
 
 #: name -> format class
@@ -67,6 +69,19 @@ def as_bias(bias: torch.Tensor | Sequence[torch.Tensor | None] | None, out: int)
     return b
 
 
+def dequantize_gguf(
+    raw: np.ndarray, block_type: type[BlockType], shape: Sequence[int], row_perm: torch.Tensor | None = None
+) -> torch.Tensor:
+    """GGUF bytes of a weight [out, in] -> float32 [out, in], rows taken in `row_perm` order if given."""
+    n, k = (int(d) for d in shape)
+    if block_type.n_elements(raw) != n * k:
+        raise InvalidArgument(f"{block_type.name}: {raw.size} bytes do not hold a [{n}, {k}] weight")
+    w = torch.from_numpy(block_type.dequantize(raw)).view(n, k)
+    if row_perm is not None:
+        w = w[torch.as_tensor(row_perm, dtype=torch.long)]
+    return w
+
+
 class LinearFormat(nn.Module):
     """Base of the runtime weight formats (see the module docstring)."""
 
@@ -112,6 +127,28 @@ class LinearFormat(nn.Module):
     @classmethod
     def _from_state(cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], **common: Any) -> LinearFormat:
         raise NotImplementedError
+
+    @classmethod
+    def from_dense(
+        cls, weight: torch.Tensor | Sequence[torch.Tensor], bias: torch.Tensor | None = None, **options: Any
+    ) -> LinearFormat:
+        """Build from a float weight [out, in] (or a list of parts fused along out)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_gguf(
+        cls,
+        raw: np.ndarray,
+        block_type: type[BlockType],
+        shape: Sequence[int],
+        row_perm: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        **options: Any,
+    ) -> LinearFormat:
+        """A GGUF tensor [out, in] converted to this format: dequantized, rows permuted, re-quantized
+        (formats that run some block types as they are override this)."""
+        w = dequantize_gguf(raw, block_type, shape, row_perm)
+        return cls.from_dense(w, bias, note=f"from {block_type.name}", **options)
 
     # --- shared --------------------------------------------------------------------------------
 
@@ -184,6 +221,9 @@ def load_linear(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) ->
             note=str(meta.get("note", "")),
         )
         module = cls._from_state(tensors, meta, **common)
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+    except (KeyError, TypeError, ValueError, RuntimeError, InvalidArgument) as e:
         raise FormatError(f"{cls.name} linear: inconsistent tensors or metadata ({e})") from e
+    got = (module.in_features, module.out_features, module.k_pad)
+    if got != (common["in_features"], common["out_features"], common["k_pad"]):
+        raise FormatError(f"{cls.name} linear: tensors give (in, out, k_pad) {got}, the metadata says otherwise")
     return module

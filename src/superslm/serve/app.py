@@ -12,6 +12,7 @@ Messages are cut short so that no error echoes a whole input back.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
@@ -145,7 +146,7 @@ def create_app(
         state.loop.start()
         yield
         state.drain()
-        await run_in_threadpool(state.loop.stop)
+        state.loop.stop()  # quick: cancels what is left and joins the loop thread
 
     app = FastAPI(title="SuperSLM", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
@@ -182,6 +183,9 @@ def create_app(
         async def handler(request: HTTPRequest) -> Response:
             try:
                 return await run(state, request)
+            except ClientDisconnect:  # gone while sending its body
+                state.metrics.on_request(endpoint, "cancelled")
+                return Response(status_code=generate.CLIENT_GONE)
             except (SuperSLMError, HTTPException) as e:
                 status = e.http_status if isinstance(e, SuperSLMError) else e.status_code
                 outcome = "rejected" if status == 503 else "invalid" if status < 500 else "error"
@@ -205,10 +209,10 @@ def create_app(
         tok = model.tokenizer
         if req.prompt is not None:
             prompt: str = req.prompt
-            ids = await run_in_threadpool(tok.encode, prompt, req.add_special_tokens)
+            ids = await asyncio.to_thread(tok.encode, prompt, req.add_special_tokens)
         else:
             messages = chat_messages(req.messages)
-            ids = await run_in_threadpool(
+            ids = await asyncio.to_thread(
                 lambda: model.chat_tokens(messages, add_generation_prompt=req.add_generation_prompt)
             )
         out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.context, "tokens": ids}

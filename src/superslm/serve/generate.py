@@ -13,7 +13,6 @@ import json
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -118,7 +117,7 @@ async def completions(state: ServerState, request: HTTPRequest) -> Response:
         prompts = list(p)  # type: ignore[arg-type]
     if not prompts:
         raise bad("prompt", "prompt: is empty")
-    ids = await run_in_threadpool(lambda: [_prompt_ids(state, x) for x in prompts])
+    ids = await asyncio.to_thread(lambda: [_prompt_ids(state, x) for x in prompts])
     job = Job(state.model.tokenizer, model_name, False, req.n, [len(x) for x in ids], req.logprobs,
               bool(req.stream_options and req.stream_options.include_usage))
     return await _run(state, request, req, job, ids, req.max_tokens, DEFAULT_COMPLETION_TOKENS, req.logprobs)
@@ -140,7 +139,7 @@ async def chat_completions(state: ServerState, request: HTTPRequest) -> Response
         return state.model.chat_tokens(messages, add_generation_prompt=req.add_generation_prompt,
                                        enable_thinking=enable_thinking, **kwargs)
 
-    ids = await run_in_threadpool(render)
+    ids = await asyncio.to_thread(render)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     job = Job(state.model.tokenizer, model_name, True, req.n, [len(ids)], logprobs,
               bool(req.stream_options and req.stream_options.include_usage))
@@ -151,8 +150,9 @@ async def chat_completions(state: ServerState, request: HTTPRequest) -> Response
 async def _run(state: ServerState, request: HTTPRequest, req: CompletionRequest | ChatRequest, job: Job,
                prompts: list[list[int]], asked: int | None, default: int | None, logprobs: int | None) -> Response:
     """Submit every choice, then answer with the whole body or a stream."""
+    asked_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
     if asked is not None and asked < 1:
-        raise bad("max_tokens", f"max_tokens: must be at least 1, got {asked}")
+        raise bad(asked_param, f"{asked_param}: must be at least 1, got {asked}")
     total = len(prompts) * req.n
     if total > state.loop.capacity:
         raise bad("n", f"n: the request asks for {total} sequences; this server holds at most {state.loop.capacity}")
@@ -171,45 +171,44 @@ async def _run(state: ServerState, request: HTTPRequest, req: CompletionRequest 
     sub = Submission(requests, prompt_tokens=sum(len(x) for x in prompts))
     state.loop.submit(sub)
     watcher = watch_disconnect(request, sub)
+    done = False
     try:
         if req.stream:
-            first = await sub.events.get()
-        else:
-            first = await _collect(job, sub)
-    except BaseException:
-        state.loop.cancel(sub)
-        watcher.cancel()
-        raise
-    if first is None:  # the client went away
-        state.loop.cancel(sub)
-        watcher.cancel()
-        state.metrics.on_request(state.endpoint(job), "cancelled")
+            first = await sub.events.get()  # headers wait for it: an early error is a plain HTTP error
+            failed = next((ev.error for ev in first or () if ev.error is not None), None)
+            if failed is not None:
+                raise failed
+            if first is not None:
+                done = True  # from here on the stream owns the submission and the watcher
+                headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+                return EventStream(_frames(state, job, sub, first, watcher), media_type="text/event-stream",
+                                   headers=headers)
+        elif await _collect(job, sub):
+            done = True
+            state.metrics.on_request(state.endpoint(job), "success")
+            return JSONResponse(job.response())
+        state.metrics.on_request(state.endpoint(job), "cancelled")  # the client went away
         return Response(status_code=CLIENT_GONE)
-    if not req.stream:
-        watcher.cancel()
-        state.metrics.on_request(state.endpoint(job), "success")
-        return JSONResponse(job.response())
-    failed = next((ev.error for ev in first if ev.error is not None), None)
-    if failed is not None:
-        state.loop.cancel(sub)
-        watcher.cancel()
-        raise failed
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return EventStream(_frames(state, job, sub, first, watcher), media_type="text/event-stream", headers=headers)
+    finally:
+        if not done:
+            state.loop.cancel(sub)
+            watcher.cancel()
+        elif not req.stream:
+            watcher.cancel()
 
 
-async def _collect(job: Job, sub: Submission) -> list[Event] | None:
-    """Every event to the end (None: the client went away); an error event is raised."""
+async def _collect(job: Job, sub: Submission) -> bool:
+    """Absorb every event to the end (False: the client went away); an error event is raised."""
     while not job.done:
         events = await sub.events.get()
         if events is None:
-            return None
+            return False
         for ev in events:
             if ev.error is not None:
                 raise ev.error
             assert ev.progress is not None
             job.absorb(ev.index, ev.progress)
-    return []
+    return True
 
 
 async def _frames(state: ServerState, job: Job, sub: Submission, first: list[Event],

@@ -1,0 +1,123 @@
+"""Saved sequences: a versioned blob of a sequence's whole state, and its reader.
+
+Layout (version 1), all integers little-endian:
+
+    magic   8 bytes  b"SSLMSEQ\\x00"
+    version u32
+    length  u64      of the JSON header
+    header  JSON     model fingerprint, KV layout, the sequence's state (tokens, computed count,
+                     sampler RNG and penalty counts, detokenizer and stop-string state, stats)
+    kv      bytes    keys then values of the computed tokens: [layers, tokens, kv_heads, head_dim]
+    sha256  32 bytes of everything before it
+
+A blob of another model, a truncated or corrupted blob, or a future version is refused with its own
+error. Every released version stays readable: tests/data keeps a blob of each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from superslm.errors import StateCorrupted, StateModelMismatch, StateVersionUnsupported
+
+MAGIC = b"SSLMSEQ\x00"
+VERSION = 1
+_HEAD = struct.Struct("<8sIQ")
+_DIGEST = 32
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class SavedSequence:
+    """A parsed blob: the header and the KV tensors of its computed tokens."""
+
+    version: int
+    header: dict[str, Any]
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    # bf16 has no numpy dtype: ship the 16-bit patterns
+    t = t.contiguous().cpu()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16).numpy().tobytes()
+    return t.numpy().tobytes()
+
+
+def _tensor(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if dtype in (torch.bfloat16, torch.float16):
+        return torch.from_numpy(np.frombuffer(data, dtype=np.int16).copy()).view(dtype).reshape(shape)
+    return torch.from_numpy(np.frombuffer(data, dtype=np.float32).copy()).reshape(shape)
+
+
+def encode(header: dict[str, Any], k: torch.Tensor, v: torch.Tensor) -> bytes:
+    """The blob of a sequence: header JSON plus its KV tensors, checksummed."""
+    header = dict(header, kv_shape=list(k.shape), kv_dtype=dtype_name(k.dtype))
+    text = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    body = _HEAD.pack(MAGIC, VERSION, len(text)) + text + _raw(k) + _raw(v)
+    return body + hashlib.sha256(body).digest()
+
+
+def decode(blob: bytes, fingerprint: str) -> SavedSequence:
+    """Parse and check a blob against the model it is restored into."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise StateCorrupted("a saved sequence is bytes")
+    blob = bytes(blob)
+    if len(blob) < _HEAD.size + _DIGEST or blob[:8] != MAGIC:
+        raise StateCorrupted("not a saved SuperSLM sequence (bad magic or too short)")
+    magic, version, length = _HEAD.unpack_from(blob)
+    if version > VERSION or version < 1:
+        raise StateVersionUnsupported(f"saved sequence format version {version}; this release reads 1..{VERSION}")
+    if hashlib.sha256(blob[:-_DIGEST]).digest() != blob[-_DIGEST:]:
+        raise StateCorrupted("saved sequence checksum mismatch (truncated or corrupted)")
+    end = _HEAD.size + length
+    if end > len(blob) - _DIGEST:
+        raise StateCorrupted("saved sequence header runs past its end")
+    try:
+        header = json.loads(blob[_HEAD.size : end])
+        shape = tuple(int(x) for x in header["kv_shape"])
+        dtype = _DTYPES[header["kv_dtype"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise StateCorrupted(f"saved sequence header is malformed ({e})") from e
+    if header.get("model") != fingerprint:
+        raise StateModelMismatch("the sequence was saved from another model (weights, format or dtype differ)")
+    count = 1
+    for d in shape:
+        count *= d
+    size = count * torch.empty((), dtype=dtype).element_size()
+    if end + 2 * size != len(blob) - _DIGEST:
+        raise StateCorrupted("saved sequence KV size does not match its header")
+    k = _tensor(blob[end : end + size], dtype, shape)
+    v = _tensor(blob[end + size : end + 2 * size], dtype, shape)
+    return SavedSequence(version, header, k, v)
+
+
+def sequence_state(seq: Any) -> dict[str, Any]:
+    """The plain-data state of an engine Sequence (everything but its KV)."""
+    req = seq.request
+    return {
+        "prompt": list(seq.prompt),
+        "output": list(seq.output),
+        "max_tokens": seq.max_tokens,
+        "request_max_tokens": req.max_tokens,
+        "salt": req.salt,
+        "cached": seq.cached,
+        "preemptions": seq.preemptions,
+        "layers_run": seq.layers_run,
+        "sampler": seq.sampler.state(),
+        "decoder": seq.decoder.state(),
+        "stops": seq.stops.state(),
+    }

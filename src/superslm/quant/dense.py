@@ -1,0 +1,145 @@
+"""bf16 and int8 (per output channel) linears.
+
+int8 runs `torch.ops.aten._weight_int8pack_mm(x, codes, scales)` = x (codes * scales[:, None])^T with
+codes int8 [N, K] and scales [N] in x's dtype (bf16: its fp32 path is many times slower). The kernel
+reads garbage or crashes unless K % 16 == 0, so K is zero-padded to a multiple of 32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from superslm.quant.base import LinearFormat, as_bias, as_parts, register_format
+from superslm.quant.hadamard import pick_block, rotate_weight
+from superslm.quant.int4 import round_up
+
+#: int8 kernel: K is padded to a multiple of this
+_INT8_K = 32
+
+
+def _prepare(
+    weight: torch.Tensor | Sequence[torch.Tensor], k_multiple: int, rotate: int | None, block: int | None
+) -> tuple[torch.Tensor, int, tuple[int, int] | None]:
+    """(float32 weight [out, k_pad], in_features, rotation) with the input padded and rotated."""
+    w = as_parts(weight)
+    k = w.shape[1]
+    k_pad = round_up(k, k_multiple)
+    w = F.pad(w, (0, k_pad - k))
+    rot = None
+    if rotate is not None:
+        rot = (int(rotate), pick_block(k_pad) if block is None else block)
+        w = rotate_weight(w, *rot)
+    return w, k, rot
+
+
+@register_format
+class Bf16Linear(LinearFormat):
+    """The weight in bf16, F.linear on bf16 activations (what the int formats are measured against)."""
+
+    name: ClassVar[str] = "bf16"
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+        rotation: tuple[int, int] | None = None,
+        note: str = "",
+        **_: Any,
+    ) -> None:
+        """weight [out, k_pad] (stored basis: rotated when `rotation` is given)."""
+        super().__init__(in_features, weight.shape[0], weight.shape[1], bias, rotation, note)
+        self.register_buffer("weight", weight.to(torch.bfloat16).contiguous())
+
+    @classmethod
+    def from_dense(
+        cls,
+        weight: torch.Tensor | Sequence[torch.Tensor],
+        bias: torch.Tensor | None = None,
+        rotate: int | None = None,
+        block: int | None = None,
+        note: str = "",
+    ) -> Bf16Linear:
+        """The weight [out, in] (or parts fused along out) rounded to bf16; `rotate`: a rotation seed."""
+        w, k, rot = _prepare(weight, 1, rotate, block)
+        return cls(w, k, as_bias(bias, w.shape[0]), rot, note)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def dequantize_stored(self) -> torch.Tensor:
+        return self.weight.float()
+
+    def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return {"weight": self.weight}, {}
+
+    @classmethod
+    def _from_state(cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], **common: Any) -> LinearFormat:
+        common.pop("out_features")
+        common.pop("k_pad")
+        return cls(tensors["weight"], **common)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row of w float32 [N, K] -> (codes int8 [N, K], scale bf16 [N]);
+    codes are rounded against the bf16 scale the kernel will use."""
+    tiny = torch.finfo(torch.bfloat16).tiny
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(tiny).to(torch.bfloat16)
+    codes = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+@register_format
+class Int8Linear(LinearFormat):
+    """Symmetric int8 with one scale per output channel, on `_weight_int8pack_mm` with bf16 activations."""
+
+    name: ClassVar[str] = "int8"
+
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        in_features: int,
+        out_features: int | None = None,
+        bias: torch.Tensor | None = None,
+        rotation: tuple[int, int] | None = None,
+        note: str = "",
+        **_: Any,
+    ) -> None:
+        """codes int8 [out, k_pad] (k_pad % 32 == 0), scale [out]."""
+        n, k_pad = codes.shape
+        super().__init__(in_features, n, k_pad, bias, rotation, note)
+        self.register_buffer("codes", codes.to(torch.int8).contiguous())
+        self.register_buffer("scale", scale.to(torch.bfloat16).contiguous())
+
+    @classmethod
+    def from_dense(
+        cls,
+        weight: torch.Tensor | Sequence[torch.Tensor],
+        bias: torch.Tensor | None = None,
+        rotate: int | None = None,
+        block: int | None = None,
+        note: str = "",
+    ) -> Int8Linear:
+        """Quantize a float weight [out, in] (or parts fused along out); `rotate`: a rotation seed."""
+        w, k, rot = _prepare(weight, _INT8_K, rotate, block)
+        codes, scale = quantize_int8(w)
+        return cls(codes, scale, k, bias=as_bias(bias, w.shape[0]), rotation=rot, note=note)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
+
+    def dequantize_stored(self) -> torch.Tensor:
+        return self.codes.float() * self.scale.float()[:, None]
+
+    def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return {"codes": self.codes, "scale": self.scale}, {}
+
+    @classmethod
+    def _from_state(cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], **common: Any) -> LinearFormat:
+        common.pop("k_pad")
+        return cls(tensors["codes"], tensors["scale"], **common)

@@ -1,0 +1,114 @@
+"""Which runtime format each GGUF block type becomes, and linears built from GGUF tensors.
+
+Q4_0, Q4_1 and Q4_K run as they are ("gguf": their 32-value groups are the packed kernel's groups).
+Every other quantized type is dequantized and re-quantized to int8 per output channel: measured on
+Gemma-3-270M's tensors (relative Frobenius error of W x against the block's own values, Gaussian x),
+int8 adds 0.8% (Q5_0, Q8_0) to 1.0% (Q6_K), where int4 g32 would add 8% (docs/quantization.md).
+Float types become bf16. A caller may pass its own `mapping` (e.g. Q5_0 -> int4 g32, for speed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from superslm.errors import InvalidArgument
+from superslm.formats.blocks import BlockType, Int4BlockType
+from superslm.quant.base import LinearFormat, dequantize_gguf, format_class, load_linear, register_format
+from superslm.quant.int4 import GGUFInt4Linear
+
+#: block type name -> (format name, from_dense options); the int4 block types run natively
+NEAREST: dict[str, tuple[str, dict[str, Any]]] = {
+    "Q4_0": ("gguf", {}), "Q4_1": ("gguf", {}), "Q4_K": ("gguf", {}),
+    "Q5_0": ("int8", {}), "Q5_1": ("int8", {}), "Q5_K": ("int8", {}), "Q6_K": ("int8", {}),
+    "Q8_0": ("int8", {}), "Q8_K": ("int8", {}), "Q2_K": ("int8", {}), "Q3_K": ("int8", {}),
+    "F32": ("bf16", {}), "F16": ("bf16", {}), "BF16": ("bf16", {}), "F64": ("bf16", {}),
+}  # fmt: skip
+
+#: one GGUF weight: (raw bytes, block type, shape [out, in], row permutation or None)
+GGUFPart = tuple[np.ndarray, type[BlockType], Sequence[int], "torch.Tensor | None"]
+
+
+def nearest_format(block_type: type[BlockType], mapping: Mapping[str, tuple[str, dict[str, Any]]] | None = None
+                   ) -> tuple[str, dict[str, Any]]:
+    """(format name, options) a block type runs as; InvalidArgument for types with no linear format."""
+    table = {**NEAREST, **(mapping or {})}
+    got = table.get(block_type.name)
+    if got is None:
+        raise InvalidArgument(f"GGUF {block_type.name} tensors cannot be used as a linear weight")
+    if got[0] == "gguf" and not issubclass(block_type, Int4BlockType):
+        raise InvalidArgument(f"GGUF {block_type.name} is not an int4 block type; it cannot run as 'gguf'")
+    return got
+
+
+@register_format
+class ConcatLinear(LinearFormat):
+    """Parts of a fused linear that map to different formats (e.g. Q4_K q, k with a Q6_K v): one
+    kernel call per part, outputs concatenated. Costs a dispatch per part; used only when needed."""
+
+    name: ClassVar[str] = "concat"
+
+    def __init__(self, parts: Sequence[LinearFormat], note: str = "") -> None:
+        ins = {p.in_features for p in parts}
+        if len(ins) != 1:
+            raise InvalidArgument("concatenated linears must share their input dimension")
+        k = ins.pop()
+        super().__init__(k, sum(p.out_features for p in parts), k, None, None, note)
+        self.parts = torch.nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def dequantize_stored(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def dequantize(self) -> torch.Tensor:
+        return self.dequantize_stored()
+
+    def describe(self) -> str:
+        return "concat[" + "; ".join(p.describe() for p in self.parts) + "]"
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+    def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors: dict[str, torch.Tensor] = {}
+        metas = []
+        for i, p in enumerate(self.parts):
+            t, m = p.to_tensors()
+            tensors.update({f"part{i}.{k}": v for k, v in t.items()})
+            metas.append(m)
+        return tensors, {"parts": metas}
+
+    @classmethod
+    def _from_state(cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], **common: Any) -> LinearFormat:
+        parts = []
+        for i, m in enumerate(meta["parts"]):
+            prefix = f"part{i}."
+            parts.append(load_linear({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, m))
+        return cls(parts, common.get("note", ""))
+
+
+def linear_from_gguf(
+    parts: Sequence[GGUFPart],
+    bias: torch.Tensor | None = None,
+    mapping: Mapping[str, tuple[str, dict[str, Any]]] | None = None,
+) -> LinearFormat:
+    """One linear from one GGUF weight or several fused along out (qkv, gate_up), each block type in
+    its nearest format: one module when all parts map to the same format, else a ConcatLinear."""
+    if not parts:
+        raise InvalidArgument("linear_from_gguf needs at least one part")
+    targets = [nearest_format(p[1], mapping) for p in parts]
+    if all(t == targets[0] for t in targets):
+        fmt, options = targets[0]
+        if fmt == "gguf":
+            return GGUFInt4Linear.from_gguf_parts(parts, bias)
+        names = "+".join(dict.fromkeys(p[1].name for p in parts))
+        weights = [dequantize_gguf(*p) for p in parts]
+        return format_class(fmt).from_dense(weights, bias, note=f"from {names}", **options)
+    sizes = [int(p[2][0]) for p in parts]
+    biases = [None] * len(parts) if bias is None else list(torch.split(bias, sizes))
+    return ConcatLinear([linear_from_gguf([p], b, mapping) for p, b in zip(parts, biases)])

@@ -1,0 +1,304 @@
+"""int4 linears on torch's packed CPU kernel: groupwise asymmetric ("int4") and GGUF blocks as they are ("gguf").
+
+`torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)` computes x W^T with
+
+    W[n, k] = (code[n, k] - 8) * scale[g, n] + zero[g, n],   g = k // group,
+
+codes 0..15 and `scales_and_zeros` [K / group, N, 2] in x's dtype (bf16 here; the fp32 path is many
+times slower). So "zero" is the value of code 8, i.e. minimum + 8 * scale for a group stored as
+scale * code + minimum (GGUF's Q4_0/Q4_1/Q4_K sub-blocks, our asymmetric min/max groups). The kernel
+needs N % 16 == 0, K % group == 0 and group in {32, 64, 128, 256}; we pad N to a multiple of 64
+(where its packed layout is the plain one `pack_int4` writes) and K to a multiple of the group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from superslm.errors import InternalError, InvalidArgument, UnsupportedModel
+from superslm.formats.blocks import BlockType, Int4BlockType
+from superslm.quant.base import LinearFormat, as_bias, as_parts, register_format
+from superslm.quant.hadamard import pick_block, rotate_weight
+
+GROUPS = (32, 64, 128, 256)
+#: rows per block of the kernel's packed layout when N % 64 == 0
+_BLOCK_N = 64
+_layout_checked = False
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [N, K] (0..15, N % 64 == 0) -> the kernel's packed uint8 [N, K / 2].
+
+    Per block of 64 rows and per k, byte j holds row j (low nibble) and row j + 32 (high nibble):
+    what `_convert_weight_to_int4pack_for_cpu` writes, without its int32 copy of the codes.
+    """
+    n, k = codes.shape
+    v = codes.view(n // _BLOCK_N, 2, _BLOCK_N // 2, k)  # [blocks, half, j, k]
+    b = v[:, 0] | (v[:, 1] << 4)  # [blocks, 32, k]
+    return b.transpose(1, 2).contiguous().view(n, k // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int4`: packed uint8 [N, K / 2] -> codes uint8 [N, K]."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    b = packed.view(n // _BLOCK_N, k, _BLOCK_N // 2).transpose(1, 2)  # [blocks, 32, k]
+    return torch.stack((b & 15, b >> 4), dim=1).reshape(n, k)
+
+
+def _check_layout() -> None:
+    # our packer must match the op's; checked once per process so a torch change fails loudly
+    global _layout_checked
+    if _layout_checked:
+        return
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (128, 64), generator=g, dtype=torch.int32)
+    ref = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    if not torch.equal(ref, pack_int4(codes.to(torch.uint8))):
+        raise InternalError("torch's packed int4 CPU layout differs from superslm.quant.int4.pack_int4")
+    _layout_checked = True
+
+
+#: range shrink factors tried per group by `fit_groups` (llama.cpp's make_qkx2_quants does the same)
+_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+_REFITS = 2
+#: rows quantized at a time, so the search's temporaries stay small for a 49152-row head
+_ROWS = 4096
+
+
+def fit_groups(g: torch.Tensor, search: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, minimum) float32 [..., groups] for groups g [..., groups, size] quantized as
+    scale * code + minimum, codes 0..15. Min/max, or with `search` the lowest squared error over
+    shrunk ranges, each refined by least-squares refits of (scale, minimum) to its codes."""
+    lo, hi = g.amin(-1), g.amax(-1)
+    tiny = torch.finfo(torch.bfloat16).tiny
+    if not search:
+        return ((hi - lo) / 15).clamp_min(tiny), lo
+    mid, half = (hi + lo) / 2, (hi - lo) / 2
+    best_s, best_m, best_err = None, None, None
+    for shrink in _SHRINK:
+        s, m = (2 * half * shrink / 15).clamp_min(tiny), mid - half * shrink
+        for it in range(_REFITS + 1):
+            c = torch.round((g - m[..., None]) / s[..., None]).clamp_(0, 15)
+            if it == _REFITS:
+                break
+            # least squares g ~ s * c + m per group; keep the old fit where it degenerates
+            cm, gm = c.mean(-1), g.mean(-1)
+            dc = c - cm[..., None]
+            var, cov = (dc * dc).sum(-1), (dc * (g - gm[..., None])).sum(-1)
+            s_new = cov / var.clamp_min(1e-12)
+            ok = (var > 0) & (s_new > tiny)
+            s = torch.where(ok, s_new, s)
+            m = torch.where(ok, gm - s * cm, m)
+        err = ((c * s[..., None] + m[..., None] - g) ** 2).sum(-1)
+        if best_err is None:
+            best_s, best_m, best_err = s, m, err
+        else:
+            better = err < best_err
+            best_s, best_m = torch.where(better, s, best_s), torch.where(better, m, best_m)
+            best_err = torch.minimum(err, best_err)
+    assert best_s is not None and best_m is not None
+    return best_s, best_m
+
+
+def quantize_groups(
+    w: torch.Tensor, group: int, search: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 of w float32 [N, K] per `group` inputs -> (codes uint8 [N, K], scale bf16
+    [N, K / group], zero bf16 [N, K / group]) in the kernel's terms (value = (code - 8) * scale + zero).
+    Codes are chosen against the bf16-rounded scale and zero: the values the kernel will use."""
+    n, k = w.shape
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    scale = torch.empty(n, k // group, dtype=torch.bfloat16)
+    zero = torch.empty_like(scale)
+    for r in range(0, n, _ROWS):
+        g = w[r : r + _ROWS].reshape(-1, k // group, group)  # [rows, groups, group]
+        s, m = fit_groups(g, search)
+        sb = s.to(torch.bfloat16)
+        zb = (m + 8 * sb.float()).to(torch.bfloat16)
+        c = torch.round((g - zb.float()[..., None]) / sb.float()[..., None] + 8).clamp_(0, 15)
+        codes[r : r + _ROWS] = c.to(torch.uint8).view(-1, k)
+        scale[r : r + _ROWS], zero[r : r + _ROWS] = sb, zb
+    return codes, scale, zero
+
+
+@register_format
+class Int4Linear(LinearFormat):
+    """Groupwise asymmetric int4 (group 32, 64, 128 or 256) on the packed CPU kernel, bf16 activations."""
+
+    name: ClassVar[str] = "int4"
+
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        group: int,
+        in_features: int,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+        rotation: tuple[int, int] | None = None,
+        note: str = "",
+    ) -> None:
+        """codes uint8 [N, k_pad], scale and zero bf16 [N, k_pad / group] (any N: rows are padded here)."""
+        if group not in GROUPS:
+            raise InvalidArgument(f"int4 group must be one of {GROUPS}, not {group}")
+        n, k_pad = codes.shape
+        if k_pad % group or scale.shape != (n, k_pad // group) or zero.shape != scale.shape or n != out_features:
+            raise InvalidArgument(f"int4: codes {tuple(codes.shape)} and scales {tuple(scale.shape)} do not match")
+        super().__init__(in_features, out_features, k_pad, bias, rotation, note)
+        _check_layout()
+        self.group = group
+        n_pad = round_up(n, _BLOCK_N)
+        if n_pad != n:
+            # padded rows: code 8, scale 0, zero 0 -> weight 0; sliced off the output
+            codes = torch.cat([codes, codes.new_full((n_pad - n, k_pad), 8)])
+            scale = torch.cat([scale, scale.new_zeros(n_pad - n, scale.shape[1])])
+            zero = torch.cat([zero, zero.new_zeros(n_pad - n, zero.shape[1])])
+        self.register_buffer("qweight", pack_int4(codes.to(torch.uint8).contiguous()))
+        sz = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)  # [N_pad, groups, 2]
+        self.register_buffer("scales_zeros", sz.transpose(0, 1).contiguous())  # [groups, N_pad, 2]
+
+    @classmethod
+    def from_dense(
+        cls,
+        weight: torch.Tensor | Sequence[torch.Tensor],
+        bias: torch.Tensor | None = None,
+        group: int = 128,
+        rotate: int | None = None,
+        block: int | None = None,
+        note: str = "",
+        search: bool = True,
+    ) -> Int4Linear:
+        """Quantize a float weight [out, in] (or parts to fuse, stacked along out).
+
+        `rotate`: a seed to rotate the input dimension first (block Hadamard over the padded input,
+        `block` = the largest power of two <= 128 dividing it by default); `in` is zero-padded to a
+        multiple of `group`. `search`: fit each group's range for the lowest squared error
+        (`fit_groups`) instead of plain min/max.
+        """
+        if group not in GROUPS:
+            raise InvalidArgument(f"int4 group must be one of {GROUPS}, not {group}")
+        w = as_parts(weight)
+        n, k = w.shape
+        k_pad = round_up(k, group)
+        w = torch.nn.functional.pad(w, (0, k_pad - k))
+        rot = None
+        if rotate is not None:
+            rot = (int(rotate), pick_block(k_pad) if block is None else block)
+            w = rotate_weight(w, *rot)
+        codes, scale, zero = quantize_groups(w, group, search)
+        return cls(codes, scale, zero, group, k, n, as_bias(bias, n), rot, note)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group, self.scales_zeros)
+        return y if y.shape[1] == self._out else y[:, : self._out]
+
+    def _params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes uint8 [N, k_pad], scale bf16 [N, groups], zero bf16 [N, groups]), padding rows dropped."""
+        n = self._out
+        sz = self.scales_zeros[:, :n].transpose(0, 1)  # [N, groups, 2]
+        return unpack_int4(self.qweight)[:n], sz[..., 0].contiguous(), sz[..., 1].contiguous()
+
+    def dequantize_stored(self) -> torch.Tensor:
+        codes, scale, zero = self._params()
+        n = self._out
+        c = codes.float().view(n, -1, self.group)  # [N, groups, group]
+        w = (c - 8) * scale.float()[..., None] + zero.float()[..., None]
+        return w.view(n, self.k_pad)
+
+    def _describe_format(self) -> str:
+        return f"int4 g{self.group}"
+
+    def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        codes, scale, zero = self._params()
+        # stored nibble order: byte j of a row holds codes 2j (low) and 2j + 1 (high)
+        packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        return {"qweight": packed, "scales": scale, "zeros": zero}, {"group": self.group}
+
+    @classmethod
+    def _from_state(cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], **common: Any) -> LinearFormat:
+        common.pop("k_pad")
+        packed = tensors["qweight"]
+        codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1)  # [N, k_pad]
+        return cls(codes, tensors["scales"], tensors["zeros"], int(meta["group"]), **common)
+
+
+def gguf_int4_params(
+    raw: np.ndarray, block_type: type[BlockType], shape: Sequence[int], row_perm: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q4_0/Q4_1/Q4_K bytes of a weight [out, in] -> (codes uint8 [out, in], scale, zero bf16
+    [out, in / 32]) for the kernel: each 32-value sub-block is one group, codes untouched.
+
+    `row_perm` (int [out]): stored row i is the file's row row_perm[i] (llama's q/k unpermute).
+    """
+    if not (isinstance(block_type, type) and issubclass(block_type, Int4BlockType)):
+        name = getattr(block_type, "name", block_type)
+        raise UnsupportedModel(f"GGUF {name} blocks are not scale/min int4 groups; use linear_from_gguf")
+    n, k = (int(d) for d in shape)
+    if block_type.n_elements(raw) != n * k or k % 32:
+        raise InvalidArgument(f"{block_type.name}: {raw.size} bytes do not hold a [{n}, {k}] weight")
+    codes_np, scale_np, min_np = block_type.unpack_int4(raw)
+    codes = torch.from_numpy(codes_np).view(n, k)
+    scale = torch.from_numpy(scale_np).view(n, k // 32)
+    minimum = torch.from_numpy(min_np).view(n, k // 32)
+    if row_perm is not None:
+        row_perm = torch.as_tensor(row_perm, dtype=torch.long)
+        if row_perm.shape != (n,) or not torch.equal(torch.sort(row_perm).values, torch.arange(n)):
+            raise InvalidArgument(f"row_perm must be a permutation of {n} rows")
+        codes, scale, minimum = codes[row_perm], scale[row_perm], minimum[row_perm]
+    # the kernel's zero is the value of code 8; one float32 rounding, then one bf16 rounding
+    zero = (minimum + 8 * scale).to(torch.bfloat16)
+    return codes.contiguous(), scale.to(torch.bfloat16), zero
+
+
+@register_format
+class GGUFInt4Linear(Int4Linear):
+    """GGUF Q4_0 / Q4_1 / Q4_K weights run as they are: int4 g32 with the blocks' own codes.
+
+    No re-quantization: codes are the file's; each group's scale and min become the kernel's bf16
+    scale and zero (the only rounding, at bf16's 2^-8 like any bf16 weight).
+    """
+
+    name: ClassVar[str] = "gguf"
+
+    @classmethod
+    def from_gguf(  # type: ignore[override]
+        cls,
+        raw: np.ndarray,
+        block_type: type[BlockType],
+        shape: Sequence[int],
+        row_perm: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> GGUFInt4Linear:
+        """One GGUF int4 tensor [out, in] as a module (see `gguf_int4_params`)."""
+        return cls.from_gguf_parts([(raw, block_type, shape, row_perm)], bias)
+
+    @classmethod
+    def from_gguf_parts(
+        cls,
+        parts: Sequence[tuple[np.ndarray, type[BlockType], Sequence[int], torch.Tensor | None]],
+        bias: torch.Tensor | None = None,
+    ) -> GGUFInt4Linear:
+        """Several GGUF int4 tensors (raw, block_type, shape, row_perm) fused along out (qkv, gate_up)."""
+        got = [gguf_int4_params(*p) for p in parts]
+        codes = torch.cat([g[0] for g in got])
+        scale = torch.cat([g[1] for g in got])
+        zero = torch.cat([g[2] for g in got])
+        n, k = codes.shape
+        names = "+".join(dict.fromkeys(p[1].name for p in parts))
+        return cls(codes, scale, zero, 32, k, n, as_bias(bias, n), None, f"from {names}, codes exact")
+
+    @classmethod
+    def from_dense(cls, *args: Any, **kwargs: Any) -> Int4Linear:
+        raise InvalidArgument("the gguf format is built from GGUF blocks (from_gguf); use int4 for dense weights")
+
+    def _describe_format(self) -> str:
+        return "gguf int4 g32"

@@ -1,0 +1,137 @@
+"""Swapping a Transformer's DenseLinear modules for runtime formats, in place (gpt-fast's module swap).
+
+`quantize_linears` re-quantizes the dense weights the model holds (any source); `quantize_from_source`
+builds the linears from a GGUF file's own blocks, running Q4_0/Q4_1/Q4_K as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from superslm.errors import InvalidArgument, UnsupportedModel
+from superslm.models.loader import Source, Stored, canonical_names
+from superslm.models.transformer import DenseLinear, Transformer
+from superslm.quant.base import LinearFormat, format_class
+from superslm.quant.gguf_map import GGUFPart, linear_from_gguf
+
+#: a Layer's linears, and the canonical weights each one fuses (in this order along out)
+LAYER_LINEARS: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"),
+                                             "down": ("down",)}
+#: formats a rotation helps (bf16 keeps every bit anyway)
+_ROTATED = ("int4", "int8")
+
+
+def make_linear(
+    fmt: str, weight: torch.Tensor, bias: torch.Tensor | None, group: int, rotate: bool, seed: int
+) -> LinearFormat:
+    """A `fmt` module from a dense weight [out, in], with the options that format takes."""
+    options: dict[str, Any] = {}
+    if fmt == "int4":
+        options["group"] = group
+    if rotate and fmt in _ROTATED:
+        options["rotate"] = seed
+    return format_class(fmt).from_dense(weight, bias, **options)
+
+
+def quantize_linears(
+    net: Transformer,
+    body: str | None = "int4",
+    head: str | None = "int8",
+    group: int = 128,
+    rotate: bool = True,
+    seed: int = 0,
+) -> dict[str, str]:
+    """Replace every DenseLinear of `net` in place: qkv, o, gate_up, down of each layer by `body`,
+    the output head by `head` (None keeps a module dense). With `rotate`, int4/int8 weights are
+    Hadamard-rotated with `seed` (the activation rotation runs inside each module's forward).
+
+    Returns {module name: describe()} of what was swapped. Activations enter the formats in bf16:
+    load the model in bf16 for speed (an fp32 model is cast at each linear).
+    """
+    if body == "gguf" or head == "gguf":
+        raise InvalidArgument("the gguf format comes from GGUF blocks: use quantize_from_source")
+    done: dict[str, str] = {}
+    for i, layer in enumerate(net.layers):
+        for attr in LAYER_LINEARS:
+            dense = getattr(layer, attr)
+            if body is None or not isinstance(dense, DenseLinear):
+                continue
+            module = make_linear(body, dense.weight, dense.bias, group, rotate, seed)
+            setattr(layer, attr, module)
+            done[f"layers.{i}.{attr}"] = module.describe()
+    if getattr(net, "has_head", False) and head is not None and isinstance(net.head, DenseLinear):
+        net.head = make_linear(head, net.head.weight, net.head.bias, group, rotate, seed)
+        done["head"] = net.head.describe()
+    return done
+
+
+def row_permutation(source: Source, short: str, rows: int) -> torch.Tensor | None:
+    """The row order the recipe's GGUF fix gives weight `short` (llama's q/k unpermute), as indices
+    into the file's rows; None when the fix leaves it alone. UnsupportedModel when the fix is not a
+    pure row permutation (it could not be applied to blocks without dequantizing)."""
+    fix, arch = source.recipe.fix_gguf, source.arch
+    probe = torch.arange(rows, dtype=torch.float64)[:, None].repeat(1, 2)  # [rows, 2], exact row ids
+    got = fix(short, probe, arch)
+    if torch.equal(got, probe):
+        return None
+    perm = got[:, 0].long()
+    values = torch.randn(rows, 3, dtype=torch.float64)
+    if (
+        got.shape != probe.shape
+        or not torch.equal(torch.sort(perm).values, torch.arange(rows))
+        or not torch.equal(fix(short, values, arch), values[perm])
+    ):
+        raise UnsupportedModel(f"{source.recipe.family}: the GGUF fix of {short} is not a row permutation")
+    return perm
+
+
+def gguf_parts(source: Source, names: Mapping[str, Stored], prefix: str, keys: tuple[str, ...]) -> list[GGUFPart]:
+    """(raw, block type, shape, row_perm) of the canonical weights prefix + key of a GGUF source
+    (`names`: its `canonical_names`)."""
+    out: list[GGUFPart] = []
+    for key in keys:
+        stored = names[prefix + key]
+        info = source.gguf.tensors[stored.name]
+        perm = row_permutation(source, key, info.shape[0])
+        out.append((source.gguf.raw(stored.name), info.block, info.shape, perm))
+    return out
+
+
+def quantize_from_source(
+    net: Transformer,
+    source: Source,
+    head: str | None = "nearest",
+    mapping: Mapping[str, tuple[str, dict[str, Any]]] | None = None,
+    group: int = 128,
+    rotate: bool = False,
+    seed: int = 0,
+) -> dict[str, str]:
+    """Rebuild `net`'s linears from the GGUF file it was loaded from, in place: Q4_0/Q4_1/Q4_K weights
+    run as they are (no re-quantization), other block types in their nearest format (`gguf_map.NEAREST`,
+    overridden by `mapping`). `head`: "nearest" maps the head's (or the tied embedding's) block type the
+    same way; a format name re-quantizes the model's head weight (with `group`, `rotate`, `seed`);
+    None keeps it dense. Biases come from the model (already fused and permuted). Returns
+    {module name: describe()}.
+    """
+    if source.format != "gguf" or source.gguf is None:
+        raise InvalidArgument(f"{source.path} is not a GGUF source; use quantize_linears")
+    names = canonical_names(source, len(net.layers))
+    done: dict[str, str] = {}
+    for i, layer in enumerate(net.layers):
+        for attr, keys in LAYER_LINEARS.items():
+            old = getattr(layer, attr)
+            parts = gguf_parts(source, names, f"layers.{i}.", keys)
+            module = linear_from_gguf(parts, getattr(old, "bias", None), mapping)
+            setattr(layer, attr, module)
+            done[f"layers.{i}.{attr}"] = module.describe()
+    if getattr(net, "has_head", False) and head is not None:
+        if head == "nearest":
+            key = "head" if "head" in names else "embed"
+            net.head = linear_from_gguf(gguf_parts(source, names, "", (key,)), getattr(net.head, "bias", None), mapping)
+        else:
+            net.head = make_linear(head, net.head.weight, net.head.bias, group, rotate, seed)
+        done["head"] = net.head.describe()
+    return done

@@ -1,0 +1,122 @@
+"""Sequence save/restore: a restored sequence continues exactly as if never saved."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import pytest
+
+import superslm
+from superslm import Request, Sampling
+from superslm.engine import persist
+from superslm.errors import SequenceBusy, StateCorrupted, StateModelMismatch, StateVersionUnsupported, UnknownRequest
+from tests.test_engine import engine_page_bytes, prompts
+from tests.tiny_models import build_hf_model
+
+SAMPLING = Sampling(temperature=0.8, top_k=40, seed=7, repetition_penalty=1.2, frequency_penalty=0.3,
+                    logprobs=2, stop=("zzz",), ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> superslm.Model:
+    folder = tmp_path_factory.mktemp("persist")
+    build_hf_model("qwen3", folder)
+    return superslm.load(folder)
+
+
+def collect(engine, rid: int, steps: int | None = None) -> tuple[list[int], str, list]:
+    tokens, text, lps = [], "", []
+    n = 0
+    while engine.busy() and (steps is None or n < steps):
+        for p in engine.advance():
+            if p.id == rid:
+                tokens += p.tokens
+                text += p.text
+                lps += [(x.token, x.logprob) for x in p.logprobs]
+        n += 1
+    return tokens, text, lps
+
+
+def test_restored_sequence_continues_exactly(model) -> None:
+    p = prompts(1, seed=31, lo=30, hi=30)[0]
+    ref_engine = model.engine(slots=2, context=128, deterministic=True)
+    want = collect(ref_engine, ref_engine.add(Request(p, 20, SAMPLING)))
+
+    engine = model.engine(slots=2, context=128, deterministic=True)
+    rid = engine.add(Request(p, 20, SAMPLING))
+    head = collect(engine, rid, steps=6)
+    blob = engine.save(rid)
+    engine.cancel(rid)
+    assert engine.pool.num_used == 0
+    # into a fresh engine, and into one whose pool is too full to take it at once
+    for fresh in (model.engine(slots=2, context=128, deterministic=True),
+                  model.engine(slots=1, context=128, deterministic=True, page_size=4,
+                               kv_budget=14 * engine_page_bytes(model, 4))):
+        other = None
+        if fresh.slots == 1:
+            other = fresh.add(Request(prompts(1, seed=32, lo=20, hi=20)[0], 8, Sampling(ignore_eos=True)))
+            fresh.advance()
+        new = fresh.restore(blob)
+        assert fresh.stats(new)["output_tokens"] == len(head[0])
+        tail = collect(fresh, new)
+        assert (head[0] + tail[0], head[1] + tail[1], head[2] + tail[2]) == want
+        assert other is None or fresh.pool.num_used == 0
+
+
+def test_bad_blobs_are_refused_with_their_own_error(model, tmp_path) -> None:
+    engine = model.engine(slots=1, context=128)
+    rid = engine.add(Request(prompts(1, seed=33)[0], 10, SAMPLING))
+    engine.advance()
+    blob = engine.save(rid)
+    with pytest.raises(StateCorrupted):
+        engine.restore(blob[:-5])
+    flipped = bytearray(blob)
+    flipped[len(blob) // 2] ^= 1
+    with pytest.raises(StateCorrupted):
+        engine.restore(bytes(flipped))
+    with pytest.raises(StateCorrupted):
+        engine.restore(b"hello world" * 10)
+    future = bytearray(blob[:-32])
+    struct.pack_into("<I", future, 8, persist.VERSION + 1)
+    future += hashlib.sha256(future).digest()
+    with pytest.raises(StateVersionUnsupported):
+        engine.restore(bytes(future))
+    other_folder = tmp_path / "other"
+    other_folder.mkdir()
+    build_hf_model("qwen3", other_folder, seed=1)
+    other = superslm.load(other_folder).engine(slots=1, context=128)
+    with pytest.raises(StateModelMismatch):
+        other.restore(blob)
+    with pytest.raises(UnknownRequest):
+        engine.save(12345)
+    # nothing was taken by the refusals
+    assert engine.restore(blob) != rid
+
+
+def test_save_mid_step_is_refused(model) -> None:
+    engine = model.engine(slots=1, context=128)
+    rid = engine.add(Request(prompts(1, seed=34)[0], 4, Sampling()))
+    engine.advance(layer_budget=1)
+    with pytest.raises(SequenceBusy):
+        engine.save(rid)
+    while engine.busy():
+        engine.advance(layer_budget=1)
+
+
+def test_every_released_version_stays_readable() -> None:
+    """tests/data keeps a blob of each released format version, saved mid-generation from the
+    tiny model stored beside it, with the uninterrupted run's tokens."""
+    import json
+    from pathlib import Path
+
+    data = Path(__file__).parent / "data"
+    model = superslm.load(data / "tiny-qwen3")
+    for version in range(1, persist.VERSION + 1):
+        blob = (data / f"sequence-v{version}.bin").read_bytes()
+        want = json.loads((data / f"sequence-v{version}.json").read_text())
+        engine = model.engine(slots=1, context=128, deterministic=True)
+        rid = engine.restore(blob)
+        done = len(engine._seqs[rid].output)
+        tokens, text, _ = collect(engine, rid)
+        assert want["tokens"][:done] + tokens == want["tokens"]
