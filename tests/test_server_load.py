@@ -162,6 +162,12 @@ def test_sigterm_drains(tmp_path) -> None:
         for t in threads:
             t.start()
         assert started.wait(60)
+
+        def admitted() -> bool:
+            m = metrics(url)
+            return m["superslm_requests_running"] + m["superslm_requests_waiting"] == 6
+
+        wait_for(admitted, timeout=30, every=0.01)  # all six are in, most of them waiting
         proc.send_signal(signal.SIGTERM)
         in_flight = 6 - len(results)
         assert in_flight >= 4  # the signal came while they ran or waited

@@ -64,6 +64,7 @@ class Model:
         self.name = name
         self._template: ChatTemplate | None = None
         self._fingerprint: str | None = None
+        self._schemas: dict[str, Any] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -118,6 +119,15 @@ class Model:
         from superslm.engine.engine import Engine
 
         return Engine(self, slots=slots, context=context, **kwargs)
+
+    def schemas(self) -> dict[str, Any]:
+        """The named JSON schemas shipped with the model (`schemas/NAME.json` in its folder)."""
+        if self._schemas is None:
+            from superslm.grammar import load_schemas
+
+            folder = self.source.path if self.source.path.is_dir() else None
+            self._schemas = load_schemas(folder) if folder is not None else {}
+        return self._schemas
 
     @property
     def fingerprint(self) -> str:

@@ -39,7 +39,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 @cache
 def _mkldnn_works(dtype: torch.dtype) -> bool:
     """Whether oneDNN's linear runs here and agrees with F.linear (probed once per dtype)."""
-    if not (USE_MKLDNN and torch.backends.mkldnn.is_available()):
+    if not torch.backends.mkldnn.is_available():
         return False
     try:
         op = torch.ops.mkldnn._linear_pointwise
@@ -57,7 +57,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act: str = "identity") -> None:
         self.weight, self.bias, self.act = weight, bias, act
-        self.fast = weight.device.type == "cpu" and _mkldnn_works(weight.dtype)
+        self.fast = USE_MKLDNN and weight.device.type == "cpu" and _mkldnn_works(weight.dtype)
         # None: an activation oneDNN does not fuse (applied after the matmul)
         self.post = ("none", "") if act == "identity" else _POST_OPS.get(act)
 
@@ -65,6 +65,12 @@ class Linear:
         if self.fast and self.post is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, self.post[0], [], self.post[1])
         return ACTIVATIONS[self.act](F.linear(x, self.weight, self.bias))
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """x W^T + b + residual (no activation), the add fused into the matmul where oneDNN runs."""
+        if self.fast:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
+        return F.linear(x, self.weight, self.bias) + residual
 
 
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -144,26 +150,18 @@ class EncoderLayer:
         a = attention(self.qkv(h), packed, s.heads, s.head_dim)
         if keep is not None:
             a, h = a[keep], h[keep]
-        h = F.layer_norm(self.o(a) + h, (s.dim,), *self.ln1, eps=s.eps)
-        return F.layer_norm(self.down(self.up(h)) + h, (s.dim,), *self.ln2, eps=s.eps)
+        h = F.layer_norm(self.o.add(a, h), (s.dim,), *self.ln1, eps=s.eps)
+        return F.layer_norm(self.down.add(self.up(h), h), (s.dim,), *self.ln2, eps=s.eps)
 
 
 def attention(qkv: torch.Tensor, packed: Packed, heads: int, head_dim: int) -> torch.Tensor:
     """Bidirectional attention within each sequence: qkv [N, 3 * heads * head_dim] -> [N, heads * head_dim]."""
-    n, dim = qkv.shape[0], heads * head_dim
-    if len(packed.groups) == 1:
-        out = None
-    else:
-        out = torch.empty(n, dim, dtype=qkv.dtype, device=qkv.device)
+    out = torch.empty(qkv.shape[0], heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     for start, count, length in packed.groups:
         end = start + count * length
         x = qkv[start:end].view(count, length, 3, heads, head_dim).permute(2, 0, 3, 1, 4)  # [3, g, H, L, D]
         o = F.scaled_dot_product_attention(x[0], x[1], x[2])  # [g, H, L, D]
-        o = o.transpose(1, 2).reshape(count * length, dim)
-        if out is None:
-            return o
-        out[start:end] = o
-    assert out is not None
+        out[start:end].view(count, length, heads, head_dim).copy_(o.transpose(1, 2))
     return out
 
 

@@ -19,21 +19,14 @@ import torch
 
 from superslm.cache import PagePool
 from superslm.cache.kv import KVCache
+from superslm.engine.contracts import ContractsMixin, Prefix
 from superslm.engine.manual import ManualSlots
-from superslm.engine.request import END_CANCELLED, END_LENGTH, END_STOP, Progress, Request, Sequence
+from superslm.engine.output import OutputMixin
+from superslm.engine.request import END_CANCELLED, END_LENGTH, Progress, Request, Sequence
 from superslm.engine.runner import StepWork, build_step, run_layers, step_logits
 from superslm.engine.scheduler import Scheduler
-from superslm.engine import persist
-from superslm.errors import (
-    ContextLengthExceeded,
-    InvalidArgument,
-    KVCacheFull,
-    SequenceBusy,
-    StateCorrupted,
-    TokenOutOfRange,
-    UnknownRequest,
-)
-from superslm.sampling import SamplerState, Sampling, StopChecker, TokenLogprobs, sample
+from superslm.errors import ContextLengthExceeded, InvalidArgument, TokenOutOfRange
+from superslm.sampling import SamplerState, Sampling, StopChecker, TokenLogprobs
 
 if TYPE_CHECKING:
     from superslm.model import Model
@@ -66,7 +59,7 @@ def _available_memory(device: torch.device) -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-class Engine:
+class Engine(OutputMixin, ContractsMixin):
     """Runs up to `slots` sequences of at most `context` tokens, in steps of at most `rows` rows.
 
     `kv_budget` sizes the KV pool: bytes (an int), a fraction of the free memory (a float in (0, 1]),
@@ -126,7 +119,7 @@ class Engine:
             raise InvalidArgument(f"kv_budget holds no KV page ({page_bytes} bytes each)")
         self.kv = KVCache(layers, pages, page_size, a.kv_heads, a.head_dim, dtype, device)
         self.pool = PagePool(pages, page_size)
-        self.scheduler = Scheduler(self.pool, slots, rows, prefix_caching, chunk=chunk)
+        self.scheduler = Scheduler(self.pool, slots, rows, prefix_caching, chunk=chunk, adopt=self._adopt)
         self.vocab = a.vocab
         self._stop_ids = frozenset(model.stop_ids)
         self._seqs: dict[int, Sequence] = {}
@@ -152,41 +145,95 @@ class Engine:
             raise TokenOutOfRange(f"prompt token {bad[0]} is outside the vocabulary [0, {self.vocab})")
         return ids
 
+    def _new_sequence(self, request: Request, prompt: list[int], state: dict | None = None) -> Sequence:
+        """A Sequence with its sampler, detokenizer, stop checker, grammar walk and anti-LM, fresh or
+        from a saved state (everything checked before anything is taken)."""
+        from superslm.sampling.damped import AntiLM
+        from superslm.tokenizer import StreamDecoder
+
+        tok = self.model.tokenizer
+        if state is None:
+            sampling = (request.sampling or Sampling()).validate(self.vocab)
+            sampler = SamplerState.create(sampling, prompt, rng=self._rng)
+            decoder, stops = StreamDecoder(tok), StopChecker(sampling.stop)
+            max_tokens = min(request.max_tokens, self.context - len(prompt))
+        else:
+            sampler = SamplerState.from_state(state["sampler"])
+            sampling = sampler.params.validate(self.vocab)
+            decoder, stops = StreamDecoder.from_state(tok, state["decoder"]), StopChecker.from_state(state["stops"])
+            max_tokens = int(state["max_tokens"])
+        request.sampling = sampling
+        grammar = None
+        constraint = sampling.grammar
+        if sampling.schema is not None:
+            from superslm.grammar import named_constraint
+
+            constraint = named_constraint(sampling.schema, self.model.schemas())
+        if constraint is not None:
+            from superslm.grammar import GrammarState, compiler_for
+
+            compiler = compiler_for(tok, self.vocab)
+            if state is not None and state.get("grammar") is not None:
+                grammar = GrammarState.from_state(state["grammar"], compiler)
+            else:
+                grammar = GrammarState(compiler.compile(constraint), after=sampling.after,
+                                       stop_ids=sampling.stop_token_ids)
+        anti = None
+        if sampling.damped is not None:
+            anti = AntiLM.from_state(state["anti"]) if state is not None else AntiLM(sampling.damped.order)
+        seq = Sequence(self._next_id, request, prompt, max_tokens, sampler, decoder, stops, grammar, anti)
+        if state is not None:
+            seq.output = [int(t) for t in state["output"]]
+            self._prompt_ids(seq.output)
+            seq.cached, seq.preemptions = int(state["cached"]), int(state["preemptions"])
+            seq.layers_run = int(state["layers_run"])
+        return seq
+
+    def _register(self, seq: Sequence) -> None:
+        self._next_id += 1
+        self._seqs[seq.id] = seq
+
     def add(self, request: Request) -> int:
         """Queue a request; returns its id. Its Progress comes from later `advance` calls."""
         if not isinstance(request, Request):
             raise InvalidArgument("add() takes a Request")
-        sampling = request.sampling if request.sampling is not None else Sampling()
-        sampling.validate(self.vocab)
-        if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+        if not isinstance(request.max_tokens, int) or isinstance(request.max_tokens, bool) or request.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be a positive integer, got {request.max_tokens!r}")
         prompt = self._prompt_ids(request.prompt)
+        pre = request.prefix
+        if pre is not None:
+            if not isinstance(pre, Prefix) or pre.released:
+                raise InvalidArgument("prefix must be a live handle from this engine's prefix()")
+            prompt = list(pre.tokens) + prompt
         if not prompt:
             raise InvalidArgument("the prompt is empty")
         if len(prompt) >= self.context:
             raise ContextLengthExceeded(
                 f"the prompt has {len(prompt)} tokens; the context holds {self.context} (prompt and answer)"
             )
-        from superslm.tokenizer import StreamDecoder
-
-        seq = Sequence(
-            self._next_id, request, prompt,
-            max_tokens=min(request.max_tokens, self.context - len(prompt)),
-            sampler=SamplerState.create(sampling, prompt, rng=self._rng),
-            decoder=StreamDecoder(self.model.tokenizer),
-            stops=StopChecker(sampling.stop),
-        )
-        self._next_id += 1
-        self._seqs[seq.id] = seq
-        self.scheduler.add(seq)
+        seq = self._new_sequence(request, prompt)
+        self._register(seq)
+        if pre is not None:
+            pre.users.add(seq.id)
+        if seq.grammar is not None:
+            # jump-forward at the start: tokens the grammar forces before any choice
+            forced = seq.grammar.take_forced(seq.max_tokens)
+            if forced:
+                p = Progress(seq.id)
+                for t in forced:
+                    seq.sampler.append_token(t)
+                    if self._append(seq, t, p):
+                        break
+                if not p.end:
+                    self._pending.append(p)
+        if seq.id in self._seqs:
+            self.scheduler.add(seq)
         return seq.id
 
     def cancel(self, request_id: int) -> None:
         """End a request now ("cancelled"); its pages go back to the pool at once."""
-        seq = self._seqs.get(request_id)
-        if seq is None:
-            raise UnknownRequest(f"no live request with id {request_id}")
-        if self._work is not None and any(s is seq for s, _ in self._work.chunks):
+        seq = self._live(request_id)
+        if self._in_step(seq):
             # mid-step (layer budget): finish the step's other rows first, then drop it
             seq.end = END_CANCELLED
             return
@@ -199,7 +246,10 @@ class Engine:
     # --- stepping ---------------------------------------------------------------------------------
 
     def advance(self, layer_budget: int | None = None) -> list[Progress]:
-        """Run one step (or, with a layer budget, at most that many layers of it) and report."""
+        """Run one step (or, with a layer budget, at most that many layers of it) and report.
+
+        With a layer budget, a step whose layers are not all done reports nothing for its tokens
+        (they are in progress: the seed's -1); the next call continues it."""
         if layer_budget is not None and (not isinstance(layer_budget, int) or layer_budget < 1):
             raise InvalidArgument(f"layer_budget must be a positive integer, got {layer_budget!r}")
         out, self._pending = self._pending, []
@@ -220,161 +270,17 @@ class Engine:
         out.extend(self._accept(work, logits))
         return out
 
-    def _accept(self, work: StepWork, logits: torch.Tensor) -> list[Progress]:
-        sampling_seqs: list[Sequence] = []
-        for (seq, n), row in zip(work.chunks, work.sample_rows):
-            seq.num_computed_tokens += n
-            if row >= 0:
-                sampling_seqs.append(seq)
-                if not seq.output and work.h is not None:
-                    # the seed's prefill hidden state: final norm at the last prompt position
-                    seq.prefill_hidden = self.net.final_norm(work.h[row]).float().clone()
-            elif not seq.end:
-                self.scheduler.register(seq)
-        out: list[Progress] = []
-        if sampling_seqs:
-            result = sample(logits, [s.sampler for s in sampling_seqs])
-            tokens = result.token_list()
-            logprobs = result.logprobs()
-            for seq, token, lp in zip(sampling_seqs, tokens, logprobs):
-                if seq.end == END_CANCELLED:
-                    out.append(self._finish(seq, END_CANCELLED))
-                    continue
-                out.append(self._take(seq, token, lp))
-        for seq, _ in work.chunks:
-            if seq.end == END_CANCELLED and seq.id in self._seqs:
-                out.append(self._finish(seq, END_CANCELLED))
-        return out
-
-    def _take(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> Progress:
-        """Accept one sampled token: stop checks, text, prefix-cache registration."""
-        p = Progress(seq.id, cached=seq.cached)
-        seq.sampler.append_token(token)
-        params = seq.sampler.params
-        if lp is not None:
-            p.logprobs.append(lp)
-        if token in params.stop_token_ids or (token in self._stop_ids and not params.ignore_eos):
-            seq.stop_reason = token
-            self._finish(seq, END_STOP, progress=p)
-            return p
-        seq.output.append(token)
-        p.tokens.append(token)
-        piece = seq.decoder.push(token)
-        res = seq.stops.push(piece)
-        p.text += res.text
-        if res.stopped:
-            seq.stop_reason = res.stop
-            self._finish(seq, END_STOP, progress=p)
-        elif len(seq.output) >= seq.max_tokens:
-            self._finish(seq, END_LENGTH, progress=p)
-        else:
-            self.scheduler.register(seq)
-        return p
-
-    def _finish(self, seq: Sequence, end: str, progress: Progress | None = None,
-                into: list[Progress] | None = None) -> Progress:
-        """End a sequence: flush its held text, free its pages, and report it."""
-        p = progress or Progress(seq.id, cached=seq.cached)
-        if end != END_STOP or seq.stop_reason is None or isinstance(seq.stop_reason, int):
-            # a stop string ends the text where it starts; anything else releases what was held
-            p.text += seq.stops.push(seq.decoder.flush()).text + seq.stops.flush()
-        seq.end, p.end, p.stop_reason = end, end, seq.stop_reason
-        self.scheduler.remove(seq)
-        self._seqs.pop(seq.id, None)
-        if progress is None:
-            (self._pending if into is None else into).append(p)
-        return p
-
-    # --- sequence state -------------------------------------------------------------------------
-
-    def _live(self, request_id: int) -> Sequence:
-        seq = self._seqs.get(request_id)
-        if seq is None:
-            raise UnknownRequest(f"no live request with id {request_id}")
-        return seq
-
-    def stats(self, request_id: int) -> dict[str, object]:
-        """Where a live request stands: tokens, layers run, KV pages resident, cached prompt tokens."""
-        seq = self._live(request_id)
-        return {
-            "prompt_tokens": len(seq.prompt),
-            "output_tokens": len(seq.output),
-            "num_computed_tokens": seq.num_computed_tokens,
-            "layers_run": seq.layers_run,
-            "forced_tokens": 0,
-            "kv_pages": len(seq.block_table),
-            "cached": seq.cached,
-            "preemptions": seq.preemptions,
-            "grammar_accepting": None,
-            "in_step": self._work is not None and any(s is seq for s, _ in self._work.chunks),
-        }
-
-    def prefill_hidden(self, request_id: int) -> torch.Tensor | None:
-        """The final normed hidden state [dim] of a live request's last prompt position (None until
-        its prompt has been read)."""
-        return self._live(request_id).prefill_hidden
-
-    def save(self, request_id: int) -> bytes:
-        """The whole state of a live request as a versioned blob (see engine/persist.py)."""
-        seq = self._live(request_id)
-        if self._work is not None and any(s is seq for s, _ in self._work.chunks):
-            raise SequenceBusy(f"request {request_id} is mid-step; advance until its step completes")
-        n, ps = seq.num_computed_tokens, self.page_size
-        slots = torch.tensor([seq.block_table[p // ps] * ps + p % ps for p in range(n)], dtype=torch.long,
-                             device=self.kv.k.device)
-        header = {"model": self.model.fingerprint, "page_size": ps, "sequence": persist.sequence_state(seq)}
-        return persist.encode(header, self.kv.k[:, slots], self.kv.v[:, slots])
-
-    def restore(self, blob: bytes) -> int:
-        """A new live request continuing a saved one exactly; returns its id. With no room in the KV
-        pool or no free slot it waits in the queue and recomputes its KV when admitted."""
-        from superslm.tokenizer import StreamDecoder
-
-        saved = persist.decode(blob, self.model.fingerprint)
-        try:
-            st = saved.header["sequence"]
-            sampler = SamplerState.from_state(st["sampler"])
-            request = Request(prompt=list(st["prompt"]), max_tokens=int(st["request_max_tokens"]),
-                              sampling=sampler.params, salt=st["salt"])
-            seq = Sequence(self._next_id, request, list(st["prompt"]), int(st["max_tokens"]), sampler,
-                           StreamDecoder.from_state(self.model.tokenizer, st["decoder"]),
-                           StopChecker.from_state(st["stops"]))
-            seq.output = list(st["output"])
-            seq.cached, seq.preemptions, seq.layers_run = int(st["cached"]), int(st["preemptions"]), int(st["layers_run"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise StateCorrupted(f"saved sequence state is malformed ({e})") from e
-        sampler.params.validate(self.vocab)
-        self._prompt_ids(seq.tokens)  # token ids in range
-        if seq.num_tokens > self.context:
-            raise ContextLengthExceeded(f"the saved sequence has {seq.num_tokens} tokens; the context holds {self.context}")
-        n, ps = saved.k.shape[1], self.page_size
-        pages = -(-n // ps)
-        self._next_id += 1
-        self._seqs[seq.id] = seq
-        if n and len(self.scheduler.running) < self.slots and self.pool.can_allocate(pages):
-            try:
-                seq.block_table = self.pool.allocate(pages)
-            except KVCacheFull:
-                seq.block_table = []
-            if seq.block_table:
-                slots = torch.tensor([seq.block_table[p // ps] * ps + p % ps for p in range(n)],
-                                     dtype=torch.long, device=self.kv.k.device)
-                self.kv.k[:, slots] = saved.k.to(self.kv.k)
-                self.kv.v[:, slots] = saved.v.to(self.kv.v)
-                seq.num_computed_tokens = n
-                self.scheduler.running.append(seq)
-                return seq.id
-        self.scheduler.add(seq)
-        return seq.id
-
     # --- low-level use ----------------------------------------------------------------------------
+
+    def _manual_slots(self) -> ManualSlots:
+        if self._manual is None:
+            self._manual = ManualSlots(self.net, self.kv, self.pool, self.slots, self.context, self.deterministic)
+        return self._manual
 
     def step(self, tokens: list[int], slots: list[int], wanted: list[bool]) -> torch.Tensor:
         """Low level: append each token row to its slot (0..slots-1, caller-owned sequences sharing
         the KV pool with requests) and return the logits of the wanted rows, in row order."""
-        if self._manual is None:
-            self._manual = ManualSlots(self.net, self.kv, self.pool, self.slots, self.context)
-        return self._manual.step(tokens, slots, wanted)
+        return self._manual_slots().step(tokens, slots, wanted)
 
     def reset(self, slot: int) -> None:
         """Empty a low-level slot (see `step`) and free its pages."""

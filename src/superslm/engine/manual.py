@@ -10,7 +10,6 @@ import torch
 
 from superslm.cache import PagePool
 from superslm.cache.kv import KVCache
-from superslm.engine.runner import StepWork
 from superslm.errors import ContextLengthExceeded, InvalidArgument, KVCacheFull, TokenOutOfRange
 from superslm.kernels.attention import AttnMetadata
 from superslm.models.transformer import Transformer
@@ -19,8 +18,10 @@ from superslm.models.transformer import Transformer
 class ManualSlots:
     """Caller-driven sequences: `step(tokens, slots, wanted)` appends rows and returns logits."""
 
-    def __init__(self, net: Transformer, kv: KVCache, pool: PagePool, slots: int, context: int) -> None:
+    def __init__(self, net: Transformer, kv: KVCache, pool: PagePool, slots: int, context: int,
+                 deterministic: bool = False) -> None:
         self.net, self.kv, self.pool = net, kv, pool
+        self.deterministic = deterministic
         self.slots, self.context = slots, context
         self.lengths = [0] * slots
         self.tables: list[list[int]] = [[] for _ in range(slots)]
@@ -41,8 +42,47 @@ class ManualSlots:
 
         Rows of one slot keep their order; each slot's positions continue from its length.
         """
+        if len(wanted) != len(tokens):
+            raise InvalidArgument("tokens, slots and wanted must be non-empty and of equal length")
+        meta, order, dev = self._prepare(tokens, slots)
+        with torch.inference_mode():
+            h = self.net.run_layers(self.net.embed(self._tokens(tokens, order)), meta, self.kv.k, self.kv.v)
+            picked = [i for i, r in sorted(enumerate(order), key=lambda x: x[1]) if wanted[r]]
+            if not picked:
+                return torch.empty(0, self.net.arch.vocab)
+            return self.net.logits(h.index_select(0, torch.tensor(picked, device=dev)), self.deterministic)
+
+    def hidden(self, tokens: Seq[int], slots: Seq[int], layers: Seq[int]) -> dict[int, torch.Tensor]:
+        """Append token rows like `step`; the residual stream after each asked layer, in row order
+        (0: embeddings; i: after layer i; the last layer's entry is after the final norm, as HF)."""
+        total = len(self.net.layers)
+        for i in layers:
+            if not isinstance(i, int) or not 0 <= i <= total:
+                raise InvalidArgument(f"layer {i!r} is outside 0..{total}")
+        meta, order, dev = self._prepare(tokens, slots)
+        back = torch.tensor([i for i, _ in sorted(enumerate(order), key=lambda x: x[1])], device=dev)
         n = len(tokens)
-        if not n or len(slots) != n or len(wanted) != n:
+        out: dict[int, torch.Tensor] = {}
+        with torch.inference_mode():
+            h = self.net.embed(self._tokens(tokens, order))
+            if 0 in layers:
+                out[0] = h[:n].index_select(0, back).float()
+            for i in range(total):
+                h = self.net.run_layers(h, meta, self.kv.k, self.kv.v, i, i + 1)
+                if i + 1 in layers:
+                    x = h[:n].index_select(0, back)
+                    if i + 1 == total and self.net.has_head:
+                        x = self.net.final_norm(x)
+                    out[i + 1] = x.float()
+        return out
+
+    def _tokens(self, tokens: Seq[int], order: list[int]) -> torch.Tensor:
+        return torch.tensor([tokens[r] for r in order], device=self.net.device)
+
+    def _prepare(self, tokens: Seq[int], slots: Seq[int]) -> tuple[AttnMetadata, list[int], torch.device]:
+        """Pages and metadata for rows appended to their slots; `order` lists rows grouped by slot."""
+        n = len(tokens)
+        if not n or len(slots) != n:
             raise InvalidArgument("tokens, slots and wanted must be non-empty and of equal length")
         vocab = self.net.arch.vocab
         by_slot: dict[int, list[int]] = {}
@@ -76,11 +116,5 @@ class ManualSlots:
             tables.append(tuple(self.tables[s]))
         dev = self.net.device
         meta = AttnMetadata(torch.tensor(positions, device=dev), torch.tensor(slot_map, device=dev),
-                            tuple(starts), tuple(lens), tuple(tables), ps)
-        work = StepWork([], torch.tensor([tokens[r] for r in order], device=dev), meta, [])
-        with torch.inference_mode():
-            h = self.net.run_layers(self.net.embed(work.tokens), meta, self.kv.k, self.kv.v)
-            picked = [i for i, r in sorted(enumerate(order), key=lambda x: x[1]) if wanted[r]]
-            if not picked:
-                return torch.empty(0, vocab)
-            return self.net.logits(h.index_select(0, torch.tensor(picked, device=dev)))
+                            tuple(starts), tuple(lens), tuple(tables), ps, deterministic=self.deterministic)
+        return meta, order, dev

@@ -120,4 +120,6 @@ def sequence_state(seq: Any) -> dict[str, Any]:
         "sampler": seq.sampler.state(),
         "decoder": seq.decoder.state(),
         "stops": seq.stops.state(),
+        "grammar": seq.grammar.state() if seq.grammar is not None else None,
+        "anti": seq.anti.state() if seq.anti is not None else None,
     }

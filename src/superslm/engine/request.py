@@ -11,7 +11,7 @@ from typing import Any
 from superslm.sampling import Sampling
 
 #: why a request ended
-END_STOP, END_LENGTH, END_CANCELLED = "stop", "length", "cancelled"
+END_STOP, END_LENGTH, END_CANCELLED, END_GRAMMAR = "stop", "length", "cancelled", "grammar"
 
 
 @dataclass
@@ -20,12 +20,15 @@ class Request:
 
     `prompt` is token ids, or text that the model's tokenizer encodes (with its bos where it adds one).
     `salt` separates this request's prefix-cache entries from other callers' (as vLLM's cache_salt).
+    `prefix`: a handle from `Engine.prefix(tokens)`: the request continues after its tokens, which
+    are never computed again (`prompt` is what follows them).
     """
 
     prompt: Seq[int] | str
     max_tokens: int = 256
     sampling: Sampling = field(default_factory=Sampling)
     salt: str | None = None
+    prefix: Any = None
 
 
 @dataclass
@@ -44,7 +47,8 @@ class Progress:
     `tokens`: its new tokens (a stop token is not included); `text`: their text, held back while it may
     still start a stop string or end inside a UTF-8 sequence; `cached`: prompt tokens read from the
     prefix cache instead of computed; `end`: "" while it goes on, else "stop" (a stop token or string),
-    "length" (max_tokens, the context's end, or a KV pool too small for it alone) or "cancelled".
+    "length" (max_tokens, the context's end, or a KV pool too small for it alone), "cancelled", or
+    "grammar" (its constraint admits no token); `forced_tokens`: tokens its grammar forced (at the end).
     """
 
     id: int
@@ -55,6 +59,7 @@ class Progress:
     logprobs: list[Logprob] = field(default_factory=list)
     #: the stop string or stop token id that ended it, if any
     stop_reason: str | int | None = None
+    forced_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -65,7 +70,7 @@ class Sequence:
     """The engine's record of one request: prompt + output tokens, computed count and KV pages."""
 
     def __init__(self, seq_id: int, request: Request, prompt: list[int], max_tokens: int, sampler: Any,
-                 decoder: Any, stops: Any) -> None:
+                 decoder: Any, stops: Any, grammar: Any = None, anti: Any = None) -> None:
         self.id = seq_id
         self.request = request
         self.prompt = prompt
@@ -82,6 +87,9 @@ class Sequence:
         self.sampler = sampler
         self.decoder = decoder
         self.stops = stops
+        #: the grammar walk (superslm.grammar.GrammarState) and the damped-greedy anti-LM, if any
+        self.grammar = grammar
+        self.anti = anti
         self.end = ""
         self.stop_reason: str | int | None = None
         self.preemptions = 0

@@ -35,10 +35,13 @@ class Scheduler:
     """Holds the waiting queue and the running set; `schedule()` applies the rule once."""
 
     def __init__(self, pool: PagePool, slots: int, rows: int, prefix_caching: bool = True,
-                 extra_key: Callable[[Sequence], str | None] | None = None, chunk: int | None = None) -> None:
+                 extra_key: Callable[[Sequence], str | None] | None = None, chunk: int | None = None,
+                 adopt: Callable[[Sequence], bool] | None = None) -> None:
         self.pool, self.slots, self.rows = pool, slots, rows
         #: the most prompt tokens one sequence reads in a step
         self.chunk = chunk or rows
+        #: gives a sequence its prefix handle's pages (False: no room now)
+        self.adopt = adopt
         self.prefix_caching = prefix_caching
         self.extra_key = extra_key or (lambda s: s.salt)
         self.waiting: deque[Sequence] = deque()
@@ -71,6 +74,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.release(seq)
+        if seq.request.prefix is not None:
+            seq.request.prefix.users.discard(seq.id)
 
     def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
         self.running.remove(seq)
@@ -130,7 +135,10 @@ class Scheduler:
                 step.too_long.append(seq)
                 seq.end = END_LENGTH
                 continue
-            if not seq.block_table and self.prefix_caching:
+            if not seq.block_table and seq.request.prefix is not None and self.adopt is not None:
+                if not self.adopt(seq):
+                    break
+            elif not seq.block_table and self.prefix_caching:
                 pages = self.pool.match_prefix(seq.tokens, self.extra_key(seq))
                 seq.block_table = pages
                 seq.num_computed_tokens = len(pages) * self.pool.page_size
@@ -142,6 +150,7 @@ class Scheduler:
                 # keep its matched pages referenced only while it runs
                 self.release(seq)
                 seq.num_computed_tokens = 0
+                seq.num_hashed_pages = 0
                 break
             self.waiting.popleft()
             self.running.append(seq)

@@ -1,13 +1,22 @@
-"""Runtime weight formats for linears (bf16, int8, int4, GGUF int4 blocks as they are) and the block
-Hadamard rotation that makes int4 lose less. See docs/quantization.md."""
+"""Runtime weight formats for linears (bf16, int8, int4, GGUF int4 blocks as they are), the block
+Hadamard rotation that makes int4 lose less, and the module swap that puts them in a model.
 
-from superslm.quant.base import FORMATS, LinearFormat, format_class, load_linear, register_format
+    from superslm.quant import quantize_linears
+    quantize_linears(model.net, body="int4", head="int8", group=128, rotate=True, seed=0)
+
+See docs/quantization.md.
+"""
+
+from superslm.quant.base import FORMATS, LinearFormat, dequantize_gguf, format_class, load_linear, register_format
 from superslm.quant.dense import Bf16Linear, Int8Linear
+from superslm.quant.gguf_map import NEAREST, ConcatLinear, linear_from_gguf, nearest_format
 from superslm.quant.hadamard import Rotation, fwht, rotate_activation, rotate_weight, unrotate_weight
 from superslm.quant.int4 import GGUFInt4Linear, Int4Linear
+from superslm.quant.swap import quantize_from_source, quantize_linears, row_permutation
 
 __all__ = [
-    "FORMATS", "Bf16Linear", "GGUFInt4Linear", "Int4Linear", "Int8Linear", "LinearFormat", "Rotation",
-    "format_class", "fwht", "load_linear", "register_format", "rotate_activation", "rotate_weight",
-    "unrotate_weight",
-]
+    "FORMATS", "NEAREST", "Bf16Linear", "ConcatLinear", "GGUFInt4Linear", "Int4Linear", "Int8Linear",
+    "LinearFormat", "Rotation", "dequantize_gguf", "format_class", "fwht", "linear_from_gguf", "load_linear",
+    "nearest_format", "quantize_from_source", "quantize_linears", "register_format", "rotate_activation",
+    "rotate_weight", "row_permutation", "unrotate_weight",
+]  # fmt: skip

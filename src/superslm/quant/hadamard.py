@@ -68,15 +68,20 @@ def fwht(x: torch.Tensor, block: int) -> torch.Tensor:
     return (y.reshape(*lead, k) * (1.0 / math.sqrt(block))).to(x.dtype)
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    # float32 at least (float64 stays float64)
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def rotate_activation(x: torch.Tensor, seed: int, block: int | None = None) -> torch.Tensor:
-    """R x for activations x [..., K] (computed in float32, returned in x's dtype)."""
+    """R x for activations x [..., K] (computed in float32 or wider, returned in x's dtype)."""
     block = _check_block(x.shape[-1], block)
     signs = random_signs(x.shape[-1], seed).to(x.device)
-    return fwht(x.float() * signs, block).to(x.dtype)
+    return fwht(_wide(x) * signs, block).to(x.dtype)
 
 
 def rotate_weight(w: torch.Tensor, seed: int, block: int | None = None) -> torch.Tensor:
-    """W R^T for a weight W [out, K]: each row rotated as an activation is (float32, w's dtype)."""
+    """W R^T for a weight W [out, K]: each row rotated as an activation is (returned in w's dtype)."""
     return rotate_activation(w, seed, block)
 
 
@@ -84,7 +89,7 @@ def unrotate_weight(w: torch.Tensor, seed: int, block: int | None = None) -> tor
     """The inverse of `rotate_weight`: W_rot R, i.e. each row v -> R^T v = signs * fwht(v)."""
     block = _check_block(w.shape[-1], block)
     signs = random_signs(w.shape[-1], seed).to(w.device)
-    return (fwht(w.float(), block) * signs).to(w.dtype)
+    return (fwht(_wide(w), block) * signs).to(w.dtype)
 
 
 def hadamard_matrix(block: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ from types import MappingProxyType
 from typing import Any
 
 from superslm.errors import InvalidArgument, TokenOutOfRange
+from superslm.grammar.spec import Constraint
 
 #: temperatures below this are treated as greedy (as vLLM's _SAMPLING_EPS): dividing by a tiny
 #: temperature only overflows, and the limit of the distribution is the argmax anyway
@@ -57,6 +58,14 @@ class Sampling:
     """Token ids that end generation (in addition to EOS); the stop token is not returned as text."""
     ignore_eos: bool = False
     """Keep generating past the model's EOS token (for benchmarks and max_tokens-only runs)."""
+    grammar: Constraint | None = None
+    """Only tokens this constraint allows (JSON schema, regex, Lark, choice); see superslm.grammar."""
+    schema: str | None = None
+    """A named schema shipped with the model (`Model.schemas()`), instead of `grammar`."""
+    after: int | None = None
+    """The constraint starts after this token id appears (a reasoning model's end of thinking)."""
+    damped: DampedGreedy | None = None
+    """Damped greedy decoding with an anti-LM instead of sampling (see DampedGreedy)."""
 
     def __post_init__(self) -> None:
         # a frozen dataclass can only be normalised through object.__setattr__
@@ -123,6 +132,18 @@ class Sampling:
             _token("stop_token_ids", token, vocab_size)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgument(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
+        if self.grammar is not None and not isinstance(self.grammar, Constraint):
+            raise InvalidArgument("grammar: expected a superslm.grammar.Constraint")
+        if self.grammar is not None and self.schema is not None:
+            raise InvalidArgument("grammar and schema: give one constraint, not both")
+        if self.schema is not None and (not isinstance(self.schema, str) or not self.schema):
+            raise InvalidArgument(f"schema: expected a schema name, got {self.schema!r}")
+        if self.after is not None:
+            _token("after", self.after, vocab_size)
+        if self.damped is not None:
+            if not isinstance(self.damped, DampedGreedy):
+                raise InvalidArgument("damped: expected a DampedGreedy")
+            self.damped.validate()
         return self
 
     # --- plain data ---------------------------------------------------------------------------------
@@ -136,6 +157,8 @@ class Sampling:
                 value = list(value)
             elif f.name == "logit_bias" and value is not None:
                 value = [[int(k), float(v)] for k, v in value.items()]
+            elif f.name in ("grammar", "damped") and value is not None:
+                value = value.to_dict()
             out[f.name] = value
         return out
 
@@ -150,7 +173,35 @@ class Sampling:
         bias = kwargs.get("logit_bias")
         if isinstance(bias, list):
             kwargs["logit_bias"] = {int(k): float(v) for k, v in bias}
+        if isinstance(kwargs.get("grammar"), Mapping):
+            kwargs["grammar"] = Constraint.from_dict(kwargs["grammar"])
+        if isinstance(kwargs.get("damped"), Mapping):
+            kwargs["damped"] = DampedGreedy(**kwargs["damped"])
         return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class DampedGreedy:
+    """Damped greedy decoding with an anti-LM (the seed's SSLM_DECODE_MODE_DAMPED_GREEDY).
+
+    Deterministic, no randomness: among the `top_k` most likely tokens, each candidate's
+    log-probability is lowered by `alpha` times the log-probability that an n-gram model of the
+    sequence's own output (orders 1..`order`, smoothed towards uniform, counts kept per sequence) gives it;
+    the best candidate wins (lowest id on ties). It damps repetition. The arithmetic is fixed point
+    (Q16), so the choice is exact on every platform for the same logits.
+    """
+
+    alpha: float = 1.0
+    order: int = 2
+    top_k: int = 6
+
+    def validate(self) -> None:
+        _number("damped.alpha", self.alpha, lo=0.0, hi=16.0)
+        _integer("damped.order", self.order, lo=1, hi=8)
+        _integer("damped.top_k", self.top_k, lo=1, hi=64)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"alpha": self.alpha, "order": self.order, "top_k": self.top_k}
 
 
 def _number(

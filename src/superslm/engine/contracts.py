@@ -1,0 +1,180 @@
+"""The runtime contracts of a sequence: stats, save/restore, prefix handles, hidden states.
+A mixin of Engine (it uses its fields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from superslm.engine import persist
+from superslm.engine.request import Request, Sequence
+from superslm.errors import (
+    ContextLengthExceeded,
+    InvalidArgument,
+    PrefixInUse,
+    SequenceBusy,
+    StateCorrupted,
+    UnknownRequest,
+)
+from superslm.kernels.attention import AttnMetadata
+
+if TYPE_CHECKING:
+    from superslm.engine.engine import Engine
+
+
+@dataclass(eq=False)
+class Prefix:
+    """A prompt start prefilled once and frozen (`Engine.prefix`); requests adopt it with
+    `Request(prefix=...)` and never compute it again. Its full pages are shared in place; the
+    last partial page is copied into each adopter."""
+
+    tokens: tuple[int, ...]
+    pages: list[int]
+    users: set[int] = field(default_factory=set)
+    released: bool = False
+
+
+class ContractsMixin:
+    """stats / prefill_hidden / save / restore / prefix / release / hidden for Engine."""
+
+    def _live(self: Engine, request_id: int) -> Sequence:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise UnknownRequest(f"no live request with id {request_id}")
+        return seq
+
+    def _in_step(self: Engine, seq: Sequence) -> bool:
+        return self._work is not None and any(s is seq for s, _ in self._work.chunks)
+
+    def stats(self: Engine, request_id: int) -> dict[str, Any]:
+        """Where a live request stands: tokens, layers run, tokens forced by its grammar, KV pages
+        resident, cached prompt tokens, whether its grammar accepts here."""
+        seq = self._live(request_id)
+        g = seq.grammar
+        return {
+            "prompt_tokens": len(seq.prompt),
+            "output_tokens": len(seq.output),
+            "num_computed_tokens": seq.num_computed_tokens,
+            "layers_run": seq.layers_run,
+            "forced_tokens": g.num_forced if g is not None else 0,
+            "kv_pages": len(seq.block_table),
+            "cached": seq.cached,
+            "preemptions": seq.preemptions,
+            "grammar_accepting": g.is_accepting if g is not None else None,
+            "in_step": self._in_step(seq),
+        }
+
+    def prefill_hidden(self: Engine, request_id: int) -> torch.Tensor | None:
+        """The final normed hidden state [dim] at the last prompt position of a live request (None
+        until its prompt has been read)."""
+        return self._live(request_id).prefill_hidden
+
+    # --- save / restore ---------------------------------------------------------------------------
+
+    def _slots_of(self: Engine, seq: Sequence, n: int) -> torch.Tensor:
+        ps = self.page_size
+        return torch.tensor([seq.block_table[p // ps] * ps + p % ps for p in range(n)], dtype=torch.long,
+                            device=self.kv.k.device)
+
+    def save(self: Engine, request_id: int) -> bytes:
+        """The whole state of a live request as a versioned blob (see engine/persist.py)."""
+        seq = self._live(request_id)
+        if self._in_step(seq):
+            raise SequenceBusy(f"request {request_id} is mid-step; advance until its step completes")
+        slots = self._slots_of(seq, seq.num_computed_tokens)
+        state = persist.sequence_state(seq)
+        header = {"model": self.model.fingerprint, "page_size": self.page_size, "sequence": state}
+        return persist.encode(header, self.kv.k[:, slots], self.kv.v[:, slots])
+
+    def restore(self: Engine, blob: bytes) -> int:
+        """A new live request continuing a saved one exactly; returns its id. With no free slot or no
+        room in the KV pool it waits in the queue and recomputes its KV when admitted."""
+        saved = persist.decode(blob, self.model.fingerprint)
+        try:
+            st = saved.header["sequence"]
+            seq = self._new_sequence(
+                Request(prompt=list(st["prompt"]), max_tokens=int(st["request_max_tokens"]), salt=st["salt"]),
+                list(st["prompt"]), state=st,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise StateCorrupted(f"saved sequence state is malformed ({e})") from e
+        if seq.num_tokens > self.context:
+            raise ContextLengthExceeded(f"the saved sequence has {seq.num_tokens} tokens; the context holds "
+                                        f"{self.context}")
+        n = saved.k.shape[1]
+        pages = -(-n // self.page_size)
+        self._register(seq)
+        if n and len(self.scheduler.running) < self.slots and self.pool.can_allocate(pages):
+            seq.block_table = self.pool.allocate(pages)
+            slots = self._slots_of(seq, n)
+            self.kv.k[:, slots] = saved.k.to(self.kv.k)
+            self.kv.v[:, slots] = saved.v.to(self.kv.v)
+            seq.num_computed_tokens = n
+            self.scheduler.running.append(seq)
+        else:
+            self.scheduler.add(seq)
+        return seq.id
+
+    # --- prefix handles ---------------------------------------------------------------------------
+
+    def prefix(self: Engine, tokens: list[int]) -> Prefix:
+        """Prefill `tokens` once and freeze them as a shared prompt start (see Prefix)."""
+        ids = self._prompt_ids(tokens)
+        if not ids:
+            raise InvalidArgument("a prefix needs at least one token")
+        if len(ids) >= self.context:
+            raise ContextLengthExceeded(f"a prefix of {len(ids)} tokens leaves no room in a context of {self.context}")
+        ps = self.page_size
+        pages = self.pool.allocate(-(-len(ids) // ps))
+        meta = AttnMetadata(
+            positions=torch.arange(len(ids), device=self.net.device),
+            slot_mapping=torch.tensor([pages[p // ps] * ps + p % ps for p in range(len(ids))], device=self.net.device),
+            query_start=(0, len(ids)), seq_lens=(len(ids),), block_tables=(tuple(pages),), page_size=ps,
+            deterministic=self.deterministic,
+        )
+        with torch.inference_mode():
+            self.net.run_layers(self.net.embed(torch.tensor(ids, device=self.net.device)), meta, self.kv.k, self.kv.v)
+        if self.scheduler.prefix_caching:
+            self.pool.register_full_pages(pages, ids, len(ids), None)
+        return Prefix(tuple(ids), pages)
+
+    def release(self: Engine, prefix: Prefix) -> None:
+        """Give a prefix's pages back; refused while live requests use it."""
+        if prefix.users:
+            raise PrefixInUse(f"the prefix is used by {len(prefix.users)} live request(s)")
+        if not prefix.released:
+            self.pool.release(prefix.pages)
+            prefix.released = True
+
+    def _adopt(self: Engine, seq: Sequence) -> bool:
+        """Give a sequence its prefix's pages (full ones shared, the partial one copied)."""
+        pre: Prefix = seq.request.prefix
+        n, ps = len(pre.tokens), self.page_size
+        full = n // ps
+        need = 1 if n % ps else 0
+        if not self.pool.can_allocate(need):
+            return False
+        self.pool.retain(pre.pages[:full])
+        seq.block_table = list(pre.pages[:full])
+        if need:
+            page = self.pool.allocate(1)[0]
+            src = torch.arange(full * ps, n, device=self.kv.k.device) - full * ps + pre.pages[full] * ps
+            dst = src - pre.pages[full] * ps + page * ps
+            self.kv.k[:, dst] = self.kv.k[:, src]
+            self.kv.v[:, dst] = self.kv.v[:, src]
+            seq.block_table.append(page)
+        seq.num_computed_tokens = n
+        seq.num_hashed_pages = full
+        if seq.preemptions == 0:
+            seq.cached = n
+        return True
+
+    # --- hidden states ------------------------------------------------------------------------------
+
+    def hidden(self: Engine, tokens: list[int], slots: list[int], layers: list[int]) -> dict[int, torch.Tensor]:
+        """Low level, like `step`: append token rows to caller-owned slots and return the residual
+        stream after each asked layer as transformers' hidden_states counts them (0: the embeddings,
+        i: after layer i; the last, i == layers, after the final norm), each [rows, dim] float32."""
+        return self._manual_slots().hidden(tokens, slots, layers)

@@ -1,0 +1,125 @@
+"""What happens to a step's logits: grammar masks, sampling or damped greedy, jump-forward, stop
+tokens and strings, text, and the end of a sequence. A mixin of Engine (it uses its fields)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from superslm.engine.request import END_CANCELLED, END_GRAMMAR, END_LENGTH, END_STOP, Progress, Sequence
+from superslm.engine.runner import StepWork
+from superslm.sampling import TokenLogprobs, sample
+from superslm.sampling.damped import damped_choice
+
+if TYPE_CHECKING:
+    from superslm.engine.engine import Engine
+
+
+class OutputMixin:
+    """Token acceptance for Engine: one call per step (`_accept`)."""
+
+    def _accept(self: Engine, work: StepWork, logits: torch.Tensor) -> list[Progress]:
+        seqs: list[Sequence] = []
+        for (seq, n), row in zip(work.chunks, work.sample_rows):
+            seq.num_computed_tokens += n
+            if row >= 0:
+                seqs.append(seq)
+                if seq.prefill_hidden is None and work.h is not None:
+                    # the seed's prefill hidden state: final norm at the last prompt position
+                    seq.prefill_hidden = self.net.final_norm(work.h[row]).float().clone()
+            elif not seq.end:
+                self.scheduler.register(seq)
+        out: list[Progress] = []
+        if seqs:
+            bitmask = self._bitmask(seqs)
+            result = sample(logits, [s.sampler for s in seqs], bitmask=bitmask)
+            tokens, logprobs = result.token_list(), result.logprobs()
+            for i, seq in enumerate(seqs):
+                if seq.end == END_CANCELLED:
+                    out.append(self._finish(seq, END_CANCELLED))
+                    continue
+                token = tokens[i]
+                damped = seq.sampler.params.damped
+                if damped is not None:
+                    row = logits[i : i + 1].clone()
+                    if bitmask is not None:
+                        from superslm.sampling import apply_token_bitmask
+
+                        apply_token_bitmask(row, bitmask[i : i + 1])
+                    token = damped_choice(row[0].log_softmax(-1), seq.anti, damped)
+                out.append(self._take(seq, token, logprobs[i]))
+        for seq, _ in work.chunks:
+            if seq.end == END_CANCELLED and seq.id in self._seqs:
+                out.append(self._finish(seq, END_CANCELLED))
+        return out
+
+    def _bitmask(self: Engine, seqs: list[Sequence]) -> torch.Tensor | None:
+        if not any(s.grammar is not None for s in seqs):
+            return None
+        from superslm.grammar import fill_bitmasks
+
+        words = -(-self.vocab // 32)
+        bitmask = torch.full((len(seqs), words), -1, dtype=torch.int32)
+        fill_bitmasks([s.grammar for s in seqs], bitmask)
+        return bitmask.to(self.net.device)
+
+    def _take(self: Engine, seq: Sequence, token: int, lp: TokenLogprobs | None) -> Progress:
+        """Accept one sampled token, then any tokens the grammar forces after it."""
+        p = Progress(seq.id, cached=seq.cached)
+        seq.sampler.append_token(token)
+        if lp is not None:
+            p.logprobs.append(lp)
+        params = seq.sampler.params
+        stop = token in params.stop_token_ids or (token in self._stop_ids and not params.ignore_eos)
+        if seq.grammar is not None and not seq.grammar.accept(token) and not stop:
+            return self._finish(seq, END_GRAMMAR, progress=p)
+        if stop:
+            seq.stop_reason = token
+            return self._finish(seq, END_STOP, progress=p)
+        if self._append(seq, token, p):
+            return p
+        if seq.grammar is not None:
+            # jump-forward: tokens the grammar allows as the only continuation, without sampling
+            for forced in seq.grammar.take_forced(max(0, seq.max_tokens - len(seq.output))):
+                seq.sampler.append_token(forced)
+                if self._append(seq, forced, p):
+                    return p
+            if seq.grammar.is_dead:
+                return self._finish(seq, END_GRAMMAR, progress=p)
+            if params.ignore_eos and seq.grammar.is_finished:
+                return self._finish(seq, END_STOP, progress=p)
+        self.scheduler.register(seq)
+        return p
+
+    def _append(self: Engine, seq: Sequence, token: int, p: Progress) -> bool:
+        """One output token: text, stop strings, max_tokens. True when the sequence ended."""
+        seq.output.append(token)
+        if seq.anti is not None:
+            seq.anti.append(token)
+        p.tokens.append(token)
+        res = seq.stops.push(seq.decoder.push(token))
+        p.text += res.text
+        if res.stopped:
+            seq.stop_reason = res.stop
+            self._finish(seq, END_STOP, progress=p)
+            return True
+        if len(seq.output) >= seq.max_tokens:
+            self._finish(seq, END_LENGTH, progress=p)
+            return True
+        return False
+
+    def _finish(self: Engine, seq: Sequence, end: str, progress: Progress | None = None,
+                into: list[Progress] | None = None) -> Progress:
+        """End a sequence: flush its held text, free its pages, and report it."""
+        p = progress or Progress(seq.id, cached=seq.cached)
+        if end != END_STOP or seq.stop_reason is None or isinstance(seq.stop_reason, int):
+            # a stop string ends the text where it starts; anything else releases what was held
+            p.text += seq.stops.push(seq.decoder.flush()).text + seq.stops.flush()
+        seq.end, p.end, p.stop_reason = end, end, seq.stop_reason
+        p.forced_tokens = seq.grammar.num_forced if seq.grammar is not None else 0
+        self.scheduler.remove(seq)
+        self._seqs.pop(seq.id, None)
+        if progress is None:
+            (self._pending if into is None else into).append(p)
+        return p

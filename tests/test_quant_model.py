@@ -1,0 +1,105 @@
+"""The formats inside a real model: SmolLM2-135M-Instruct Q4_1 with its linears swapped.
+
+References: the fp32 model (every weight the GGUF's own dequantized values) and, for the GGUF-native
+path, the file's weights dequantized by gguf-py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, quants
+
+import superslm
+from superslm.cache.kv import KVCache
+from superslm.kernels.attention import AttnMetadata
+from superslm.models.llama import unpermute_qk
+from superslm.quant import GGUFInt4Linear, Int4Linear, Int8Linear, quantize_from_source, quantize_linears
+
+pytestmark = pytest.mark.slow
+
+TEXT = (
+    "The sun rose over the quiet village. Children walked to school along the river, and the baker "
+    "opened his shop early, as he had done every morning for thirty years. In the afternoon it began to rain."
+)
+U = 2.0**-8
+
+
+def prefill_logits(net, tokens: list[int]) -> torch.Tensor:
+    """Logits [n, vocab] of every position of one sequence, in one prefill step."""
+    a, n, ps = net.arch, len(tokens), 16
+    pages = (n + ps - 1) // ps
+    kv = KVCache(len(net.layers), pages, ps, a.kv_heads, a.head_dim, net.dtype)
+    meta = AttnMetadata(torch.arange(n), torch.arange(n), (0, n), (n,), (tuple(range(pages)),), ps)
+    with torch.no_grad():
+        return net.logits(net.run_layers(net.embed(torch.tensor(tokens)), meta, kv.k, kv.v)).float()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_gguf):
+    model = superslm.load(smollm2_gguf)
+    tokens = model.tokenizer.encode(TEXT)
+    return model, tokens, prefill_logits(model.net, tokens)
+
+
+def closeness(logits: torch.Tensor, ref: torch.Tensor, tokens: list[int]) -> dict[str, float]:
+    target = torch.tensor(tokens[1:])
+    nll = F.cross_entropy(logits[:-1], target).item()
+    ref_nll = F.cross_entropy(ref[:-1], target).item()
+    return {
+        "rel": float((logits - ref).norm() / ref.norm()),
+        "top1": float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
+        "ppl_ratio": float(torch.tensor(nll - ref_nll).exp()),
+    }
+
+
+def test_gguf_native_linears_equal_the_files_weights(smollm2_gguf, reference) -> None:
+    ref_model, tokens, ref = reference
+    model = superslm.load(smollm2_gguf, dtype="bf16")
+    swapped = quantize_from_source(model.net, model.source)
+    assert all(isinstance(getattr(layer, n), GGUFInt4Linear) for layer in model.net.layers
+               for n in ("qkv", "o", "gate_up", "down"))  # fmt: skip
+    assert "from Q4_1" in swapped["layers.0.qkv"] and "from Q8_0" in swapped["head"]
+    # layer 0's fused qkv against gguf-py's dequantization of q, k, v, q and k unpermuted
+    g, arch = model.source.gguf, model.arch
+    parts = []
+    for key in ("q", "k", "v"):
+        name = f"blk.0.attn_{key}.weight"
+        raw = g.raw(name).reshape(g.tensors[name].shape[0], -1)
+        w = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_1)).float()
+        parts.append(unpermute_qk(key, w, arch))
+    w = torch.cat(parts)
+    qkv = model.net.layers[0].qkv
+    x = torch.randn(4, arch.dim).bfloat16()
+    _, scale, zero = qkv._params()
+    per_weight = (8 * scale.double().abs() + zero.double().abs()).repeat_interleave(32, dim=1)
+    tol = U * (x.abs().double() @ (per_weight + 2 * w.abs().double()).t())  # params, then the output
+    assert ((qkv(x).double() - x.double() @ w.double().t()).abs() <= tol + 1e-6).all()
+    # the whole model: as close to fp32 as the plain bf16 model is
+    dense = prefill_logits(superslm.load(smollm2_gguf, dtype="bf16").net, tokens)
+    native = closeness(prefill_logits(model.net, tokens), ref, tokens)
+    plain = closeness(dense, ref, tokens)
+    print("gguf-native", native, "bf16 dense", plain)
+    assert native["top1"] >= 0.95 and abs(native["ppl_ratio"] - 1) < 0.03
+    assert native["rel"] < 2 * plain["rel"] + 0.01
+
+
+def test_quantized_model_still_talks(smollm2_gguf, reference) -> None:
+    _, tokens, ref = reference
+    model = superslm.load(smollm2_gguf, dtype="bf16")
+    # int4 g32 re-quantizes this Q4_1 file's groups of 32 almost exactly; the head is int8
+    quantize_linears(model.net, body="int4", head="int8", group=32, rotate=False)
+    assert isinstance(model.net.layers[3].down, Int4Linear) and isinstance(model.net.head, Int8Linear)
+    got = closeness(prefill_logits(model.net, tokens), ref, tokens)
+    print("int4 g32 + int8 head", got)
+    assert got["top1"] >= 0.9 and abs(got["ppl_ratio"] - 1) < 0.05
+    text = model.engine(slots=1, context=256).complete("The capital of France is", 8)
+    assert "Paris" in text
+    # rotated int4 g128: a second 4-bit rounding on top of Q4_1 costs this small model dearly
+    model = superslm.load(smollm2_gguf, dtype="bf16")
+    done = quantize_linears(model.net, body="int4", head="int8", group=128, rotate=True, seed=0)
+    assert "hadamard b128" in done["layers.0.qkv"] and "padded to 640" in done["layers.0.qkv"]
+    rot = closeness(prefill_logits(model.net, tokens), ref, tokens)
+    print("int4 g128 rotated + int8 head", rot)
+    assert rot["top1"] >= 0.5
