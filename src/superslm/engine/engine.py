@@ -86,6 +86,7 @@ class Engine(OutputMixin, ContractsMixin):
         prefix_caching: bool = True,
         chunk: int | None = None,
         deterministic: bool = False,
+        jump_forward: bool = True,
     ) -> None:
         a = model.arch
         context = min(a.context, 4096) if context is None else context
@@ -130,6 +131,8 @@ class Engine(OutputMixin, ContractsMixin):
         self.steps = 0
         self._manual: ManualSlots | None = None
         self.deterministic = bool(deterministic)
+        #: append the tokens a grammar forces without sampling them (off: mask and sample each)
+        self.jump_forward = bool(jump_forward)
 
     # --- requests ---------------------------------------------------------------------------------
 
@@ -215,7 +218,7 @@ class Engine(OutputMixin, ContractsMixin):
         self._register(seq)
         if pre is not None:
             pre.users.add(seq.id)
-        if seq.grammar is not None:
+        if seq.grammar is not None and self.jump_forward:
             # jump-forward at the start: tokens the grammar forces before any choice
             forced = seq.grammar.take_forced(seq.max_tokens)
             if forced:

@@ -13,6 +13,7 @@ one activation row, so both are `fwht(v * signs)` blockwise.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -51,21 +52,35 @@ def random_signs(k: int, seed: int) -> torch.Tensor:
 def fwht(x: torch.Tensor, block: int) -> torch.Tensor:
     """Orthonormal Walsh-Hadamard transform of each run of `block` values along the last axis.
 
-    Vectorised butterflies: log2(block) steps over the whole tensor (no loop over rows); the result is
-    x · H_b per block with H_b symmetric, so the transform is its own inverse.
+    Vectorised butterflies: log2(block) steps over the whole tensor (no loop over rows), ping-ponging
+    between two buffers; the result is x · H_b per block with H_b symmetric, so it is its own inverse.
     """
     k = x.shape[-1]
     block = _check_block(k, block)
-    lead = x.shape[:-1]
-    y = x.reshape(-1, k // block, block)  # [rows, blocks, b]
+    y = x.reshape(-1, block).clone()  # [rows * blocks, b]
+    out = torch.empty_like(y)
     h = 1
     while h < block:
-        # pairs (i, i + h) inside every run of 2h: [rows, blocks, b / 2h, 2, h]
-        y = y.reshape(y.shape[0], y.shape[1], block // (2 * h), 2, h)
-        a, c = y[..., 0, :], y[..., 1, :]
-        y = torch.stack((a + c, a - c), dim=-2)
+        # pairs (i, i + h) inside every run of 2h: [rows * blocks, b / 2h, 2, h]
+        yv, ov = y.view(-1, block // (2 * h), 2, h), out.view(-1, block // (2 * h), 2, h)
+        a, c = yv[:, :, 0], yv[:, :, 1]
+        torch.add(a, c, out=ov[:, :, 0])
+        torch.sub(a, c, out=ov[:, :, 1])
+        y, out = out, y
         h *= 2
-    return (y.reshape(*lead, k) * (1.0 / math.sqrt(block))).to(x.dtype)
+    return (y * (1.0 / math.sqrt(block))).view(x.shape)
+
+
+@functools.lru_cache(maxsize=16)
+def _matrix(block: int, dtype: torch.dtype) -> torch.Tensor:
+    return fwht(torch.eye(block, dtype=torch.float64), block).to(dtype)
+
+
+def _blocks_times_h(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x · H_b per block as one matmul: the same transform as `fwht`, ~15x faster on this CPU for whole
+    weights (torch's elementwise passes are the bottleneck there, a GEMM is not)."""
+    h = _matrix(block, x.dtype).to(x.device)
+    return (x.reshape(-1, block) @ h).view(x.shape)
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -77,7 +92,7 @@ def rotate_activation(x: torch.Tensor, seed: int, block: int | None = None) -> t
     """R x for activations x [..., K] (computed in float32 or wider, returned in x's dtype)."""
     block = _check_block(x.shape[-1], block)
     signs = random_signs(x.shape[-1], seed).to(x.device)
-    return fwht(_wide(x) * signs, block).to(x.dtype)
+    return _blocks_times_h(_wide(x) * signs, block).to(x.dtype)
 
 
 def rotate_weight(w: torch.Tensor, seed: int, block: int | None = None) -> torch.Tensor:
@@ -89,12 +104,12 @@ def unrotate_weight(w: torch.Tensor, seed: int, block: int | None = None) -> tor
     """The inverse of `rotate_weight`: W_rot R, i.e. each row v -> R^T v = signs * fwht(v)."""
     block = _check_block(w.shape[-1], block)
     signs = random_signs(w.shape[-1], seed).to(w.device)
-    return (fwht(_wide(w), block) * signs).to(w.dtype)
+    return (_blocks_times_h(_wide(w), block) * signs).to(w.dtype)
 
 
 def hadamard_matrix(block: int) -> torch.Tensor:
     """The orthonormal Walsh-Hadamard matrix H_b [b, b] in float32 (Sylvester order, as `fwht`)."""
-    return fwht(torch.eye(block), block)
+    return _matrix(_check_block(block, block), torch.float32).clone()
 
 
 class Rotation(nn.Module):

@@ -38,19 +38,20 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """codes uint8 [N, K] (0..15, N % 64 == 0) -> the kernel's packed uint8 [N, K / 2].
 
     Per block of 64 rows and per k, byte j holds row j (low nibble) and row j + 32 (high nibble):
-    what `_convert_weight_to_int4pack_for_cpu` writes, without its int32 copy of the codes.
+    what `_convert_weight_to_int4pack_for_cpu` writes, without its int32 copy of the codes. In numpy:
+    torch's uint8 elementwise ops measured ~50x slower here.
     """
     n, k = codes.shape
-    v = codes.view(n // _BLOCK_N, 2, _BLOCK_N // 2, k)  # [blocks, half, j, k]
-    b = v[:, 0] | (v[:, 1] << 4)  # [blocks, 32, k]
-    return b.transpose(1, 2).contiguous().view(n, k // 2)
+    v = codes.contiguous().numpy().reshape(n // _BLOCK_N, 2, _BLOCK_N // 2, k)  # [blocks, half, j, k]
+    b = v[:, 0] | (v[:, 1] << np.uint8(4))  # [blocks, 32, k]
+    return torch.from_numpy(np.ascontiguousarray(b.transpose(0, 2, 1)).reshape(n, k // 2))
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of `pack_int4`: packed uint8 [N, K / 2] -> codes uint8 [N, K]."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    b = packed.view(n // _BLOCK_N, k, _BLOCK_N // 2).transpose(1, 2)  # [blocks, 32, k]
-    return torch.stack((b & 15, b >> 4), dim=1).reshape(n, k)
+    b = packed.contiguous().numpy().reshape(n // _BLOCK_N, k, _BLOCK_N // 2).transpose(0, 2, 1)  # [blocks, 32, k]
+    return torch.from_numpy(np.stack((b & np.uint8(15), b >> np.uint8(4)), axis=1).reshape(n, k))
 
 
 def _check_layout() -> None:
@@ -159,7 +160,8 @@ class Int4Linear(LinearFormat):
         n_pad = round_up(n, _BLOCK_N)
         if n_pad != n:
             # padded rows: code 8, scale 0, zero 0 -> weight 0; sliced off the output
-            codes = torch.cat([codes, codes.new_full((n_pad - n, k_pad), 8)])
+            pad = np.full((n_pad - n, k_pad), 8, dtype=np.uint8)
+            codes = torch.from_numpy(np.concatenate([codes.to(torch.uint8).numpy(), pad]))
             scale = torch.cat([scale, scale.new_zeros(n_pad - n, scale.shape[1])])
             zero = torch.cat([zero, zero.new_zeros(n_pad - n, zero.shape[1])])
         self.register_buffer("qweight", pack_int4(codes.to(torch.uint8).contiguous()))
@@ -221,14 +223,16 @@ class Int4Linear(LinearFormat):
     def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         codes, scale, zero = self._params()
         # stored nibble order: byte j of a row holds codes 2j (low) and 2j + 1 (high)
-        packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        c = codes.numpy()
+        packed = torch.from_numpy(c[:, 0::2] | (c[:, 1::2] << np.uint8(4)))
         return {"qweight": packed, "scales": scale, "zeros": zero}, {"group": self.group}
 
     @classmethod
     def _from_state(cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], **common: Any) -> LinearFormat:
         common.pop("k_pad")
-        packed = tensors["qweight"]
-        codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1)  # [N, k_pad]
+        packed = tensors["qweight"].contiguous().numpy()
+        codes = np.stack((packed & np.uint8(15), packed >> np.uint8(4)), axis=-1).reshape(packed.shape[0], -1)
+        codes = torch.from_numpy(codes)  # [N, k_pad]
         return cls(codes, tensors["scales"], tensors["zeros"], int(meta["group"]), **common)
 
 
@@ -247,14 +251,13 @@ def gguf_int4_params(
     if block_type.n_elements(raw) != n * k or k % 32:
         raise InvalidArgument(f"{block_type.name}: {raw.size} bytes do not hold a [{n}, {k}] weight")
     codes_np, scale_np, min_np = block_type.unpack_int4(raw)
-    codes = torch.from_numpy(codes_np).view(n, k)
-    scale = torch.from_numpy(scale_np).view(n, k // 32)
-    minimum = torch.from_numpy(min_np).view(n, k // 32)
+    codes_np, scale_np, min_np = codes_np.reshape(n, k), scale_np.reshape(n, k // 32), min_np.reshape(n, k // 32)
     if row_perm is not None:
-        row_perm = torch.as_tensor(row_perm, dtype=torch.long)
-        if row_perm.shape != (n,) or not torch.equal(torch.sort(row_perm).values, torch.arange(n)):
+        perm = torch.as_tensor(row_perm, dtype=torch.long).numpy()
+        if perm.shape != (n,) or not np.array_equal(np.sort(perm), np.arange(n)):
             raise InvalidArgument(f"row_perm must be a permutation of {n} rows")
-        codes, scale, minimum = codes[row_perm], scale[row_perm], minimum[row_perm]
+        codes_np, scale_np, min_np = codes_np[perm], scale_np[perm], min_np[perm]
+    codes, scale, minimum = torch.from_numpy(codes_np), torch.from_numpy(scale_np), torch.from_numpy(min_np)
     # the kernel's zero is the value of code 8; one float32 rounding, then one bf16 rounding
     zero = (minimum + 8 * scale).to(torch.bfloat16)
     return codes.contiguous(), scale.to(torch.bfloat16), zero
@@ -290,7 +293,7 @@ class GGUFInt4Linear(Int4Linear):
     ) -> GGUFInt4Linear:
         """Several GGUF int4 tensors (raw, block_type, shape, row_perm) fused along out (qkv, gate_up)."""
         got = [gguf_int4_params(*p) for p in parts]
-        codes = torch.cat([g[0] for g in got])
+        codes = torch.from_numpy(np.concatenate([g[0].numpy() for g in got]))
         scale = torch.cat([g[1] for g in got])
         zero = torch.cat([g[2] for g in got])
         n, k = codes.shape

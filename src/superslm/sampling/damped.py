@@ -1,11 +1,12 @@
 """Damped greedy decoding with an anti-LM, in Q16 fixed point.
 
 Among the top_k candidates by log-probability, a candidate's score is its log-probability minus
-alpha times the log-probability an n-gram model of the sequence's own output gives it (orders
-1..n, each P(c | context) = (count(context, c) + 1/V) / (count(context) + 1), averaged over the orders:
-a continuation already seen after the same context scores about ln V higher, so it is damped). The n-gram model is pure counting, and every
-quantity is rounded to an integer in units of 2^-16 before it is compared, so the choice is exact
-for the same logits on every platform; ties go to the lowest token id.
+alpha times the log-probability an n-gram model of the sequence's own output gives it. The n-gram
+model has orders 1..n, each P(c | context) = (count(context, c) + 1/V) / (count(context) + 1),
+averaged over the orders: a continuation already seen after the same context scores about ln V
+higher, so it is damped. The model is pure counting, and every quantity is rounded to an integer in
+units of 2^-16 before it is compared, so the choice is exact for the same logits on every platform;
+ties go to the lowest token id.
 """
 
 from __future__ import annotations
