@@ -20,9 +20,21 @@ from safetensors.torch import load_file, save_file
 from superslm.errors import FormatError, InvalidArgument, UnsupportedModel
 from superslm.formats.blocks import Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0
 from superslm.quant import (
-    FORMATS, ConcatLinear, GGUFInt4Linear, Int4Linear, Int8Linear, Rotation, format_class, fwht, linear_from_gguf,
-    load_linear, rotate_activation, rotate_weight, unrotate_weight,
-)  # fmt: skip
+    FORMATS,
+    ConcatLinear,
+    GGUFInt4Linear,
+    Int4Linear,
+    Int8Linear,
+    Rotation,
+    format_class,
+    fwht,
+    linear_from_gguf,
+    load_linear,
+    random_signs,
+    rotate_activation,
+    rotate_weight,
+    unrotate_weight,
+)
 from superslm.quant.int4 import pack_int4, unpack_int4
 
 U = 2.0**-8
@@ -57,6 +69,8 @@ def test_fwht_is_the_hadamard_matrix(block: int) -> None:
     np.testing.assert_allclose(fwht(x, block).numpy(), want, atol=1e-12)
     # orthonormal and its own inverse
     torch.testing.assert_close(fwht(fwht(x, block), block), x, atol=1e-12, rtol=0)
+    # the rotation (a matmul per block, for speed) is the butterflies after the sign flip
+    torch.testing.assert_close(rotate_activation(x, 9, block), fwht(x * random_signs(3 * block, 9), block))
 
 
 def test_rotation_preserves_products() -> None:

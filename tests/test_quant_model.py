@@ -55,8 +55,9 @@ def closeness(logits: torch.Tensor, ref: torch.Tensor, tokens: list[int]) -> dic
 
 
 def test_gguf_native_linears_equal_the_files_weights(smollm2_gguf, reference) -> None:
-    ref_model, tokens, ref = reference
+    _, tokens, ref = reference
     model = superslm.load(smollm2_gguf, dtype="bf16")
+    dense = prefill_logits(model.net, tokens)
     swapped = quantize_from_source(model.net, model.source)
     assert all(isinstance(getattr(layer, n), GGUFInt4Linear) for layer in model.net.layers
                for n in ("qkv", "o", "gate_up", "down"))  # fmt: skip
@@ -77,12 +78,11 @@ def test_gguf_native_linears_equal_the_files_weights(smollm2_gguf, reference) ->
     tol = U * (x.abs().double() @ (per_weight + 2 * w.abs().double()).t())  # params, then the output
     assert ((qkv(x).double() - x.double() @ w.double().t()).abs() <= tol + 1e-6).all()
     # the whole model: as close to fp32 as the plain bf16 model is
-    dense = prefill_logits(superslm.load(smollm2_gguf, dtype="bf16").net, tokens)
     native = closeness(prefill_logits(model.net, tokens), ref, tokens)
     plain = closeness(dense, ref, tokens)
     print("gguf-native", native, "bf16 dense", plain)
-    assert native["top1"] >= 0.95 and abs(native["ppl_ratio"] - 1) < 0.03
-    assert native["rel"] < 2 * plain["rel"] + 0.01
+    assert native["rel"] < 1.5 * plain["rel"] and native["top1"] >= plain["top1"] - 0.1
+    assert abs(native["ppl_ratio"] - 1) < 0.03
 
 
 def test_quantized_model_still_talks(smollm2_gguf, reference) -> None:
@@ -96,10 +96,3 @@ def test_quantized_model_still_talks(smollm2_gguf, reference) -> None:
     assert got["top1"] >= 0.9 and abs(got["ppl_ratio"] - 1) < 0.05
     text = model.engine(slots=1, context=256).complete("The capital of France is", 8)
     assert "Paris" in text
-    # rotated int4 g128: a second 4-bit rounding on top of Q4_1 costs this small model dearly
-    model = superslm.load(smollm2_gguf, dtype="bf16")
-    done = quantize_linears(model.net, body="int4", head="int8", group=128, rotate=True, seed=0)
-    assert "hadamard b128" in done["layers.0.qkv"] and "padded to 640" in done["layers.0.qkv"]
-    rot = closeness(prefill_logits(model.net, tokens), ref, tokens)
-    print("int4 g128 rotated + int8 head", rot)
-    assert rot["top1"] >= 0.5

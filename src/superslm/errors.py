@@ -173,3 +173,20 @@ class UnknownSchema(InvalidArgument):
     """No named schema of that name ships with the model."""
 
     code = "unknown_schema"
+
+
+# --- adapters ------------------------------------------------------------------------------------
+
+
+class AdapterMismatch(SuperSLMError):
+    """A LoRA adapter that does not fit the model (shapes, layers, modules, or another base model)."""
+
+    code = "adapter_mismatch"
+    http_status = 400
+
+
+class AdapterInUse(SuperSLMError):
+    """An adapter cannot be unmapped while live requests use it (or used once unmapped)."""
+
+    code = "adapter_in_use"
+    http_status = 409

@@ -120,6 +120,14 @@ class Model:
 
         return Engine(self, slots=slots, context=context, **kwargs)
 
+    def adapter(self, folder: str | Path) -> Any:
+        """Map a PEFT LoRA adapter folder onto this model (refused with AdapterMismatch if it does not fit);
+        requests name it with `Request(adapter=...)`; `adapter.unmap()` releases it."""
+        from superslm.adapters import load_peft
+
+        names = self.source.recipe.layer_names(hf=True)
+        return load_peft(folder, self.arch, dict(names), self.fingerprint, self.dtype, self.device)
+
     def schemas(self) -> dict[str, Any]:
         """The named JSON schemas shipped with the model (`schemas/NAME.json` in its folder)."""
         if self._schemas is None:

@@ -25,7 +25,7 @@ from superslm.engine.output import OutputMixin
 from superslm.engine.request import END_CANCELLED, END_LENGTH, Progress, Request, Sequence
 from superslm.engine.runner import StepWork, build_step, run_layers, step_logits
 from superslm.engine.scheduler import Scheduler
-from superslm.errors import ContextLengthExceeded, InvalidArgument, TokenOutOfRange
+from superslm.errors import AdapterInUse, AdapterMismatch, ContextLengthExceeded, InvalidArgument, TokenOutOfRange
 from superslm.sampling import SamplerState, Sampling, StopChecker, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -214,10 +214,20 @@ class Engine(OutputMixin, ContractsMixin):
             raise ContextLengthExceeded(
                 f"the prompt has {len(prompt)} tokens; the context holds {self.context} (prompt and answer)"
             )
+        adapter = request.adapter
+        if adapter is not None:
+            from superslm.adapters import Adapter
+
+            if not isinstance(adapter, Adapter) or adapter.model_fingerprint != self.model.fingerprint:
+                raise AdapterMismatch("the adapter was not mapped onto this engine's model (Model.adapter)")
+            if adapter.unmapped:
+                raise AdapterInUse("the adapter has been unmapped")
         seq = self._new_sequence(request, prompt)
         self._register(seq)
         if pre is not None:
             pre.users.add(seq.id)
+        if adapter is not None:
+            adapter.users.add(seq.id)
         if seq.grammar is not None and self.jump_forward:
             # jump-forward at the start: tokens the grammar forces before any choice
             forced = seq.grammar.take_forced(seq.max_tokens)

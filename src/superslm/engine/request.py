@@ -22,6 +22,7 @@ class Request:
     `salt` separates this request's prefix-cache entries from other callers' (as vLLM's cache_salt).
     `prefix`: a handle from `Engine.prefix(tokens)`: the request continues after its tokens, which
     are never computed again (`prompt` is what follows them).
+    `adapter`: a LoRA adapter from `Model.adapter(folder)`, applied to this request's rows only.
     """
 
     prompt: Seq[int] | str
@@ -29,6 +30,7 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)
     salt: str | None = None
     prefix: Any = None
+    adapter: Any = None
 
 
 @dataclass
@@ -113,4 +115,8 @@ class Sequence:
 
     @property
     def salt(self) -> str | None:
-        return self.request.salt
+        """The prefix-cache key: the request's salt and its adapter (pages are never shared across them)."""
+        adapter = self.request.adapter
+        if adapter is None:
+            return self.request.salt
+        return f"{self.request.salt or ''}|{adapter.key}"

@@ -53,6 +53,12 @@ def build_step(
         tables.append(tuple(table))
         # a chunk that reaches the newest token gives the next token's logits
         sample_rows.append(query_start[-1] - 1 if start + n == len(all_tokens) else -1)
+    lora = None
+    if any(seq.request.adapter is not None for seq, _ in chunks):
+        from superslm.adapters.lora import LoraBatch, group_rows
+
+        per_row = [seq.request.adapter for seq, n in chunks for _ in range(n)]
+        lora = LoraBatch(group_rows(per_row, device), 16 if deterministic else 1)
     meta = AttnMetadata(
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
@@ -61,6 +67,7 @@ def build_step(
         block_tables=tuple(tables),
         page_size=page_size,
         deterministic=deterministic,
+        lora=lora,
     )
     return StepWork(chunks, torch.tensor(tokens, dtype=torch.long, device=device), meta, sample_rows)
 

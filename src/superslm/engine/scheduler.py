@@ -74,8 +74,9 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.release(seq)
-        if seq.request.prefix is not None:
-            seq.request.prefix.users.discard(seq.id)
+        for handle in (seq.request.prefix, seq.request.adapter):
+            if handle is not None:
+                handle.users.discard(seq.id)
 
     def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
         self.running.remove(seq)

@@ -8,6 +8,7 @@ block_table, and every row's K/V is written to `slot_mapping[row]` (page * page_
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,8 @@ class AttnMetadata:
     page_size: int
     #: deterministic mode: batch-invariant kernels and rows padded to a multiple of 16
     deterministic: bool = False
+    #: LoRA adapters of the step's rows (superslm.adapters.LoraBatch), applied by the linears
+    lora: Any = None
     _slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _masks: dict[tuple[int, int | None], tuple[int, torch.Tensor]] = field(default_factory=dict, repr=False)
 

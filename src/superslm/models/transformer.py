@@ -80,7 +80,11 @@ class Layer(nn.Module):
     ) -> torch.Tensor:
         a = self.arch
         n = h.shape[0]
-        qkv = self.qkv(self.norm(h, "attn_norm"))
+        lora = meta.lora
+        x = self.norm(h, "attn_norm")
+        qkv = self.qkv(x)
+        if lora is not None:
+            qkv = lora.apply(self.index, "qkv", x, qkv)
         q_size, kv_size = a.heads * a.head_dim, a.kv_heads * a.head_dim
         q = qkv[:, :q_size].view(n, a.heads, a.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(n, a.kv_heads, a.head_dim)
@@ -93,12 +97,22 @@ class Layer(nn.Module):
         store_kv(k_cache, v_cache, k[:rows], v[:rows], meta.slot_mapping)
         attend = paged_attention_invariant if meta.deterministic else paged_attention
         o = attend(q, k_cache, v_cache, meta, self.window, a.attn_scale)
-        o = self.o(o.reshape(n, q_size))
+        o_in = o.reshape(n, q_size)
+        o = self.o(o_in)
+        if lora is not None:
+            o = lora.apply(self.index, "o", o_in, o)
         if a.post_norms:
             o = self.norm(o, "post_attn_norm")
         h = h + o
-        gate, up = self.gate_up(self.norm(h, "ffn_norm")).chunk(2, dim=-1)
-        y = self.down(_act(a.act, gate) * up)
+        x = self.norm(h, "ffn_norm")
+        gu = self.gate_up(x)
+        if lora is not None:
+            gu = lora.apply(self.index, "gate_up", x, gu)
+        gate, up = gu.chunk(2, dim=-1)
+        act = _act(a.act, gate) * up
+        y = self.down(act)
+        if lora is not None:
+            y = lora.apply(self.index, "down", act, y)
         if a.post_norms:
             y = self.norm(y, "post_ffn_norm")
         return h + y

@@ -1,0 +1,107 @@
+"""LoRA adapters against transformers + peft, alone and in mixed batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import superslm
+from superslm import Request, Sampling
+from superslm.errors import AdapterInUse, AdapterMismatch
+from tests.test_engine import prompts
+from tests.tiny_models import build_hf_model
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(hf, folder, seed: int, rslora: bool, targets=TARGETS):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    pm = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False,
+                                       use_rslora=rslora))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.mul_(3.0)  # make the adapter matter
+    pm.save_pretrained(folder)
+    return pm
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+def setup(request, tmp_path_factory):
+    base = tmp_path_factory.mktemp(f"lora-{request.param}")
+    hf = build_hf_model(request.param, base)
+    pa = make_adapter(hf, base / "a1", 1, rslora=False)
+    logits_a = lambda ids: pa(torch.tensor([ids])).logits[0]  # noqa: E731
+    hf2 = build_hf_model(request.param, tmp_path_factory.mktemp("again"))
+    pb = make_adapter(hf2, base / "a2", 2, rslora=True, targets=["q_proj", "v_proj", "down_proj"])
+    logits_b = lambda ids: pb(torch.tensor([ids])).logits[0]  # noqa: E731
+    return superslm.load(base), base, logits_a, logits_b, pb
+
+
+def run(engine, reqs):
+    return engine.generate(reqs)
+
+
+def check(completion, prompt, logits_fn) -> None:
+    with torch.no_grad():
+        full = logits_fn(prompt + completion.tokens).float().log_softmax(-1)
+    for i, lp in enumerate(completion.logprobs):
+        assert lp.token == completion.tokens[i]
+        assert abs(lp.logprob - full[len(prompt) - 1 + i, lp.token].item()) <= 1e-4
+        assert lp.token == int(full[len(prompt) - 1 + i].argmax())
+
+
+def test_adapters_match_peft_alone_and_mixed(setup) -> None:
+    model, base, logits_a, logits_b, _ = setup
+    a1, a2 = model.adapter(base / "a1"), model.adapter(base / "a2")
+    p1, p2, p3 = prompts(3, seed=60, lo=8, hi=20)
+    s = Sampling(logprobs=1, ignore_eos=True)
+    engine = model.engine(slots=4, context=64)
+    alone = run(engine, [Request(p1, 6, s, adapter=a1)])[0]
+    check(alone, p1, logits_a)
+    mixed = run(engine, [Request(p2, 6, s, adapter=a2), Request(p1, 6, s, adapter=a1), Request(p3, 6, s)])
+    check(mixed[0], p2, logits_b)
+    check(mixed[1], p1, logits_a)
+    assert mixed[1].tokens == alone.tokens
+    plain = run(model.engine(slots=1, context=64), [Request(p3, 6, s)])[0]
+    assert mixed[2].tokens == plain.tokens  # rows without an adapter are untouched
+    # the prefix cache never hands one adapter's pages to another
+    again = run(engine, [Request(p1, 6, s, adapter=a2)])[0]
+    assert again.cached == 0
+
+
+def test_merged_equals_runtime(setup, tmp_path) -> None:
+    model, base, _, _, pb = setup
+    merged = pb.merge_and_unload()
+    merged.save_pretrained(tmp_path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((base / name).read_bytes())
+    merged_model = superslm.load(tmp_path)
+    p = prompts(1, seed=61)[0]
+    s = Sampling(logprobs=1, ignore_eos=True)
+    runtime = run(model.engine(slots=1, context=64), [Request(p, 6, s, adapter=model.adapter(base / "a2"))])[0]
+    folded = run(merged_model.engine(slots=1, context=64), [Request(p, 6, s)])[0]
+    assert runtime.tokens == folded.tokens
+    assert max(abs(x.logprob - y.logprob) for x, y in zip(runtime.logprobs, folded.logprobs)) <= 1e-4
+
+
+def test_adapter_refusals(setup, tmp_path) -> None:
+    model, base, *_ = setup
+    a1 = model.adapter(base / "a1")
+    engine = model.engine(slots=1, context=64)
+    rid = engine.add(Request([3, 4, 5], 4, Sampling(), adapter=a1))
+    with pytest.raises(AdapterInUse):
+        a1.unmap()
+    engine.cancel(rid)
+    a1.unmap()
+    with pytest.raises(AdapterInUse):
+        engine.add(Request([3, 4, 5], 4, Sampling(), adapter=a1))
+    other = build_hf_model("llama", tmp_path / "other")
+    make_adapter(other, tmp_path / "other" / "ad", 3, rslora=False)
+    with pytest.raises(AdapterMismatch):
+        model.adapter(tmp_path / "other" / "ad")
+    other_model = superslm.load(tmp_path / "other")
+    with pytest.raises(AdapterMismatch):
+        other_model.engine(slots=1, context=64).add(Request([3], 2, adapter=model.adapter(base / "a2")))
