@@ -2,6 +2,9 @@
 
 A `Job` gathers the engine's Progress per choice and writes the non-streaming body, the streaming
 chunks and the usage, for /v1/completions (`chat=False`) and /v1/chat/completions (`chat=True`).
+A chat request that offers tools reads each choice through a `ToolStream` (tool_calls, finish
+reason "tool_calls"). A choice whose grammar admitted no further token (engine end "grammar")
+finishes with "stop".
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ from typing import Any
 from superslm.engine import Progress
 from superslm.sampling import TokenLogprobs
 from superslm.serve.loop import sampled_tokens
+from superslm.serve.toolcalls import ToolStream
 from superslm.tokenizer import Tokenizer
 
-FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
+# OpenAI has no reason for a grammar with nothing left to admit: its output is as complete as the
+# grammar allows, which is what "stop" says (the metrics count it under reason="grammar")
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "grammar": "stop"}
 
 
 @dataclass
@@ -33,17 +39,33 @@ class Choice:
     stop_reason: str | int | None = None
     #: characters of text so far in token strings (the legacy logprobs' text_offset)
     offset: int = 0
+    #: tokens its grammar forced (jump-forward), known at the end
+    forced: int = 0
+    #: set when the request offers tools: holds back what may be a call, parses calls at the end
+    tools: ToolStream | None = None
+
+    @property
+    def finish_reason(self) -> str:
+        if self.tools is not None and self.tools.calls and self.end in ("stop", "grammar"):
+            return "tool_calls"
+        return FINISH_REASONS.get(self.end, self.end)
 
 
 class Job:
     """The choices of one request: `n` per prompt, choice index = prompt index * n + i."""
 
     def __init__(self, tokenizer: Tokenizer, model_name: str, chat: bool, n: int, prompt_lens: list[int],
-                 logprobs: int | None, include_usage: bool) -> None:
+                 logprobs: int | None, include_usage: bool, tools: list[dict[str, Any]] | None = None,
+                 forced_call: bool = False) -> None:
+        """`tools`: the tools a chat request offers (None: no tool calls are parsed);
+        `forced_call`: a grammar forces a call, so no text streams as content before the end."""
         self.tokenizer, self.model_name, self.chat = tokenizer, model_name, chat
         self.n, self.prompt_lens = n, prompt_lens
         self.logprobs, self.include_usage = logprobs, include_usage
         self.choices = [Choice() for _ in range(n * len(prompt_lens))]
+        if tools is not None:
+            for c in self.choices:
+                c.tools = ToolStream(tools, forced_call)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -54,8 +76,9 @@ class Job:
 
     # --- taking Progress --------------------------------------------------------------------------
 
-    def absorb(self, index: int, p: Progress) -> dict[str, Any] | None:
-        """Add a Progress to choice `index`; returns its streaming chunk choice (None: nothing to say)."""
+    def absorb(self, index: int, p: Progress) -> list[dict[str, Any]]:
+        """Add a Progress to choice `index`; returns its streaming chunk choices, one per chunk
+        (none: nothing to say; tool calls at the end take several chunks, as OpenAI streams them)."""
         c = self.choices[index]
         if c.cached is None:
             c.cached = p.cached
@@ -65,21 +88,30 @@ class Job:
         lps = p.logprobs[: len(p.tokens)] if self.logprobs is not None else []
         c.logprobs.extend(lps)
         c.text.append(p.text)
+        text = p.text
         if p.end:
-            c.end, c.stop_reason = p.end, p.stop_reason
-        if not (p.text or lps or p.end):
-            return None
-        finish = FINISH_REASONS[p.end] if p.end else None
+            c.end, c.stop_reason, c.forced = p.end, p.stop_reason, p.forced_tokens
+        if c.tools is not None:
+            text = c.tools.push(p.text) + (c.tools.finish() if p.end else "")
+        if not (text or lps or p.end):
+            return []
+        finish = c.finish_reason if p.end else None
         lp = self._logprobs(c, lps) if self.logprobs is not None else None
         out: dict[str, Any] = {"index": index}
         if self.chat:
-            out["delta"] = {"content": p.text} if p.text else {}
+            out["delta"] = {"content": text} if text else {}
         else:
-            out["text"] = p.text
+            out["text"] = text
         out.update(logprobs=lp, finish_reason=finish)
         if p.end:
             out["stop_reason"] = p.stop_reason
-        return out
+        if c.tools is None or not c.tools.calls:
+            return [out]
+        # content (and logprobs) first, then each call, then the finish reason on an empty delta
+        head = [{k: v for k, v in out.items() if k != "stop_reason"} | {"finish_reason": None}] if text or lp else []
+        calls = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in c.tools.call_deltas()]
+        tail = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": p.stop_reason}
+        return [*head, *calls, tail]
 
     # --- logprobs ---------------------------------------------------------------------------------
 
@@ -111,6 +143,8 @@ class Job:
     # --- bodies -----------------------------------------------------------------------------------
 
     def usage(self) -> dict[str, Any]:
+        """OpenAI's usage; `completion_tokens_details.forced_tokens` counts the completion tokens
+        a grammar forced (jump-forward: appended without sampling), a part of `completion_tokens`."""
         completion = sum(c.sampled for c in self.choices)
         prompt = sum(self.prompt_lens)
         cached = sum(self.choices[k * self.n].cached or 0 for k in range(len(self.prompt_lens)))
@@ -119,6 +153,7 @@ class Job:
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"forced_tokens": sum(c.forced for c in self.choices)},
         }
 
     def response(self) -> dict[str, Any]:
@@ -133,9 +168,13 @@ class Job:
             item: dict[str, Any] = {"index": i}
             if self.chat:
                 item["message"] = {"role": "assistant", "content": text}
+                if c.tools is not None:
+                    item["message"]["content"] = c.tools.content
+                    if c.tools.calls:
+                        item["message"]["tool_calls"] = c.tools.calls
             else:
                 item["text"] = text
-            item.update(logprobs=lp, finish_reason=FINISH_REASONS.get(c.end, c.end), stop_reason=c.stop_reason)
+            item.update(logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             choices.append(item)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model_name,
                 "choices": choices, "usage": self.usage()}
