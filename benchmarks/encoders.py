@@ -3,10 +3,10 @@
     python benchmarks/encoders.py                      # 1,000 mixed-length texts, batch 32, 3 rounds
     python benchmarks/encoders.py --texts 200 --rounds 1 --ablation
 
-Both embed the same batches (those sentence-transformers forms: texts sorted by length, cut every
---batch) with the same torch thread count, timed batch by batch with the two alternating, so a shared
-machine's changing load falls on both alike; each round's ratio is printed. Sentences per second
-counts tokenization too.
+Each system runs the batches it forms itself for the whole list (sentence-transformers: texts sorted
+by length in characters; superslm: by token count; both cut every --batch), with the same torch
+thread count, timed batch by batch with the two alternating, so a shared machine's changing load
+falls on both alike; each round's ratio is printed. Sentences per second counts tokenization too.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ def main() -> None:
     from sentence_transformers import SentenceTransformer
 
     from superslm.encoders import Encoder, net
+    from superslm.encoders.batching import plan
     from superslm.model import resolve_path
 
     folder = resolve_path(ns.model)
@@ -100,26 +101,35 @@ def main() -> None:
     st.encode(warm, batch_size=ns.batch)
     ours.embed_batch(warm, batch=ns.batch)
 
-    # The batches sentence-transformers itself forms (texts sorted by length in characters, longest first,
-    # cut every `batch`), timed batch by batch with the systems alternating, so that both see the same
-    # machine load; superslm gets the same batches (within one, it groups texts of equal token count).
-    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-    batches = [[texts[i] for i in order[k : k + ns.batch]] for k in range(0, len(order), ns.batch)]
+    # Each system's own batches of the whole run, timed batch by batch with the two alternating, so both
+    # see the same machine load: sentence-transformers sorts the texts by length in characters and cuts
+    # every `batch`; superslm sorts by token count and cuts every `batch` (encoders.batching.plan).
+    by_chars = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+    by_tokens = [i for step in plan([len(t) for t in ours.tokenize(texts)], ns.batch) for i in step]
+
+    def cut(order: list[int]) -> list[list[str]]:
+        return [[texts[i] for i in order[k : k + ns.batch]] for k in range(0, len(order), ns.batch)]
+
+    batches = {"sentence-transformers": cut(by_chars), "superslm": cut(by_tokens)}
     calls: dict[str, Callable[[list[str]], torch.Tensor]] = {
         "sentence-transformers": lambda b: torch.from_numpy(st.encode(b, batch_size=ns.batch)),
         "superslm": lambda b: ours.embed_batch(b, batch=ns.batch),
     }
     if plain is not None:
+        batches["superslm (F.linear)"] = batches["superslm"]
         calls["superslm (F.linear)"] = lambda b: plain.embed_batch(b, batch=ns.batch)
+    # to compare the vectors, each system's rows back in input order
+    unsort = {n: sorted(range(len(texts)), key=(by_chars if n.startswith("sentence") else by_tokens).__getitem__)
+              for n in calls}
     names = list(calls)
     rates: dict[str, list[float]] = {n: [] for n in names}
     outputs: dict[str, list[torch.Tensor]] = {}
     for r in range(ns.rounds):
         spent = dict.fromkeys(names, 0.0)
         outputs = {n: [] for n in names}
-        for j, b in enumerate(batches):
+        for j in range(len(batches["superslm"])):
             for n in names if (j + r) % 2 == 0 else names[::-1]:
-                dt, out = timed(lambda n=n, b=b: calls[n](b))
+                dt, out = timed(lambda n=n, j=j: calls[n](batches[n][j]))
                 spent[n] += dt
                 outputs[n].append(out)
         for n in names:
@@ -128,7 +138,9 @@ def main() -> None:
         print(f"round {r + 1}: {row}  ratio {rates['superslm'][-1] / rates['sentence-transformers'][-1]:.2f}x")
 
     ratios = [a / b for a, b in zip(rates["superslm"], rates["sentence-transformers"])]
-    cos = F.cosine_similarity(torch.cat(outputs["superslm"]), torch.cat(outputs["sentence-transformers"]))
+    ours_rows = torch.cat(outputs["superslm"])[unsort["superslm"]]
+    st_rows = torch.cat(outputs["sentence-transformers"])[unsort["sentence-transformers"]]
+    cos = F.cosine_similarity(ours_rows, st_rows)
     result = {
         "model": ns.model, "texts": ns.texts, "tokens": tokens, "batch": ns.batch,
         "threads": torch.get_num_threads(), "cpu": cpu_name(), "date": str(datetime.date.today()),

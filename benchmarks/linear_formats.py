@@ -2,14 +2,15 @@
 
     python benchmarks/linear_formats.py [--sections kernels,decode,errors] [--threads 2] [--tokens 64]
 
-Prints markdown tables (the numbers in docs/quantization.md). Timings are medians of repeated runs;
-on a shared machine read the ratios, not the absolute times.
+Prints markdown tables (the numbers in docs/quantization.md). Kernel timings are the best of repeated
+runs; on a shared machine read the ratios, not the absolute times.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import platform
 import statistics
 import sysconfig
@@ -36,8 +37,9 @@ KERNEL_FORMATS: list[tuple[str, str | None, dict]] = [
 ]  # fmt: skip
 
 
-def median_time(fn: Callable[[], object], repeats: int = 7, min_time: float = 0.05) -> float:
-    """Median seconds per call over `repeats` runs of enough calls to last `min_time`."""
+def best_time(fn: Callable[[], object], repeats: int = 9, min_time: float = 0.03) -> float:
+    """Seconds per call: the best of `repeats` runs of enough calls to last `min_time` (on a shared
+    machine the minimum is the run least disturbed by other processes)."""
     fn()
     n, t0 = 1, time.perf_counter()
     fn()
@@ -53,7 +55,7 @@ def median_time(fn: Callable[[], object], repeats: int = 7, min_time: float = 0.
 
 
 def bench_kernels() -> None:
-    print("### Kernels: microseconds per call (median), SmolLM2-135M shapes\n")
+    print("### Kernels: microseconds per call (best of 9), SmolLM2-135M shapes\n")
     cols = [f"{label} M={m}" for label, _, _ in KERNEL_FORMATS for m in (1, 16)]
     print("| linear (in -> out) | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
@@ -65,7 +67,7 @@ def bench_kernels() -> None:
             for m in (1, 16):
                 x = torch.randn(m, k, dtype=torch.float32 if fmt is None else torch.bfloat16)
                 with torch.no_grad():
-                    row.append(median_time(lambda module=module, x=x: module(x)) * 1e6)
+                    row.append(best_time(lambda module=module, x=x: module(x)) * 1e6)
         print(f"| {name} ({k} -> {n}) | " + " | ".join(f"{t:.0f}" for t in row) + " |")
     print()
 
@@ -230,7 +232,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, {platform.processor() or platform.machine()}, "
+    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    print(f"torch {torch.__version__}, {args.threads} threads, {platform.machine()}, {os.cpu_count()} CPUs{load}, "
           f"{time.strftime('%Y-%m-%d')}\n")  # fmt: skip
     sections = args.sections.split(",")
     if "kernels" in sections:

@@ -15,7 +15,15 @@ import superslm
 from superslm.cache.kv import KVCache
 from superslm.kernels.attention import AttnMetadata
 from superslm.models.llama import unpermute_qk
-from superslm.quant import GGUFInt4Linear, Int4Linear, Int8Linear, quantize_from_source, quantize_linears
+from superslm.quant import (
+    GGUFInt4Linear,
+    Int4Linear,
+    Int8Linear,
+    linear_summary,
+    quantize_from_source,
+    quantize_linears,
+    row_permutation,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -62,6 +70,11 @@ def test_gguf_native_linears_equal_the_files_weights(smollm2_gguf, reference) ->
     assert all(isinstance(getattr(layer, n), GGUFInt4Linear) for layer in model.net.layers
                for n in ("qkv", "o", "gate_up", "down"))  # fmt: skip
     assert "from Q4_1" in swapped["layers.0.qkv"] and "from Q8_0" in swapped["head"]
+    summary = linear_summary(model.net)
+    assert sum(summary.values()) == 4 * len(model.net.layers) + 1 and len(summary) == 2, summary
+    # llama's q/k unpermute is a row permutation the blocks can follow; gate needs none
+    assert row_permutation(model.source, "q", model.arch.dim) is not None
+    assert row_permutation(model.source, "gate", model.arch.ffn) is None
     # layer 0's fused qkv against gguf-py's dequantization of q, k, v, q and k unpermuted
     g, arch = model.source.gguf, model.arch
     parts = []

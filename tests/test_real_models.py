@@ -72,3 +72,31 @@ def test_engine_matrix_on_default_model(smollm2_gguf: Path) -> None:
     assert engine.scheduler.num_preemptions > 0 and got == alone
     warm = [c for c in engine.generate([Request(p, 12, Sampling(ignore_eos=True)) for p in prompts])]
     assert [c.tokens for c in warm] == alone and any(c.cached for c in warm)
+
+
+def test_deterministic_mode_on_default_model(smollm2_gguf: Path) -> None:
+    """Tokens and logprobs bit-identical: alone, batched, chunked, preempted, layer budget."""
+    from superslm.cache.kv import KVCache
+
+    model = superslm.load(smollm2_gguf, device="cpu", dtype="float32")
+    prompts = [model.tokenizer.encode(t) for t in PROMPTS[:4]]
+
+    def run(budget: int | None = None, **kw) -> list[list[tuple]]:
+        engine = model.engine(**{"slots": 4, "context": 96, "deterministic": True, **kw})
+        ids = [engine.add(Request(p, 8, Sampling(temperature=0.8, seed=len(p), logprobs=2, ignore_eos=True)))
+               for p in prompts]
+        got: dict[int, list] = {i: [] for i in ids}
+        while engine.busy():
+            for pr in engine.advance(layer_budget=budget):
+                got[pr.id] += [(x.token, x.logprob, x.top) for x in pr.logprobs]
+        return [got[i] for i in ids]
+
+    alone = [model.engine(slots=1, context=96, deterministic=True).generate(
+        [Request(p, 8, Sampling(temperature=0.8, seed=len(p), logprobs=2, ignore_eos=True))])[0] for p in prompts]
+    alone_lp = [[(x.token, x.logprob, x.top) for x in c.logprobs] for c in alone]
+    assert run() == alone_lp
+    assert run(chunk=7) == alone_lp
+    assert run(budget=7) == alone_lp
+    a = model.arch
+    page = KVCache.page_bytes(a.layers, 4, a.kv_heads, a.head_dim, model.dtype)
+    assert run(page_size=4, kv_budget=14 * page) == alone_lp

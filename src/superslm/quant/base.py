@@ -162,7 +162,7 @@ class LinearFormat(nn.Module):
         y = self._matmul(h)  # [M, out]
         if self.bias is not None:
             y = y.float() + self.bias
-        return y.to(dtype).view(*lead, self._out)
+        return y.to(dtype).reshape(*lead, self._out)
 
     def dequantize(self) -> torch.Tensor:
         """The weight this module computes with, float32 [out, in] in the model's (unrotated) basis."""
@@ -186,10 +186,8 @@ class LinearFormat(nn.Module):
         return self.name
 
     def nbytes(self) -> int:
-        """Bytes of weight storage (packed weight, scales, bias)."""
-        return sum(t.numel() * t.element_size() for t in self._state()[0].values()) + (
-            0 if self.bias is None else self.bias.numel() * 4
-        )
+        """Bytes the module holds in memory (packed weight, scales, bias, rotation tables)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def extra_repr(self) -> str:
         return f"{self.describe()}: {self.in_features} -> {self._out}"

@@ -71,9 +71,6 @@ class ConcatLinear(LinearFormat):
     def describe(self) -> str:
         return "concat[" + "; ".join(p.describe() for p in self.parts) + "]"
 
-    def nbytes(self) -> int:
-        return sum(p.nbytes() for p in self.parts)
-
     def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors: dict[str, torch.Tensor] = {}
         metas = []

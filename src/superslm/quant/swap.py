@@ -135,3 +135,18 @@ def quantize_from_source(
             net.head = make_linear(head, net.head.weight, net.head.bias, group, rotate, seed)
         done["head"] = net.head.describe()
     return done
+
+
+def linear_summary(net: Transformer) -> dict[str, int]:
+    """{describe() of a linear: how many modules} over the whole model (for `superslm info`)."""
+    out: dict[str, int] = {}
+    modules = [getattr(layer, attr) for layer in net.layers for attr in LAYER_LINEARS]
+    if getattr(net, "has_head", False):
+        modules.append(net.head)
+    for m in modules:
+        if isinstance(m, LinearFormat):
+            key = m.describe()
+        else:
+            key = f"dense {str(m.weight.dtype).replace('torch.', '')}"
+        out[key] = out.get(key, 0) + 1
+    return out

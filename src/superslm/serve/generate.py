@@ -4,6 +4,9 @@ A client that goes away is noticed by a task reading the ASGI `receive` channel:
 into the submission's event queue, and whoever reads the queue cancels the submission at once, so
 its KV pages return to the pool. A stream sends its headers only once the first event has come, so
 a request that fails before its first token gets a plain HTTP error.
+
+A constraint (response_format, guided_*, a forced tool call) is compiled before the request is
+queued (see structured.py): an invalid one is a 400 and never reaches the engine thread.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from superslm.engine import Request
 from superslm.errors import ContextLengthExceeded, SuperSLMError, TokenOutOfRange
+from superslm.grammar import Constraint
 from superslm.serve.loop import Event, Submission
 from superslm.serve.output import Job
 from superslm.serve.protocol import (
@@ -32,6 +36,7 @@ from superslm.serve.protocol import (
     parse,
     to_sampling,
 )
+from superslm.serve.structured import compile_constraint, prompt_inputs, request_constraint, tool_setup
 
 if TYPE_CHECKING:
     from superslm.serve.app import ServerState
@@ -117,10 +122,14 @@ async def completions(state: ServerState, request: HTTPRequest) -> Response:
         prompts = list(p)  # type: ignore[arg-type]
     if not prompts:
         raise bad("prompt", "prompt: is empty")
+    constraint, param = request_constraint(req, state.model)
+    if constraint is not None:
+        await compile_constraint(state, constraint, param)
     ids = await asyncio.to_thread(lambda: [_prompt_ids(state, x) for x in prompts])
     job = Job(state.model.tokenizer, model_name, False, req.n, [len(x) for x in ids], req.logprobs,
               bool(req.stream_options and req.stream_options.include_usage))
-    return await _run(state, request, req, job, ids, req.max_tokens, DEFAULT_COMPLETION_TOKENS, req.logprobs)
+    return await _run(state, request, req, job, ids, req.max_tokens, DEFAULT_COMPLETION_TOKENS, req.logprobs,
+                      constraint)
 
 
 async def chat_completions(state: ServerState, request: HTTPRequest) -> Response:
@@ -129,27 +138,34 @@ async def chat_completions(state: ServerState, request: HTTPRequest) -> Response
     req = parse(ChatRequest, body)
     check_chat(req)
     model_name = state.check_model(req.model)
-    messages = chat_messages(req.messages)
+    tools = tool_setup(req, state.model)
+    constraint, param = request_constraint(req, state.model, tools)
+    messages, template_tools = prompt_inputs(chat_messages(req.messages), tools, state.model.chat_template)
     kwargs = dict(req.chat_template_kwargs or {})
     enable_thinking = kwargs.pop("enable_thinking", None)
     for reserved in ("messages", "tools", "add_generation_prompt"):
         kwargs.pop(reserved, None)
 
     def render() -> list[int]:
-        return state.model.chat_tokens(messages, add_generation_prompt=req.add_generation_prompt,
+        return state.model.chat_tokens(messages, tools=template_tools, add_generation_prompt=req.add_generation_prompt,
                                        enable_thinking=enable_thinking, **kwargs)
 
+    if constraint is not None:
+        await compile_constraint(state, constraint, param)
     ids = await asyncio.to_thread(render)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     job = Job(state.model.tokenizer, model_name, True, req.n, [len(ids)], logprobs,
-              bool(req.stream_options and req.stream_options.include_usage))
+              bool(req.stream_options and req.stream_options.include_usage),
+              tools=tools.tools if tools else None, forced_call=bool(tools and tools.forced))
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return await _run(state, request, req, job, [ids], asked, None, logprobs)
+    return await _run(state, request, req, job, [ids], asked, None, logprobs, constraint)
 
 
 async def _run(state: ServerState, request: HTTPRequest, req: CompletionRequest | ChatRequest, job: Job,
-               prompts: list[list[int]], asked: int | None, default: int | None, logprobs: int | None) -> Response:
-    """Submit every choice, then answer with the whole body or a stream."""
+               prompts: list[list[int]], asked: int | None, default: int | None, logprobs: int | None,
+               grammar: Constraint | None = None) -> Response:
+    """Submit every choice (each constrained by `grammar`, compiled already), then answer with
+    the whole body or a stream."""
     asked_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
     if asked is not None and asked < 1:
         raise bad(asked_param, f"{asked_param}: must be at least 1, got {asked}")
@@ -160,7 +176,7 @@ async def _run(state: ServerState, request: HTTPRequest, req: CompletionRequest 
     for k, ids in enumerate(prompts):
         max_tokens = budget(len(ids), asked, default, state.engine.context, "messages" if job.chat else "prompt")
         for i in range(req.n):
-            sampling = to_sampling(req, logprobs, seed_offset=k * req.n + i)
+            sampling = to_sampling(req, logprobs, seed_offset=k * req.n + i, grammar=grammar)
             requests.append(Request(prompt=ids, max_tokens=max_tokens, sampling=sampling))
     for r in requests:  # the checks engine.add makes, here so that they fail as a 400 before any work
         try:
@@ -227,8 +243,7 @@ async def _frames(state: ServerState, job: Job, sub: Submission, first: list[Eve
                     yield "data: [DONE]\n\n"
                     return
                 assert ev.progress is not None
-                piece = job.absorb(ev.index, ev.progress)
-                if piece is not None:
+                for piece in job.absorb(ev.index, ev.progress):
                     yield sse(job.chunk([piece]))
             if job.done:
                 # counted before the last frames, so a client that has read [DONE] sees it in /metrics

@@ -37,6 +37,7 @@ class LoopMetrics(Protocol):
     def on_first_token(self, seconds: float) -> None: ...
     def on_next_token(self, seconds: float) -> None: ...
     def on_sequence_end(self, reason: str) -> None: ...
+    def on_forced(self, tokens: int) -> None: ...
 
 
 @dataclass
@@ -275,6 +276,8 @@ class EngineLoop:
                 del self._live[p.id]
                 ended += 1
                 self.metrics.on_sequence_end(p.end)
+                if p.forced_tokens:
+                    self.metrics.on_forced(p.forced_tokens)
             out.setdefault(sub, []).append(Event(i, progress=p))
         if ended:
             self._release(ended)

@@ -19,7 +19,7 @@ ENDPOINTS = ("completions", "chat_completions")
 #: request outcomes: finished and answered; the client went away; 4xx; 503 (queue full, draining); 5xx
 OUTCOMES = ("success", "cancelled", "invalid", "rejected", "error")
 #: why a sequence (one choice) ended
-REASONS = ("stop", "length", "cancelled")
+REASONS = ("stop", "length", "cancelled", "grammar")
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
@@ -65,6 +65,7 @@ class Metrics:
         self.sequences = dict.fromkeys(REASONS, 0)
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.forced_tokens = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
 
@@ -97,6 +98,10 @@ class Metrics:
         with self._lock:
             self.sequences[reason] = self.sequences.get(reason, 0) + 1
 
+    def on_forced(self, tokens: int) -> None:
+        with self._lock:
+            self.forced_tokens += tokens
+
     # --- the scrape -------------------------------------------------------------------------------
 
     def render(self, stats: EngineStats, alive: bool) -> str:
@@ -123,6 +128,9 @@ class Metrics:
             one("superslm_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", self.prompt_tokens)
             one("superslm_generation_tokens_total", "counter", "Tokens sampled (stop tokens included).",
                 self.generation_tokens)
+            one("superslm_forced_tokens_total", "counter",
+                "Generated tokens a grammar forced (jump-forward), part of generation_tokens_total.",
+                self.forced_tokens)
             family("superslm_time_to_first_token_seconds", "histogram",
                    "Seconds from admission to a sequence's first sampled token.",
                    self.ttft.lines("superslm_time_to_first_token_seconds"))

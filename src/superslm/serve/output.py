@@ -108,7 +108,7 @@ class Job:
         if c.tools is None or not c.tools.calls:
             return [out]
         # content (and logprobs) first, then each call, then the finish reason on an empty delta
-        head = [{k: v for k, v in out.items() if k != "stop_reason"} | {"finish_reason": None}] if text or lp else []
+        head = [{k: v for k, v in out.items() if k != "stop_reason"} | {"finish_reason": None}] if text or lps else []
         calls = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in c.tools.call_deltas()]
         tail = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": p.stop_reason}
         return [*head, *calls, tail]

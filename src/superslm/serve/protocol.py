@@ -2,8 +2,8 @@
 
 Models are strict (a string is not a number, 5.0 is not an integer) and allow unknown fields, as
 OpenAI clients send fields a server may not know (`metadata`, `store`, ...). Fields whose silent
-omission would change the answer (`tools`, `echo`, `response_format` other than text, ...) are
-refused with a 400 instead.
+omission would change the answer (`echo`, `suffix`, ...) are refused with a 400 instead.
+Structured output (`response_format`, vLLM's `guided_*`) and tools are checked in structured.py.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from superslm.errors import InvalidArgument
+from superslm.grammar import Constraint
 from superslm.sampling import MAX_LOGPROBS, Sampling
 
 #: most choices per request, as OpenAI's API
@@ -61,6 +62,12 @@ class _Generate(BaseModel):
     repetition_penalty: float = 1.0
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # structured output: OpenAI's response_format, and vLLM's guided_* (at most one of them)
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionRequest(_Generate):
@@ -81,7 +88,8 @@ class ChatRequest(_Generate):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -155,10 +163,6 @@ def check_completion(req: CompletionRequest) -> None:
 
 def check_chat(req: ChatRequest) -> None:
     check_common(req)
-    if req.tools:
-        raise bad("tools", "tools: tool calling is not supported yet")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise bad("response_format", "response_format: only type 'text' is supported yet")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad("top_logprobs", "top_logprobs: needs logprobs set to true")
@@ -196,8 +200,9 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def to_sampling(req: _Generate, logprobs: int | None, seed_offset: int) -> Sampling:
-    """The engine's Sampling for one choice (choice i of a seeded request gets seed + i)."""
+def to_sampling(req: _Generate, logprobs: int | None, seed_offset: int, grammar: Constraint | None = None) -> Sampling:
+    """The engine's Sampling for one choice (choice i of a seeded request gets seed + i), its
+    output constrained by `grammar` when given."""
     try:
         return Sampling(
             temperature=req.temperature,
@@ -213,6 +218,7 @@ def to_sampling(req: _Generate, logprobs: int | None, seed_offset: int) -> Sampl
             stop=req.stop if req.stop is not None else (),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
+            grammar=grammar,
         )
     except InvalidArgument as e:
         raise bad(param_of(str(e)), str(e)) from None
