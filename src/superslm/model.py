@@ -179,22 +179,43 @@ def load_tokenizer(source: Source) -> Tokenizer:
     return Tokenizer.from_gguf(source.gguf.metadata)
 
 
+QUANTS = ("auto", "none", "gguf", "int4", "int8", "bf16")
+
+
 def load(
     path_or_name: str | Path | None = None,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     layers: int | None = None,
+    quant: str | None = "auto",
 ) -> Model:
     """Load a GGUF file, a Hugging Face folder or a known model name (None: the default model).
 
-    `device` defaults to cuda when present, else cpu; `dtype` to bf16 on a GPU and fp32 on the CPU.
+    `device` defaults to cuda when present, else cpu. `quant` chooses how linears run:
+    "auto" runs a GGUF file's blocks as they are on the CPU (Q4_0/Q4_1/Q4_K as packed int4, other
+    block types in their nearest format, bf16 activations) unless `dtype` is given, and runs everything
+    else dense; "gguf" forces that; "int4"/"int8"/"bf16" re-quantize every linear (int8 head);
+    None/"none" keeps dense weights of `dtype` (fp32 on the CPU, bf16 on a GPU: the exact path).
     With `layers`, only the first layers are kept (hidden states, no logits).
     """
+    if quant not in QUANTS and quant is not None:
+        raise InvalidArgument(f"unknown quant {quant!r} (known: {QUANTS})")
     path = resolve_path(path_or_name)
     dev = pick_device(device)
-    dt = pick_dtype(dtype, dev)
     source = open_source(path)
+    if quant == "auto":
+        native = source.format == "gguf" and dev.type == "cpu" and dtype is None
+        quant = "gguf" if native else None
+    dt = torch.bfloat16 if quant not in (None, "none") and dtype is None else pick_dtype(dtype, dev)
     tokenizer = load_tokenizer(source)
     net = Transformer(source.arch, materialize(source, dt, dev, layers), layers)
+    if quant == "gguf":
+        from superslm.quant import quantize_from_source
+
+        quantize_from_source(net, source)
+    elif quant in ("int4", "int8", "bf16"):
+        from superslm.quant import quantize_linears
+
+        quantize_linears(net, body=quant, head="int8" if quant != "bf16" else "bf16")
     name = str(path_or_name) if path_or_name is not None and not Path(str(path_or_name)).exists() else path.name
     return Model(source, net, tokenizer, name or hub.DEFAULT_MODEL)

@@ -88,6 +88,12 @@ class CrossEncoder:
             "device": str(self.device),
         }
 
+    def tokenize(self, query: str, docs: Sequence[str], truncate: bool = True) -> list[list[int]]:
+        """The token ids the model sees for each (query, doc) pair (for usage counts)."""
+        if not isinstance(query, str):
+            raise InvalidArgument(f"query must be a str, not {type(query).__name__}")
+        return self.tokens.encode([(query, d) for d in check_texts(docs, "documents")], truncate)[0]
+
     def predict(
         self, pairs: Sequence[tuple[str, str]], batch: int = 32, truncate: bool = True, activation: bool = True
     ) -> torch.Tensor:

@@ -173,29 +173,49 @@ class Encoder:
             raise InvalidArgument(f"text must be a str, not {type(text).__name__}")
         return self.embed_batch([text], truncate=truncate)[0]
 
-    def embed_batch(self, texts: Sequence[str], batch: int = 32, truncate: bool = True) -> torch.Tensor:
+    def embed_batch(
+        self, texts: Sequence[str], batch: int = 32, truncate: bool = True, dimensions: int | None = None
+    ) -> torch.Tensor:
         """Texts -> float32 CPU Tensor [len(texts), dim], in input order.
 
         Texts are sorted by token count and run `batch` at a time; within a step, texts of equal
-        token count are attended together, so no token is padding. Raises InvalidArgument for an
-        empty or non-string input, ContextLengthExceeded as `tokenize`.
+        token count are attended together, so no token is padding. With `dimensions`, the vectors
+        are cut to their first `dimensions` entries (and L2-normalized again if the model normalizes).
+        Raises InvalidArgument for an empty or non-string input, ContextLengthExceeded as `tokenize`.
         """
+        self._check_dimensions(dimensions)
         ids, types = self.body.encode(check_texts(texts), truncate)
-        return self._run(ids, types, batch)
+        return self._run(ids, types, batch, dimensions)
 
-    def embed_tokens(self, ids: Sequence[Sequence[int]], batch: int = 32, truncate: bool = True) -> torch.Tensor:
-        """Token id lists, taken as the whole model input (no specials added) -> Tensor [len(ids), dim].
-        Raises TokenOutOfRange, ContextLengthExceeded (past max_seq_length without `truncate`)."""
+    def embed_tokens(
+        self, ids: Sequence[Sequence[int]], batch: int = 32, truncate: bool = True, dimensions: int | None = None
+    ) -> torch.Tensor:
+        """Token id lists, taken as the whole model input (no specials added) -> Tensor [len(ids), dim]
+        (`dimensions` as in embed_batch). Raises TokenOutOfRange, ContextLengthExceeded (past
+        max_seq_length without `truncate`)."""
+        self._check_dimensions(dimensions)
         seqs = check_ids(ids, self.body.vocab_size, self.max_seq_length, truncate)
-        return self._run(seqs, None, batch)
+        return self._run(seqs, None, batch, dimensions)
+
+    def _check_dimensions(self, dimensions: int | None) -> None:
+        if dimensions is not None and (
+            not isinstance(dimensions, int) or isinstance(dimensions, bool) or not 1 <= dimensions <= self.dim
+        ):
+            raise InvalidArgument(f"dimensions must be an integer from 1 to {self.dim}, not {dimensions!r}")
 
     @torch.inference_mode()
-    def _run(self, ids: list[list[int]], types: list[list[int]] | None, batch: int) -> torch.Tensor:
+    def _run(
+        self, ids: list[list[int]], types: list[list[int]] | None, batch: int, dimensions: int | None = None
+    ) -> torch.Tensor:
         steps = plan([len(s) for s in ids], batch)
         out = torch.empty(len(ids), self.dim, dtype=torch.float32)
         for indices in steps:
             order, vectors = self.body.run(ids, types, indices)
             out[torch.tensor(order)] = vectors.float().cpu()
+        if dimensions is not None and dimensions != self.dim:
+            out = out[:, :dimensions].contiguous()
+            if self.normalize:
+                out = torch.nn.functional.normalize(out, p=2.0, dim=1)
         return out
 
     def __repr__(self) -> str:
