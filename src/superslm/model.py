@@ -162,6 +162,7 @@ class Model:
             "arch": self.arch.summary(),
             "parameters": self.source.parameter_count(),
             "block_types": self.source.block_types(),
+            "linears": _linear_summary(self.net),
             "vocab": self.tokenizer.vocab_size,
             "bos_id": self.tokenizer.bos_id,
             "stop_ids": sorted(self.stop_ids),
@@ -169,6 +170,13 @@ class Model:
             "dtype": str(self.dtype).replace("torch.", ""),
             "chat_template": self.chat_template,
         }
+
+
+def _linear_summary(net: Transformer) -> dict[str, int]:
+    """How the linears run: {format description: count} (dense ones as their dtype)."""
+    from superslm.quant import linear_summary
+
+    return linear_summary(net)
 
 
 def load_tokenizer(source: Source) -> Tokenizer:

@@ -35,6 +35,7 @@ class AttnMetadata:
     lora: Any = None
     _slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _masks: dict[tuple[int, int | None], tuple[int, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _decode: dict[int | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -71,6 +72,28 @@ class AttnMetadata:
         return hit
 
 
+    def decode_batch(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For the sequences with one query row: (their rows [D], key slots [D, L], visible [D, L]),
+        keys padded to the longest; None when fewer than two sequences decode this step."""
+        if window in self._decode:
+            return self._decode[window]
+        seqs = [s for s in range(self.num_seqs) if self.query_start[s + 1] - self.query_start[s] == 1]
+        if len(seqs) < 2:
+            return None
+        firsts = [max(0, self.seq_lens[s] - window) if window is not None else 0 for s in seqs]
+        width = max(self.seq_lens[s] - f for s, f in zip(seqs, firsts))
+        dev = self.slot_mapping.device
+        idx = torch.zeros(len(seqs), width, dtype=torch.long, device=dev)
+        visible = torch.zeros(len(seqs), width, dtype=torch.bool, device=dev)
+        for i, (s, f) in enumerate(zip(seqs, firsts)):
+            n = self.seq_lens[s] - f
+            idx[i, :n] = self.key_slots(s)[f:]
+            visible[i, :n] = True
+        rows = torch.tensor([self.query_start[s] for s in seqs], dtype=torch.long, device=dev)
+        self._decode[window] = (rows, idx, visible)
+        return self._decode[window]
+
+
 def store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -93,9 +116,22 @@ def paged_attention(
     """
     out = torch.empty_like(q)
     groups = q.shape[1] // k_cache.shape[1]
+    batched = meta.decode_batch(window)
+    if batched is not None:
+        # every decoding sequence in one SDPA call, keys padded to the longest
+        rows, idx, visible = batched
+        k = k_cache[idx].to(q.dtype).transpose(1, 2)  # [D, kv_heads, L, D]
+        v = v_cache[idx].to(q.dtype).transpose(1, 2)
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        qd = q.index_select(0, rows)[:, :, None, :]  # [D, heads, 1, D]
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=visible[:, None, None, :], scale=scale)
+        out[rows] = o[:, :, 0]
+    single = set(batched[0].tolist()) if batched is not None else set()
     for s in range(meta.num_seqs):
         a, b = meta.query_start[s], meta.query_start[s + 1]
-        if a == b:
+        if a == b or a in single:
             continue
         first, mask = meta.mask(s, window)
         slots = meta.key_slots(s)[first:]

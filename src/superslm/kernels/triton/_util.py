@@ -1,0 +1,37 @@
+"""Helpers shared by the Triton kernels: rounding that the interpreter gets right, launch sizes."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def interpreted(t: torch.Tensor) -> bool:
+    """True when a kernel on `t` runs under the Triton interpreter (a CPU tensor: no other way to run it).
+
+    The interpreter's bf16 `tl.dot` is wrong, so kernels then feed `tl.dot` float32 operands.
+    """
+    return not t.is_cuda
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    """float32 x rounded to DTYPE (round to nearest even) and returned as float32.
+
+    Storing the result as DTYPE is then exact. Done by hand for bf16 because the interpreter's
+    float32 -> bf16 cast truncates, while the GPU's rounds to nearest even.
+    """
+    if DTYPE == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16 << 16
+        return b.to(tl.float32, bitcast=True)
+    elif DTYPE == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
