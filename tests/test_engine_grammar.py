@@ -35,8 +35,8 @@ def test_schema_output_validates_and_jump_forward_counts(model) -> None:
     assert c.end == "stop"
     jsonschema.validate(json.loads(c.text), SCHEMA)
     engine = model.engine(slots=1, context=256)
-    rid = engine.add(Request(model.chat_tokens([{"role": "user", "content": "A person"}]), 60,
-                             Sampling(grammar=Constraint.json_schema(SCHEMA))))
+    engine.add(Request(model.chat_tokens([{"role": "user", "content": "A person"}]), 60,
+                       Sampling(grammar=Constraint.json_schema(SCHEMA))))
     forced = 0
     while engine.busy():
         for p in engine.advance():
