@@ -286,3 +286,13 @@ def test_low_level_step_equals_requests(tiny) -> None:
     engine.reset(0)
     engine.reset(1)
     assert used > 0 and engine.pool.num_used == 0
+
+
+def test_pinned_pages_never_hang_the_queue(tiny) -> None:
+    model, _ = tiny
+    engine = model.engine(slots=2, context=64, page_size=4, kv_budget=8 * engine_page_bytes(model, 4))
+    engine.step(list(range(3, 23)), [0] * 20, [False] * 20)  # a low-level slot pins 5 of 8 pages
+    out = engine.generate([Request(list(range(3, 20)), 4, Sampling(ignore_eos=True))])[0]
+    assert out.end == "length" and out.tokens == []
+    engine.reset(0)
+    assert engine.generate([Request(list(range(3, 20)), 4, Sampling(ignore_eos=True))])[0].tokens

@@ -157,4 +157,10 @@ class Scheduler:
             self.running.append(seq)
             step.chunks.append((seq, n))
             budget -= n
+        if not step.chunks and not self.running and self.waiting:
+            # nothing runs and the head still does not fit: pages held outside the queue (prefix
+            # handles, low-level slots) leave it too little room, and nothing here will free them
+            seq = self.waiting.popleft()
+            seq.end = END_LENGTH
+            step.too_long.append(seq)
         return step
