@@ -31,13 +31,17 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
     ns = ap.parse_args()
     torch.set_num_threads(ns.threads)
     model = superslm.load(ns.model, device="cpu")
     rows = []
     for streams in (1, ns.streams):
-        default = throughput(model, False, streams, ns.tokens)
-        det = throughput(model, True, streams, ns.tokens)
+        # alternate the two modes and keep each one's best: the machine is shared and noisy
+        default = det = 0.0
+        for _ in range(ns.repeat):
+            default = max(default, throughput(model, False, streams, ns.tokens))
+            det = max(det, throughput(model, True, streams, ns.tokens))
         rows.append((streams, default, det))
     print(f"{'streams':>8} {'default tok/s':>14} {'deterministic tok/s':>20} {'cost':>7}")
     for streams, default, det in rows:

@@ -75,10 +75,11 @@ def test_engine_matrix_on_default_model(smollm2_gguf: Path) -> None:
 
 
 def test_deterministic_mode_on_default_model(smollm2_gguf: Path) -> None:
-    """Tokens and logprobs bit-identical: alone, batched, chunked, preempted, layer budget."""
+    """Tokens and logprobs bit-identical: alone, batched, chunked, preempted, layer budget (the default
+    load: GGUF int4 blocks run as they are, bf16 activations; tests/test_deterministic.py covers fp32)."""
     from superslm.cache.kv import KVCache
 
-    model = superslm.load(smollm2_gguf, device="cpu", dtype="float32")
+    model = superslm.load(smollm2_gguf)
     prompts = [model.tokenizer.encode(t) for t in PROMPTS[:4]]
 
     def run(budget: int | None = None, **kw) -> list[list[tuple]]:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from superslm.errors import FormatError, ModelNotFound, UnsupportedModel
-from superslm.models.arch import Arch
+from superslm.models.arch import Arch, Rope
 from superslm.models.registry import LAYER_KEYS, Recipe, recipe_for_gguf, recipe_for_hf
 
 
@@ -34,7 +34,7 @@ class Source:
     """What a model file or folder holds: its recipe, Arch, tensors and where it came from."""
 
     path: Path
-    format: str  # "gguf" or "hf"
+    format: str  # "gguf", "hf" or "native" (a converted folder)
     recipe: Recipe
     arch: Arch
     tensors: dict[str, Stored]
@@ -147,9 +147,44 @@ def open_gguf(path: Path) -> Source:
     return Source(path, "gguf", recipe, arch, tensors, dict(md), gguf=g)
 
 
+# --- folders written by `superslm convert` ----------------------------------------------------------
+
+
+def _arch_from_summary(d: Mapping[str, Any]) -> Arch:
+    """The inverse of `Arch.summary()` after a JSON round trip (lists back to tuples)."""
+
+    def rope(r: Mapping[str, Any] | None) -> Rope | None:
+        return None if r is None else Rope(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()})
+
+    fields = dict(d, rope=rope(d["rope"]), rope_local=rope(d.get("rope_local")))
+    fields.update(windows=tuple(d["windows"]), eos_ids=tuple(d["eos_ids"]))
+    return Arch(**fields)
+
+
+def open_native(folder: Path) -> Source:
+    """A converted folder, verified against its manifest; tensors are memory-mapped, stored by their
+    canonical names (linears by their runtime formats' tensors: see superslm.convert)."""
+    from superslm.formats.native import read_folder
+
+    nf = read_folder(folder)
+    try:
+        recipe = recipe_for_hf({"model_type": nf.config["model_type"]})
+        arch = _arch_from_summary(nf.config["arch"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise FormatError(f"{folder}/config.json: malformed ({e!r})") from e
+    tensors = {
+        n: Stored(n, tuple(t.shape), str(t.dtype).replace("torch.", ""), (lambda t=t: t)) for n, t in nf.tensors.items()
+    }
+    return Source(folder, "native", recipe, arch, tensors, dict(nf.config, header=nf.header))
+
+
 def open_source(path: str | Path) -> Source:
-    """A GGUF file or a Hugging Face folder, read lazily (no tensor is loaded yet)."""
+    """A GGUF file, a Hugging Face folder or a converted folder, read lazily (no tensor is loaded yet)."""
+    from superslm.formats.native import is_native
+
     p = Path(path)
+    if p.is_dir() and is_native(p):
+        return open_native(p)
     if p.is_dir():
         return open_hf(p)
     if p.is_file():

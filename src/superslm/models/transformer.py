@@ -23,6 +23,9 @@ from superslm.models.arch import Arch
 class DenseLinear(nn.Module):
     """y = x W^T (+ b) with W in the compute dtype; other weight formats replace this module."""
 
+    #: BLAS may sum a row differently with another number of rows: deterministic mode pads to 16
+    row_invariant = False
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
@@ -191,7 +194,7 @@ class Transformer(nn.Module):
         """Layers start..end-1 on the residual stream h [N, dim]; k_cache/v_cache are [layers, slots, kv, D]."""
         end = len(self.layers) if end is None else end
         positions = meta.positions
-        if meta.deterministic:
+        if meta.deterministic and self.row_multiple > 1:
             # fixed-shape matmuls: every row gets the same bits wherever it sits in the step
             h, positions = pad_rows(h, BLOCK), pad_rows(positions, BLOCK)
         tables = self._rope_tables(positions)
@@ -202,10 +205,18 @@ class Transformer(nn.Module):
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return rms_norm(h, self.norm_weight, self.arch.norm_eps, self.arch.norm_float)
 
+    @property
+    def row_multiple(self) -> int:
+        """16 when some linear may round a row differently with another row count, else 1."""
+        linears = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if self.has_head:
+            linears.append(self.head)
+        return 1 if all(getattr(m, "row_invariant", False) for m in linears) else BLOCK
+
     def logits(self, h: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
         """Residual rows [n, dim] -> logits [n, vocab] in float32."""
         n = h.shape[0]
-        if deterministic:
+        if deterministic and self.row_multiple > 1:
             h = pad_rows(h, BLOCK)
         return self.head(self.final_norm(h))[:n].float()
 

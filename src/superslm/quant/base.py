@@ -89,6 +89,9 @@ class LinearFormat(nn.Module):
     name: ClassVar[str]
     #: dtype the kernel wants its activations in (bf16: the packed CPU kernels are fast only there)
     compute_dtype: torch.dtype = torch.bfloat16
+    #: a row's output has the same bits whatever the other rows of the call (checked on the CPU
+    #: kernels by tests/test_deterministic.py); False makes deterministic mode pad rows to 16
+    row_invariant: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -59,6 +59,10 @@ class ConcatLinear(LinearFormat):
         super().__init__(k, sum(p.out_features for p in parts), k, None, None, note)
         self.parts = torch.nn.ModuleList(parts)
 
+    @property
+    def row_invariant(self) -> bool:  # type: ignore[override]
+        return all(p.row_invariant for p in self.parts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 

@@ -134,6 +134,8 @@ def quantize_groups(
 class Int4Linear(LinearFormat):
     """Groupwise asymmetric int4 (group 32, 64, 128 or 256) on the packed CPU kernel, bf16 activations."""
 
+    row_invariant: ClassVar[bool] = True
+
     name: ClassVar[str] = "int4"
 
     def __init__(

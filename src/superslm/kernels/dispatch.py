@@ -1,0 +1,148 @@
+"""One place that picks, per call, the Triton kernel or its torch reference of the same signature.
+
+`SUPERSLM_KERNELS` chooses: "auto" (the default) runs Triton on a CUDA (or ROCm) tensor when
+triton imports, the torch reference otherwise; "torch" always runs the references; "triton"
+always runs the kernels, also on a CPU tensor when TRITON_INTERPRET=1 was set before the first
+kernel import (how CI tests them). The references for the two fused ops that have no torch
+module of their own (`add_rms_norm_reference`, `int4_matmul_reference`) live here.
+Deterministic steps (meta.deterministic) always take the batch-invariant attention reference.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+from superslm.errors import InvalidArgument, UnsupportedModel
+from superslm.kernels import attention as _attention
+from superslm.kernels import norm as _norm
+from superslm.kernels import rope as _rope
+from superslm.kernels.attention import AttnMetadata
+from superslm.kernels.attention_invariant import paged_attention_invariant
+
+ENV = "SUPERSLM_KERNELS"
+CHOICES = ("auto", "triton", "torch")
+_triton_mod: ModuleType | None = None
+_triton_error: str | None = None
+
+
+def _load_triton() -> ModuleType | None:
+    """superslm.kernels.triton, imported once; None (and the reason kept) when triton is missing."""
+    global _triton_mod, _triton_error
+    if _triton_mod is None and _triton_error is None:
+        try:
+            _triton_mod = importlib.import_module("superslm.kernels.triton")
+        except ImportError as e:
+            _triton_error = f"{type(e).__name__}: {e}"
+    return _triton_mod
+
+
+def mode() -> str:
+    """The SUPERSLM_KERNELS setting ("auto" when unset)."""
+    m = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if m not in CHOICES:
+        raise InvalidArgument(f"{ENV} must be one of {CHOICES}, not {m!r}")
+    return m
+
+
+def backend(device: torch.device) -> str:
+    """"triton" or "torch": the implementation the dispatched functions use for tensors on `device`."""
+    m = mode()
+    if m == "torch":
+        return "torch"
+    on_gpu = device.type == "cuda"  # ROCm tensors are "cuda" too
+    if m == "auto":
+        return "triton" if on_gpu and _load_triton() is not None else "torch"
+    if _load_triton() is None:
+        raise UnsupportedModel(f"{ENV}=triton, but triton cannot be imported ({_triton_error})")
+    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise UnsupportedModel(f"{ENV}=triton on a {device.type} tensor needs TRITON_INTERPRET=1")
+    return "triton"
+
+
+def _kernels(device: torch.device) -> ModuleType | None:
+    return _triton_mod if backend(device) == "triton" else None
+
+
+# --- references of the fused ops -------------------------------------------------------------
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x): the residual stream's update and the next norm's input."""
+    h = residual + x
+    return _norm.rms_norm(h, weight, eps, weight_in_float), h
+
+
+def int4_matmul_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int
+) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] in x's dtype, computed in float32 from the dequantized weight.
+
+    qweight uint8 [N, K / 2] (byte j: code 2j low nibble, 2j + 1 high), scale and zero [N, K / group],
+    W[n, k] = (code - 8) * scale[n, k // group] + zero[n, k // group]: the int4 format's stored state.
+    """
+    n = qweight.shape[0]
+    codes = torch.stack((qweight & 15, qweight >> 4), dim=-1).reshape(n, -1)  # [N, K]
+    s = scale.float().repeat_interleave(group, dim=1)
+    z = zero.float().repeat_interleave(group, dim=1)
+    w = (codes.float() - 8) * s + z
+    return (x.float() @ w.T).to(x.dtype)
+
+
+# --- dispatched entry points ------------------------------------------------------------------
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """kernels.attention.store_kv on the chosen backend."""
+    t = _kernels(k.device)
+    (t.store_kv if t else _attention.store_kv)(k_cache, v_cache, k, v, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """kernels.attention.paged_attention on the chosen backend (the invariant reference in deterministic mode)."""
+    if meta.deterministic:
+        return paged_attention_invariant(q, k_cache, v_cache, meta, window, scale)
+    t = _kernels(q.device)
+    return (t.paged_attention if t else _attention.paged_attention)(q, k_cache, v_cache, meta, window, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float: bool = False) -> torch.Tensor:
+    """kernels.norm.rms_norm on the chosen backend."""
+    t = _kernels(x.device)
+    return (t.rms_norm if t else _norm.rms_norm)(x, weight, eps, weight_in_float)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm_reference` on the chosen backend: (normed, new residual) in one pass."""
+    t = _kernels(x.device)
+    return (t.add_rms_norm if t else add_rms_norm_reference)(x, residual, weight, eps, weight_in_float)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """kernels.rope.apply_rope on the chosen backend."""
+    t = _kernels(x.device)
+    return (t.apply_rope if t else _rope.apply_rope)(x, cos, sin)
+
+
+def int4_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int
+) -> torch.Tensor:
+    """`int4_matmul_reference` on the chosen backend."""
+    t = _kernels(x.device)
+    return (t.int4_matmul if t else int4_matmul_reference)(x, qweight, scale, zero, group)

@@ -1,0 +1,25 @@
+"""Triton kernels, each with the signature and meaning of its torch reference (see kernels/dispatch.py).
+
+Importing this package imports triton; on a CPU tensor the kernels only run under the Triton
+interpreter (TRITON_INTERPRET=1 set before the import).
+"""
+
+from superslm.kernels.triton.int4_gemv import int4_matmul
+from superslm.kernels.triton.paged_args import PagedArgs, build_paged_args, paged_args
+from superslm.kernels.triton.paged_attention import paged_attention, paged_attention_args
+from superslm.kernels.triton.rmsnorm import add_rms_norm, rms_norm
+from superslm.kernels.triton.rope import apply_rope
+from superslm.kernels.triton.store_kv import store_kv
+
+__all__ = [
+    "PagedArgs",
+    "add_rms_norm",
+    "apply_rope",
+    "int4_matmul",
+    "rms_norm",
+    "build_paged_args",
+    "paged_args",
+    "paged_attention",
+    "paged_attention_args",
+    "store_kv",
+]

@@ -1,0 +1,89 @@
+"""Weight-only int4 GEMV/GEMM with bf16 (or float32) activations: y = x W^T, W dequantized on the fly.
+
+Weight layout: the int4 format's stored state (quant/int4.py `Int4Linear._state`): qweight uint8
+[N, K / 2], byte j of a row holds codes 2j (low nibble) and 2j + 1 (high nibble); scale and zero
+[N, K / group]; W[n, k] = (code - 8) * scale[n, k // group] + zero[n, k // group] (zero is the
+value of code 8, as torch's packed CPU kernel has it). Even and odd k are handled as two halves
+of the tile, so each byte is loaded once and never interleaved in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from superslm.errors import InvalidArgument
+from superslm.kernels.triton._util import interpreted, round_to
+
+
+@triton.jit
+def _int4_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, o_ptr,
+    M, N, K, x_row, qw_row, s_row, o_row, group,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr, DOT: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok, m_ok = n < N, mm < M
+    n64, m64 = n.to(tl.int64), mm.to(tl.int64)
+    dot_ty = tl.float32 if F32_DOT else x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, 2 * BLOCK_KH):
+        j = k0 // 2 + tl.arange(0, BLOCK_KH)  # byte index: codes k = 2j, 2j + 1
+        j_ok = 2 * j < K
+        wm = n_ok[:, None] & j_ok[None, :]
+        b = tl.load(qw_ptr + n64[:, None] * qw_row + j[None, :], mask=wm, other=0).to(tl.int32)
+        g = (2 * j) // group  # both codes of a byte share a group (group is even)
+        sc = tl.load(s_ptr + n64[:, None] * s_row + g[None, :], mask=wm, other=0.0).to(tl.float32)
+        zr = tl.load(z_ptr + n64[:, None] * s_row + g[None, :], mask=wm, other=0.0).to(tl.float32)
+        w_lo = ((b & 15) - 8).to(tl.float32) * sc + zr  # [BLOCK_N, BLOCK_KH], k = 2j
+        w_hi = ((b >> 4) - 8).to(tl.float32) * sc + zr  # k = 2j + 1
+        xm = m_ok[:, None] & j_ok[None, :]
+        x_ev = tl.load(x_ptr + m64[:, None] * x_row + 2 * j[None, :], mask=xm, other=0.0)
+        x_od = tl.load(x_ptr + m64[:, None] * x_row + 2 * j[None, :] + 1, mask=xm, other=0.0)
+        if DOT:
+            acc += tl.dot(x_ev.to(dot_ty), tl.trans(w_lo.to(dot_ty)), input_precision="ieee")
+            acc += tl.dot(x_od.to(dot_ty), tl.trans(w_hi.to(dot_ty)), input_precision="ieee")
+        else:
+            # GEMV: BLOCK_M == 1, float32 multiply-adds (bandwidth-bound; no tensor cores needed)
+            xe, xo = x_ev.to(tl.float32), x_od.to(tl.float32)
+            acc += tl.sum(xe[:, None, :] * w_lo[None, :, :] + xo[:, None, :] * w_hi[None, :, :], 2)
+    ot = o_ptr.dtype.element_ty
+    tl.store(o_ptr + m64[:, None] * o_row + n[None, :], round_to(acc, ot).to(ot), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def int4_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int
+) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] in x's dtype, W the int4 weight (layout in the module docstring).
+
+    Same signature and meaning as kernels.dispatch.int4_matmul_reference.
+    """
+    k = x.shape[-1]
+    n = qweight.shape[0]
+    bad_scales = scale.shape != (n, k // group if group else 0) or zero.shape != scale.shape
+    if qweight.shape[1] * 2 != k or group <= 0 or group % 2 or k % group or bad_scales:
+        raise InvalidArgument(
+            f"int4: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scale {tuple(scale.shape)}, group {group}"
+        )
+    x2 = x.reshape(-1, k)  # [M, K]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*x.shape[:-1], n)
+    qweight, scale, zero = qweight.contiguous(), scale.contiguous(), zero.contiguous()
+    interp = interpreted(x)
+    dot = m > 4  # a few rows: one GEMV program per row re-reads the weight from L2, not from memory
+    block_m = (16 if m <= 16 else 64) if dot else 1
+    block_n = 32 if dot or interp else 16
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    _int4_kernel[grid](
+        x2, qweight, scale, zero, out, m, n, k, x2.stride(0), qweight.stride(0), scale.stride(0), out.stride(0), group,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KH=64, DOT=dot, F32_DOT=interp or x.dtype == torch.float32,
+    )  # fmt: skip
+    return out.view(*x.shape[:-1], n)
