@@ -27,7 +27,7 @@ def prompt_ids(model: superslm.Model, n: int) -> list[int]:
     return ids[:n]
 
 
-def bench_superslm(path: str, dtype: str, prefill: int, decode: int, streams: int) -> dict[str, float]:
+def bench_superslm(path: str, dtype: str | None, prefill: int, decode: int, streams: int) -> dict[str, float]:
     t = time.perf_counter()
     model = superslm.load(path, device="cpu", dtype=dtype)
     load_s = time.perf_counter() - t
@@ -108,7 +108,7 @@ def bench_transformers(path: str, prefill: int, decode: int) -> dict[str, float]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default=None, help="default: the model's own load (GGUF blocks as they are)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--decode", type=int, default=128)

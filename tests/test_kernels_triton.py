@@ -6,6 +6,8 @@ Small shapes on purpose: the interpreter runs each program in Python.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -29,6 +31,7 @@ from superslm.kernels.attention import store_kv as store_ref  # noqa: E402
 from superslm.kernels.norm import rms_norm as norm_ref  # noqa: E402
 from superslm.kernels.rope import apply_rope as rope_ref  # noqa: E402
 from superslm.kernels.rope import rope_cos_sin  # noqa: E402
+from superslm.kernels.triton import aot  # noqa: E402
 
 DEV = torch.device("cuda" if ON_GPU else "cpu")
 BF16_TOL = {"atol": 1e-2, "rtol": 1e-2}
@@ -75,8 +78,12 @@ def make_step(
     return meta, q, kc, vc
 
 
-def check_attention(out: torch.Tensor, q, kc, vc, meta: AttnMetadata, window: int | None, scale: float) -> None:
-    """fp32: the reference to float rounding; bf16: the float32 reference on the same bf16 inputs, to bf16's precision."""
+def check_attention(
+    out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: AttnMetadata,
+    window: int | None, scale: float,
+) -> None:  # fmt: skip
+    """fp32: the reference, to float rounding. bf16: the float32 reference on the same bf16 inputs, to
+    bf16's precision (the bf16 reference itself is held to the same bound)."""
     if q.dtype == torch.float32:
         torch.testing.assert_close(out, attn_ref(q, kc, vc, meta, window, scale), atol=2e-5, rtol=2e-5)
         return
@@ -103,8 +110,9 @@ def test_paged_args_match_metadata() -> None:
 
 @pytest.mark.parametrize(
     "groups,head_dim,dtype",
-    [(1, 64, torch.float32), (2, 128, torch.bfloat16), (4, 64, torch.bfloat16), (4, 128, torch.float32)],
-)
+    [(1, 64, torch.float32), (2, 128, torch.bfloat16), (4, 64, torch.bfloat16), (4, 128, torch.float32),
+     (3, 96, torch.float32)],  # G and head_dim not powers of two: masked tile rows and dims
+)  # fmt: skip
 def test_paged_attention_decode(groups: int, head_dim: int, dtype: torch.dtype) -> None:
     # contexts of 1 key, one page exactly, across page boundaries, several pages
     meta, q, kc, vc = make_step([1, 1, 1, 1], [1, 8, 9, 45], 8, 2, groups, head_dim, dtype, seed=groups)
@@ -303,3 +311,19 @@ def test_dispatch_runs_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(4, 32, generator=gen(14)).to(DEV)
     w = torch.ones(32, device=DEV)
     assert torch.equal(dispatch.rms_norm(x, w, 1e-6), norm_ref(x, w, 1e-6))
+
+
+# --- the compiler -----------------------------------------------------------------------------------
+
+
+def test_kernels_compile_for_gpus() -> None:
+    """What the interpreter lets pass, the GPU compiler may refuse: compile each launcher's variants
+    for sm_90 (H100/H200) and gfx942 (MI300) ahead of time, in a process without TRITON_INTERPRET."""
+    code = (
+        "import sys; from superslm.kernels.triton.aot import main; "
+        "sys.exit(main(['--target', 'cuda:90']) or main(['--target', 'hip:gfx942']))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert r.stdout.count("ok ") == 2 * len(aot.cases())

@@ -182,7 +182,7 @@ def _linear_summary(net: Transformer) -> dict[str, int]:
 def load_tokenizer(source: Source) -> Tokenizer:
     from superslm.tokenizer import Tokenizer
 
-    if source.is_hf:
+    if source.is_hf or source.format == "native":
         return Tokenizer.from_folder(source.path)
     return Tokenizer.from_gguf(source.gguf.metadata)
 
@@ -197,26 +197,41 @@ def load(
     layers: int | None = None,
     quant: str | None = "auto",
 ) -> Model:
-    """Load a GGUF file, a Hugging Face folder or a known model name (None: the default model).
+    """Load a GGUF file, a Hugging Face folder, a folder written by `superslm convert`, a known model
+    name (None: the default model) or `hf:OWNER/REPO[/FOLDER][@REVISION]` (fetched and converted once,
+    `superslm.hf_fetch`; `quant` picks the conversion's format).
 
     `device` defaults to cuda when present, else cpu. `quant` chooses how linears run:
     "auto" runs a GGUF file's blocks as they are on the CPU (Q4_0/Q4_1/Q4_K as packed int4, other
     block types in their nearest format, bf16 activations) unless `dtype` is given, and runs everything
     else dense; "gguf" forces that; "int4"/"int8"/"bf16" re-quantize every linear (int8 head);
     None/"none" keeps dense weights of `dtype` (fp32 on the CPU, bf16 on a GPU: the exact path).
+    A converted folder runs its stored formats ("auto"; None/"none" dequantizes them to dense).
     With `layers`, only the first layers are kept (hidden states, no logits).
     """
     if quant not in QUANTS and quant is not None:
         raise InvalidArgument(f"unknown quant {quant!r} (known: {QUANTS})")
-    path = resolve_path(path_or_name)
+    if isinstance(path_or_name, str) and path_or_name.startswith("hf:"):
+        from superslm.hf_fetch import fetch_converted
+
+        path = fetch_converted(path_or_name, quant=quant)
+    else:
+        path = resolve_path(path_or_name)
     dev = pick_device(device)
     source = open_source(path)
-    if quant == "auto":
-        native = source.format == "gguf" and dev.type == "cpu" and dtype is None
-        quant = "gguf" if native else None
-    dt = torch.bfloat16 if quant not in (None, "none") and dtype is None else pick_dtype(dtype, dev)
     tokenizer = load_tokenizer(source)
-    net = Transformer(source.arch, materialize(source, dt, dev, layers), layers)
+    if source.format == "native":
+        # a converted folder: linears built from their stored formats, nothing re-quantized
+        from superslm.convert import converted_net
+
+        net = converted_net(source, dev, dtype, layers, quant)
+        quant = None
+    else:
+        if quant == "auto":
+            native = source.format == "gguf" and dev.type == "cpu" and dtype is None
+            quant = "gguf" if native else None
+        dt = torch.bfloat16 if quant not in (None, "none") and dtype is None else pick_dtype(dtype, dev)
+        net = Transformer(source.arch, materialize(source, dt, dev, layers), layers)
     if quant == "gguf":
         from superslm.quant import quantize_from_source
 

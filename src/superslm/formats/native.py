@@ -3,7 +3,7 @@
 A converted folder holds
 
     config.json         {"superslm_format": 1, "model_type", "arch", "layers", "source_config"}
-    model.safetensors   every tensor, memory-mapped at load; its `__metadata__["superslm"]` is the
+    model.safetensors   every tensor (64-byte aligned), memory-mapped at load; `__metadata__["superslm"]` is the
                         versioned JSON header (format, group size, rotation seed, source sha256, and
                         per linear the metadata its runtime format needs to rebuild it)
     tokenizer.json, tokenizer_config.json, generation_config.json, chat_template.jinja (as present)
@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -73,14 +74,49 @@ def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=1, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> None:
-    """One safetensors file with `header` as JSON in its metadata. safetensors orders tensors by
-    alignment, so every tensor can be memory-mapped in place with its own dtype."""
-    from safetensors.torch import save_file
+#: safetensors dtype names of the dtypes we store
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+#: every tensor starts at a multiple of this many bytes of the file (so of the memory map): the int8
+#: CPU kernel segfaults on codes that are only 8-byte aligned (measured, torch 2.13)
+ALIGN = 64
+#: names of the filler tensors that keep that alignment (safetensors allows no holes between tensors)
+PAD_PREFIX = "__pad__."
 
-    header = dict(header, superslm_format=FORMAT_VERSION)
-    flat = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    save_file(flat, str(path), metadata={HEADER_KEY: json.dumps(header, sort_keys=True)})
+
+def _entry(dtype: str, shape: list[int], offset: int, nbytes: int) -> dict[str, Any]:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+
+
+def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> None:
+    """One safetensors file, `header` as JSON in its metadata, every tensor ALIGN-aligned (readable by
+    any safetensors reader; the filler tensors are named PAD_PREFIX + n)."""
+    entries: dict[str, Any] = {"__metadata__": {HEADER_KEY: json.dumps(dict(header, superslm_format=FORMAT_VERSION),
+                                                                     sort_keys=True)}}
+    data: list[torch.Tensor] = []
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in _ST_DTYPES:
+            raise InvalidArgument(f"tensor {name}: dtype {t.dtype} cannot be stored")
+        pad = -offset % ALIGN
+        if pad:
+            entries[f"{PAD_PREFIX}{len(data)}"] = _entry("U8", [pad], offset, pad)
+            data.append(torch.zeros(pad, dtype=torch.uint8))
+            offset += pad
+        t = t.detach().cpu().contiguous()
+        nbytes = t.numel() * t.element_size()
+        entries[name] = _entry(_ST_DTYPES[t.dtype], list(t.shape), offset, nbytes)
+        data.append(t)
+        offset += nbytes
+    js = json.dumps(entries, separators=(",", ":")).encode()
+    js += b" " * (-(8 + len(js)) % ALIGN)  # whitespace padding: the data section starts aligned too
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(js)))
+        f.write(js)
+        for t in data:
+            if t.numel():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def _files(folder: Path) -> list[str]:
@@ -235,11 +271,13 @@ def read_folder(folder: str | Path, verify: bool = True) -> NativeFolder:
     try:
         with safe_open(str(folder / WEIGHTS), framework="pt") as f:
             header = json.loads((f.metadata() or {})[HEADER_KEY])
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            tensors = {name: f.get_tensor(name) for name in f.keys() if not name.startswith(PAD_PREFIX)}
     except FormatError:
         raise
     except Exception as e:  # safetensors raises its own error types; a missing key or bad JSON too
         raise FormatError(f"{folder / WEIGHTS}: not a converted weights file ({e})") from e
     if not isinstance(header, dict) or header.get("superslm_format") != FORMAT_VERSION:
         raise FormatError(f"{folder / WEIGHTS}: header of another format version")
+    # a file written elsewhere may be unaligned: copy only those tensors (ours never are)
+    tensors = {k: t if t.data_ptr() % ALIGN == 0 else t.clone() for k, t in tensors.items()}
     return NativeFolder(folder, config, header, tensors, manifest)

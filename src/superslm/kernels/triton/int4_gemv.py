@@ -55,6 +55,15 @@ def _int4_kernel(
     tl.store(o_ptr + m64[:, None] * o_row + n[None, :], round_to(acc, ot).to(ot), mask=m_ok[:, None] & n_ok[None, :])
 
 
+def int4_config(m: int, interp: bool) -> dict[str, int]:
+    """Tiles of `_int4_kernel` for m activation rows. Up to 4 rows: one GEMV program per row (the
+    others re-read the weight from L2, not memory); more: tl.dot tiles of 16 or 64 rows."""
+    if m <= 4:
+        return {"block_m": 1, "block_n": 32 if interp else 16, "num_warps": 4}
+    block_m = 16 if m <= 16 else 64
+    return {"block_m": block_m, "block_n": 32, "num_warps": 8 if block_m == 64 else 4}
+
+
 def int4_matmul(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int
 ) -> torch.Tensor:
@@ -78,12 +87,12 @@ def int4_matmul(
         return out.view(*x.shape[:-1], n)
     qweight, scale, zero = qweight.contiguous(), scale.contiguous(), zero.contiguous()
     interp = interpreted(x)
-    dot = m > 4  # a few rows: one GEMV program per row re-reads the weight from L2, not from memory
-    block_m = (16 if m <= 16 else 64) if dot else 1
-    block_n = 32 if dot or interp else 16
+    cfg = int4_config(m, interp)
+    block_m, block_n = cfg["block_m"], cfg["block_n"]
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _int4_kernel[grid](
         x2, qweight, scale, zero, out, m, n, k, x2.stride(0), qweight.stride(0), scale.stride(0), out.stride(0), group,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KH=64, DOT=dot, F32_DOT=interp or x.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KH=64, DOT=block_m > 1, F32_DOT=interp or x.dtype == torch.float32,
+        num_warps=cfg["num_warps"], enable_fp_fusion=True,
     )  # fmt: skip
     return out.view(*x.shape[:-1], n)

@@ -123,6 +123,20 @@ def _merge_kernel(
     tl.store(o_ptr + row * o_row + head * o_head + d, round_to(out, ot).to(ot), mask=d_ok)
 
 
+def attn_config(groups: int, head_dim: int, dtype: torch.dtype, decode: bool, interp: bool) -> dict[str, int]:
+    """Tile sizes of `_attn_kernel`: block_q query tokens x G heads per tile (>= 16 rows for tl.dot),
+    block_n keys per iteration, num_warps; sized so bf16 tiles fit in registers without spills on sm_90."""
+    if decode:
+        block_q = 1
+    else:
+        rows = 16 if interp else (64 if head_dim <= 128 and dtype != torch.float32 else 32)
+        block_q = max(1, rows // groups)
+    block_m = max(16, next_pow2(block_q * groups))
+    block_n = 32 if interp or dtype == torch.float32 else 64
+    num_warps = 8 if block_m >= 64 or head_dim > 128 else 4
+    return {"block_q": block_q, "block_m": block_m, "block_n": block_n, "num_warps": num_warps}
+
+
 def _num_splits(args: PagedArgs, programs: int, window: int | None, device: torch.device) -> int:
     """Key splits for a decode step: enough programs to fill the device, >= 256 keys per split."""
     if device.type != "cuda":
@@ -163,10 +177,10 @@ def paged_attention_args(
     q = q if q.stride(-1) == 1 else q.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "caches must be dense in head_dim"
     decode = args.max_query_len == 1
-    if block_q is None:
-        block_q = 1 if decode else max(1, (16 if interp else 64) // groups)
+    cfg = attn_config(groups, head_dim, q.dtype, decode, interp)
+    block_q = block_q or cfg["block_q"]
     block_m = max(16, next_pow2(block_q * groups))  # tl.dot needs >= 16 rows
-    block_n = block_n or (32 if interp else 64)
+    block_n = block_n or cfg["block_n"]
     items, num_items = args.items(block_q)
     if num_splits is None:
         num_splits = _num_splits(args, num_items * kv_heads, window, q.device) if decode else 1
@@ -183,11 +197,12 @@ def paged_attention_args(
         args.block_table.stride(0), args.page_size, heads, head_dim, window or 0, num_splits, scale * _LOG2E,
         G=groups, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(max(head_dim, 16)),
         SPLIT=split, F32_DOT=interp or q.dtype == torch.float32,
+        num_warps=cfg["num_warps"], enable_fp_fusion=True,
     )  # fmt: skip
     if split:
         _merge_kernel[(args.num_rows, heads)](
             part, ml, out, out.stride(0), out.stride(1), heads, head_dim, num_splits,
-            BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(head_dim),
+            BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(head_dim), enable_fp_fusion=True,
         )  # fmt: skip
     return out
 

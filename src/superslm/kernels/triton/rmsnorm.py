@@ -68,7 +68,7 @@ def _launch(
         xv, rv, weight.contiguous(), out, res_out if res_out is not None else out,
         inner, xo, xi, ro, ri, dim, float(eps),
         ADD=residual is not None, WEIGHT_IN_FLOAT=weight_in_float, BLOCK=next_pow2(dim),
-        enable_fp_fusion=False,  # the reference's roundings, step by step
+        num_warps=4 if dim <= 2048 else 8, enable_fp_fusion=False,  # the reference's roundings, step by step
     )  # fmt: skip
     return out, res_out
 

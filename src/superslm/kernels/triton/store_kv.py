@@ -25,7 +25,8 @@ def _store_kv_kernel(
         r = row.to(tl.int64)
         k = tl.load(k_ptr + r * k_row + h * k_head + d, mask=m).to(tl.float32)
         v = tl.load(v_ptr + r * v_row + h * v_head + d, mask=m).to(tl.float32)
-        kt, vt = kc_ptr.dtype.element_ty, vc_ptr.dtype.element_ty
+        kt = kc_ptr.dtype.element_ty
+        vt = vc_ptr.dtype.element_ty
         tl.store(kc_ptr + slot * kc_slot + h * kc_head + d, round_to(k, kt).to(kt), mask=m)
         tl.store(vc_ptr + slot * vc_slot + h * vc_head + d, round_to(v, vt).to(vt), mask=m)
 
@@ -52,5 +53,5 @@ def store_kv(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         heads, head_dim,
-        BLOCK_H=next_pow2(heads), BLOCK_D=next_pow2(head_dim),
+        BLOCK_H=next_pow2(heads), BLOCK_D=next_pow2(head_dim), enable_fp_fusion=False,
     )  # fmt: skip
