@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from superslm.kernels.attention import AttnMetadata, paged_attention, store_kv
-from superslm.kernels.attention_invariant import BLOCK, paged_attention_invariant
-from superslm.kernels.norm import rms_norm
-from superslm.kernels.rope import apply_rope, rope_cos_sin
+from superslm.kernels.attention import AttnMetadata
+from superslm.kernels.attention_invariant import BLOCK
+from superslm.kernels.dispatch import add_rms_norm, apply_rope, paged_attention, rms_norm, store_kv
+from superslm.kernels.rope import rope_cos_sin
 from superslm.models.arch import Arch
 
 
@@ -98,16 +98,14 @@ class Layer(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rows = meta.slot_mapping.shape[0]  # rows past this are padding (deterministic mode)
         store_kv(k_cache, v_cache, k[:rows], v[:rows], meta.slot_mapping)
-        attend = paged_attention_invariant if meta.deterministic else paged_attention
-        o = attend(q, k_cache, v_cache, meta, self.window, a.attn_scale)
+        o = paged_attention(q, k_cache, v_cache, meta, self.window, a.attn_scale)
         o_in = o.reshape(n, q_size)
         o = self.o(o_in)
         if lora is not None:
             o = lora.apply(self.index, "o", o_in, o)
         if a.post_norms:
             o = self.norm(o, "post_attn_norm")
-        h = h + o
-        x = self.norm(h, "ffn_norm")
+        x, h = add_rms_norm(o, h, self.ffn_norm, a.norm_eps, a.norm_float)
         gu = self.gate_up(x)
         if lora is not None:
             gu = lora.apply(self.index, "gate_up", x, gu)

@@ -77,10 +77,15 @@ def build_paged_args(meta: AttnMetadata, device: torch.device | str) -> PagedArg
     )
 
 
+def _same_device(have: torch.device, want: torch.device) -> bool:
+    # "cuda" (no index) means the current device: the tensors made for it carry "cuda:<n>"
+    return have.type == want.type and (want.index is None or have.index == want.index)
+
+
 def paged_args(meta: AttnMetadata, device: torch.device | str) -> PagedArgs:
     """`build_paged_args`, cached on the metadata object so the layers of one step share it."""
     hit = getattr(meta, _CACHE_ATTR, None)
-    if hit is None or hit.seq_lens.device != torch.device(device):
+    if hit is None or not _same_device(hit.seq_lens.device, torch.device(device)):
         hit = build_paged_args(meta, device)
         # AttnMetadata is a plain dataclass: an extra attribute lives as long as the step's metadata
         setattr(meta, _CACHE_ATTR, hit)

@@ -10,6 +10,8 @@ each row's position, as in the torch reference (kernels.attention.paged_attentio
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -137,11 +139,16 @@ def attn_config(groups: int, head_dim: int, dtype: torch.dtype, decode: bool, in
     return {"block_q": block_q, "block_m": block_m, "block_n": block_n, "num_warps": num_warps}
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _num_splits(args: PagedArgs, programs: int, window: int | None, device: torch.device) -> int:
     """Key splits for a decode step: enough programs to fill the device, >= 256 keys per split."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     keys = args.max_seq_len if window is None else min(args.max_seq_len, window)
     return max(1, min(triton.cdiv(2 * sms, max(programs, 1)), triton.cdiv(keys, 256), 32))
 

@@ -1,0 +1,448 @@
+"""`superslm convert SRC DST`: a Hugging Face folder or a GGUF file into SuperSLM's own folder.
+
+Each linear is stored in its runtime format's tensors (int4 in the packed layout its CPU kernel
+reads, so loading is a memory map, not a repack), norms in float32, the embedding as the source
+holds it (a float dtype) or bf16 (GGUF blocks). A GGUF file's Q4_0/Q4_1/Q4_K blocks are stored as
+they are ("gguf": no re-quantization) unless --format says otherwise. A PEFT LoRA adapter is merged
+(W + scale B A) before quantizing; --layers N keeps the first N layers (hidden states only).
+The folder is written atomically with a manifest (formats/native.py) and verified when loaded.
+See docs/convert.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from superslm.errors import FormatError, InvalidArgument, ModelNotFound
+from superslm.formats import native
+from superslm.models.loader import Source, Stored, canonical_names, open_source
+from superslm.models.transformer import DenseLinear, Transformer
+from superslm.quant import ConcatLinear, Int4Linear, LinearFormat, format_class, linear_from_gguf, load_linear
+from superslm.quant.int4 import _check_layout, round_up
+from superslm.quant.swap import LAYER_LINEARS, gguf_parts, make_linear
+
+#: --format: the body's linears; "gguf" runs a GGUF file's int4 blocks as they are (others nearest),
+#: "dense" keeps float weights as the source holds them (GGUF blocks dequantized to float32)
+BODY_FORMATS = ("int4", "int8", "bf16", "gguf", "dense")
+#: --head: a format, "nearest" (a GGUF head's block type mapped like the body's) or "dense"
+HEAD_FORMATS = ("int4", "int8", "bf16", "nearest", "dense")
+#: int4 weights are stored in torch's packed CPU layout (quant.int4.pack_int4), read without a repack
+INT4_PACKED = "cpu-int4pack-n64"
+PARTS = ("q", "k", "v", "o", "gate", "up", "down")
+NORMS = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
+#: files of a Hugging Face folder's tokenizer and template, copied as they are
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja", "chat_template.json")
+_FLOAT_KINDS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def resolve_formats(source: Source, fmt: str = "auto", head: str | None = None) -> tuple[str, str]:
+    """(body format, head format) for a source: "auto" is gguf for a GGUF file, int4 otherwise; the
+    head defaults to nearest (gguf), bf16 (bf16), dense (dense) or int8 (int4, int8)."""
+    body = ("gguf" if source.format == "gguf" else "int4") if fmt == "auto" else fmt
+    if body not in BODY_FORMATS:
+        raise InvalidArgument(f"unknown format {fmt!r} (known: auto, {', '.join(BODY_FORMATS)})")
+    if head is None:
+        head = {"gguf": "nearest", "bf16": "bf16", "dense": "dense"}.get(body, "int8")
+    if head not in HEAD_FORMATS:
+        raise InvalidArgument(f"unknown head format {head!r} (known: {', '.join(HEAD_FORMATS)})")
+    if source.format != "gguf" and (body == "gguf" or head == "nearest"):
+        raise InvalidArgument("the gguf format and the nearest head come from GGUF blocks: SRC is not a GGUF file")
+    return body, head
+
+
+def source_sha256(source: Source) -> str:
+    """sha256 of a GGUF file; of a folder: of the lines "NAME SHA256" of its .safetensors/.json/.jinja files."""
+    if source.path.is_file():
+        return native.sha256_file(source.path)
+    h = hashlib.sha256()
+    for p in sorted(source.path.iterdir()):
+        if p.is_file() and p.suffix in (".safetensors", ".json", ".jinja"):
+            h.update(f"{p.name} {native.sha256_file(p)}\n".encode())
+    return h.hexdigest()
+
+
+# --- linears <-> stored tensors --------------------------------------------------------------------
+
+
+def linear_state(module: LinearFormat) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, metadata) of a format module as stored: `to_tensors()`, except int4 kinds keep their
+    packed kernel layout (metadata "packed") so loading them is a memory map."""
+    _, meta = module.to_tensors()
+    if isinstance(module, ConcatLinear):
+        tensors: dict[str, torch.Tensor] = {}
+        metas = []
+        for i, part in enumerate(module.parts):
+            t, m = linear_state(part)  # type: ignore[arg-type]
+            tensors.update({f"part{i}.{k}": v for k, v in t.items()})
+            metas.append(m)
+        return tensors, dict(meta, parts=metas)
+    if isinstance(module, Int4Linear):
+        tensors = {"qweight": module.qweight, "scales_zeros": module.scales_zeros}
+        if module.bias is not None:
+            tensors["bias"] = module.bias
+        return tensors, dict(meta, packed=INT4_PACKED)
+    return module.to_tensors()
+
+
+def _int4_packed(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> LinearFormat:
+    # The module's own buffers, as stored: no unpack/repack. Relies on Int4Linear's buffer names
+    # (qweight [N_pad, k_pad / 2] uint8, scales_zeros [groups, N_pad, 2] bf16) and its group attribute.
+    cls = format_class(str(meta["format"]))
+    if not issubclass(cls, Int4Linear):
+        raise FormatError(f"packed int4 tensors for a {cls.name} linear")
+    n, k, k_pad, group = int(meta["out_features"]), int(meta["in_features"]), int(meta["k_pad"]), int(meta["group"])
+    n_pad = round_up(n, 64)
+    qw, sz = tensors["qweight"], tensors["scales_zeros"]
+    if qw.dtype != torch.uint8 or tuple(qw.shape) != (n_pad, k_pad // 2) or sz.dtype != torch.bfloat16 \
+            or tuple(sz.shape) != (k_pad // group, n_pad, 2):
+        raise FormatError(f"packed int4 linear: tensors {tuple(qw.shape)}, {tuple(sz.shape)} do not fit {n}x{k_pad}")
+    _check_layout()  # the stored layout is torch's: fail loudly if a torch release changed it
+    rot = meta.get("rotation")
+    module = cls.__new__(cls)
+    LinearFormat.__init__(module, k, n, k_pad, tensors.get("bias"),
+                          None if rot is None else (int(rot["seed"]), int(rot["block"])), str(meta.get("note", "")))
+    module.group = group
+    module.register_buffer("qweight", qw)
+    module.register_buffer("scales_zeros", sz)
+    return module
+
+
+def linear_from_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> LinearFormat:
+    """The inverse of `linear_state` (FormatError when the tensors and metadata disagree)."""
+    try:
+        if meta.get("format") == "concat":
+            parts = []
+            for i, m in enumerate(meta["parts"]):
+                pre = f"part{i}."
+                parts.append(linear_from_state({k[len(pre):]: v for k, v in tensors.items() if k.startswith(pre)}, m))
+            return ConcatLinear(parts, str(meta.get("note", "")))
+        if meta.get("packed") == INT4_PACKED:
+            return _int4_packed(tensors, meta)
+    except (KeyError, TypeError, ValueError, InvalidArgument) as e:
+        raise FormatError(f"{meta.get('format')} linear: inconsistent tensors or metadata ({e!r})") from e
+    return load_linear(tensors, meta)
+
+
+def _bias_of(module: LinearFormat) -> torch.Tensor | None:
+    if isinstance(module, ConcatLinear):
+        parts = [_bias_of(p) for p in module.parts]  # type: ignore[arg-type]
+        if all(b is None for b in parts):
+            return None
+        return torch.cat([torch.zeros(p.out_features) if b is None else b for p, b in zip(module.parts, parts)])
+    return module.bias
+
+
+# --- conversion ----------------------------------------------------------------------------------
+
+
+def _fixed(source: Source, key: str, stored: Stored) -> torch.Tensor:
+    """A canonical weight as float32 with the recipe's fix applied (what `materialize` computes)."""
+    fix = source.recipe.fix_hf if source.is_hf else source.recipe.fix_gguf
+    short = key.rsplit(".", 1)[-1] if key.startswith("layers.") else key
+    return fix(short, stored.load().float(), source.arch).contiguous()
+
+
+def _float_dtype(stored: Stored, exact: bool) -> torch.dtype:
+    """How a float tensor is kept: its file's float dtype; GGUF blocks as float32 (exact) or bf16."""
+    return _FLOAT_KINDS.get(stored.kind, torch.float32 if exact else torch.bfloat16)
+
+
+class _Writer:
+    """Collects the converted tensors and the linears' metadata, one layer at a time."""
+
+    def __init__(self, source: Source, names: Mapping[str, Stored], opts: dict[str, Any], adapter: Any) -> None:
+        self.source, self.names, self.opts, self.adapter = source, names, opts, adapter
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.linears: dict[str, dict[str, Any]] = {}
+
+    def put(self, name: str, module: LinearFormat) -> None:
+        t, meta = linear_state(module)
+        self.tensors.update({f"{name}.{k}": v for k, v in t.items()})
+        self.linears[name] = meta
+
+    def make(self, fmt: str, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFormat:
+        o = self.opts
+        return make_linear(fmt, weight, bias, o["group"], o["rotate"], o["seed"])
+
+    def layer(self, i: int) -> None:
+        prefix, body, arch = f"layers.{i}.", self.opts["format"], self.source.arch
+        keys = [k[len(prefix):] for k in self.names if k.startswith(prefix)]
+        # GGUF blocks kept as they are need no float copy of the linears
+        w = {k: _fixed(self.source, prefix + k, self.names[prefix + k]) for k in keys
+             if not (body == "gguf" and k in PARTS)}
+        if self.adapter is not None:
+            for part in PARTS:
+                delta = self.adapter.delta(i, part)
+                if delta is not None:
+                    w[part] = w[part] + delta
+        for k in keys:
+            if k in NORMS:
+                self.tensors[prefix + k] = w[k]
+            elif body == "dense":
+                self.tensors[prefix + k] = w[k].to(_float_dtype(self.names[prefix + k], exact=True))
+        if body == "dense":
+            return
+        biases = {"qkv": torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if arch.qkv_bias else None,
+                  "o": w["o_bias"] if arch.o_bias else None}
+        for attr, parts in LAYER_LINEARS.items():
+            if body == "gguf":
+                module = linear_from_gguf(gguf_parts(self.source, self.names, prefix, parts), biases.get(attr))
+            else:
+                module = self.make(body, torch.cat([w[p] for p in parts]), biases.get(attr))
+            self.put(prefix + attr, module)
+
+    def globals(self, head: str) -> None:
+        exact = self.opts["format"] == "dense"
+        embed = _fixed(self.source, "embed", self.names["embed"])
+        self.tensors["embed"] = embed.to(_float_dtype(self.names["embed"], exact))
+        if "norm" not in self.names:
+            return  # --layers: no final norm, no head
+        self.tensors["norm"] = _fixed(self.source, "norm", self.names["norm"])
+        key = "head" if "head" in self.names else "embed"
+        if head == "dense":
+            if key == "head":
+                self.tensors["head"] = _fixed(self.source, "head", self.names["head"]).to(
+                    _float_dtype(self.names["head"], exact))
+        elif head == "nearest":
+            self.put("head", linear_from_gguf(gguf_parts(self.source, self.names, "", (key,))))
+        else:
+            weight = embed if key == "embed" else _fixed(self.source, "head", self.names["head"])
+            self.put("head", self.make(head, weight, None))
+
+
+def _write_tokenizer(source: Source, folder: Path) -> None:
+    if source.is_hf:
+        for name in TOKENIZER_FILES:
+            if (source.path / name).is_file():
+                shutil.copyfile(source.path / name, folder / name)
+        return
+    from superslm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(source.gguf.metadata)
+    tok.backend.save(str(folder / "tokenizer.json"))
+    text = tok.backend.id_to_token
+    config = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos_token": tok.add_bos,
+              "add_eos_token": tok.add_eos, "chat_template": tok.chat_template,
+              "pad_token": None if tok.pad_id is None else text(tok.pad_id),
+              "unk_token": None if tok.unk_id is None else text(tok.unk_id)}
+    native.write_json(folder / "tokenizer_config.json", {k: v for k, v in config.items() if v is not None})
+    # every end-of-generation id (eos, eot, eom and the ones spelled like them) as the HF way says it
+    native.write_json(folder / "generation_config.json", {"bos_token_id": tok.bos_id,
+                                                          "eos_token_id": sorted(tok.stop_ids)})
+
+
+def _write_schemas(schemas: Mapping[str, str | Path], folder: Path) -> None:
+    from superslm.grammar.schemas import load_schemas
+
+    for name, file in schemas.items():
+        if not name or "/" in name or "\\" in name or name.startswith("."):
+            raise InvalidArgument(f"schema name {name!r} is not a valid name")
+        if not Path(file).is_file():
+            raise ModelNotFound(f"schema file {file} not found")
+        (folder / "schemas").mkdir(exist_ok=True)
+        shutil.copyfile(file, folder / "schemas" / f"{name}.json")
+    load_schemas(folder)  # refuses a bad name or a file that is not a JSON schema, before commit
+
+
+def _source_config(source: Source) -> dict[str, Any]:
+    """The source's config: config.json, or the GGUF metadata without the vocabulary."""
+    if source.is_hf:
+        return dict(source.config)
+    out = {}
+    for k, v in source.config.items():
+        v = v.tolist() if hasattr(v, "tolist") else v
+        if k.startswith("tokenizer.ggml.") or isinstance(v, (list, tuple)) and len(v) > 256:
+            continue
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError):
+            continue  # not JSON: not worth keeping in a config
+        out[k] = v
+    return out
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    format: str = "auto",
+    group: int = 128,
+    head: str | None = None,
+    rotate: bool = True,
+    seed: int = 0,
+    lora: str | Path | None = None,
+    layers: int | None = None,
+    schemas: Mapping[str, str | Path] | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> Path:
+    """Convert SRC (a HF folder or a GGUF file) into the folder `dst`; returns `dst`.
+
+    `format`: auto | int4 | int8 | bf16 | gguf | dense (see BODY_FORMATS); `group`: int4's group size;
+    `head`: see HEAD_FORMATS (default per format, `resolve_formats`); `rotate`/`seed`: the block
+    Hadamard rotation of int4/int8 weights; `lora`: a PEFT folder merged first; `layers`: keep the
+    first N layers; `schemas`: {NAME: json file}. Atomic: `dst` appears complete or not at all.
+    """
+    source = open_source(src)
+    if source.format == "native":
+        raise InvalidArgument(f"{src} is already a converted folder")
+    body, head = resolve_formats(source, format, head)
+    if lora is not None and body == "gguf":
+        raise InvalidArgument("a merged LoRA changes the weights, so GGUF blocks cannot be kept as they are: "
+                              "pass --format int4, int8, bf16 or dense")
+    arch = source.arch
+    n = arch.layers if layers is None else int(layers)
+    if not 0 < n <= arch.layers:
+        raise InvalidArgument(f"--layers {n}: the model has {arch.layers} layers")
+    names = canonical_names(source, n)
+    adapter = None
+    lora_info = None
+    if lora is not None:
+        from superslm.adapters import load_peft
+
+        adapter = load_peft(lora, arch, dict(source.recipe.layer_names(hf=True)), "convert", torch.float32,
+                            torch.device("cpu"))
+        lora_info = {"name": Path(lora).name, "rank": adapter.rank, "scale": adapter.scale,
+                     "sha256": native.sha256_file(Path(lora) / "adapter_model.safetensors")}
+    rotated = rotate and (body in ("int4", "int8") or head in ("int4", "int8"))
+    opts = {"format": body, "group": int(group), "rotate": rotate, "seed": int(seed)}
+    header = {"format": body, "group": int(group) if "int4" in (body, head) else None, "head": head,
+              "rotation": {"seed": int(seed)} if rotated else None, "layers": n, "lora": lora_info,
+              "source": {"format": source.format, "name": source.path.name, "sha256": source_sha256(source)},
+              "int4_layout": INT4_PACKED}
+    config = {"superslm_format": native.FORMAT_VERSION, "model_type": source.recipe.hf_types[0],
+              "arch": arch.summary(), "layers": n, "source_config": _source_config(source)}
+    from tqdm import tqdm
+
+    with native.partial_folder(dst, overwrite) as tmp:
+        native.write_json(tmp / native.CONFIG, config)
+        _write_tokenizer(source, tmp)
+        _write_schemas(schemas or {}, tmp)
+        writer = _Writer(source, names, opts, adapter)
+        for i in tqdm(range(n + 1), desc=f"converting to {body}", unit="layer", disable=not progress):
+            writer.layer(i) if i < n else writer.globals(head)
+        native.write_tensors(tmp / native.WEIGHTS, writer.tensors, dict(header, linears=writer.linears))
+    return Path(dst)
+
+
+# --- loading a converted folder ------------------------------------------------------------------
+
+
+def converted_net(
+    source: Source,
+    device: torch.device,
+    dtype: str | torch.dtype | None = None,
+    layers: int | None = None,
+    quant: str | None = "auto",
+) -> Transformer:
+    """The forward pass of a converted folder (`open_source` of it), its linears built from their stored
+    formats (no re-quantization; int4 from its packed layout). `quant`: "auto" or the stored format
+    runs them as stored (bf16 activations: dtype defaults to bf16); None/"none" dequantizes them into
+    dense weights of `dtype` (as every non-CPU device does: the packed kernels are CPU ones)."""
+    from superslm.model import pick_dtype
+
+    header = source.config["header"]
+    body, kept = header["format"], int(header["layers"])
+    if quant not in ("auto", None, "none", body):
+        raise InvalidArgument(f"{source.path} holds {body} linears; convert again for {quant} (or pass quant='auto')")
+    n = kept if layers is None else layers
+    if not 0 < n <= kept:
+        raise InvalidArgument(f"layers={n}: the converted folder keeps {kept} layers")
+    as_dense = quant in (None, "none") or device.type != "cpu"
+    dt = pick_dtype(dtype, device) if dtype is not None or as_dense or body == "dense" else torch.bfloat16
+    a, stored = source.arch, {name: s.load() for name, s in source.tensors.items()}
+
+    def get(name: str) -> torch.Tensor:
+        if name not in stored:
+            raise FormatError(f"{source.path}: tensor {name} is missing")
+        return stored[name].to(device=device, dtype=dt)
+
+    weights = {"embed": get("embed")}
+    if n == a.layers:
+        weights.update({k: get(k) for k in ("norm", "head") if k in stored})
+    norms = [k for k in NORMS if k in ("attn_norm", "ffn_norm") or a.qk_norm and k in ("q_norm", "k_norm")
+             or a.post_norms and k.startswith("post_")]
+    biases = ["q_bias", "k_bias", "v_bias"] * a.qkv_bias + ["o_bias"] * a.o_bias
+    for i in range(n):
+        weights.update({f"layers.{i}.{k}": get(f"layers.{i}.{k}") for k in norms})
+        if body == "dense":
+            weights.update({f"layers.{i}.{k}": get(f"layers.{i}.{k}") for k in (*PARTS, *biases)})
+        else:  # empty placeholders: the module swap below replaces these linears
+            weights.update({f"layers.{i}.{k}": torch.empty(0, a.dim, device=device, dtype=dt) for k in PARTS})
+            weights.update({f"layers.{i}.{k}": torch.empty(0, device=device, dtype=dt) for k in biases})
+    net = Transformer(a, weights, n)
+    q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    shapes = {"qkv": (a.dim, q + 2 * kv), "o": (q, a.dim), "gate_up": (a.dim, 2 * a.ffn), "down": (a.ffn, a.dim),
+              "head": (a.dim, a.vocab)}
+    linears = header.get("linears", {})
+
+    def build(name: str) -> torch.nn.Module:
+        if name not in linears:
+            raise FormatError(f"{source.path}: linear {name} is missing from the header")
+        pre = name + "."
+        module = linear_from_state({k[len(pre):]: v for k, v in stored.items() if k.startswith(pre)}, linears[name])
+        if (module.in_features, module.out_features) != shapes[name.rsplit(".", 1)[-1]]:
+            raise FormatError(f"{source.path}: linear {name} is {module.in_features} -> {module.out_features}, "
+                              f"the arch implies {shapes[name.rsplit('.', 1)[-1]]}")
+        if not as_dense:
+            return module
+        bias = _bias_of(module)
+        return DenseLinear(module.dequantize().to(device, dt), None if bias is None else bias.to(device, dt))
+
+    if body != "dense":
+        for i, layer in enumerate(net.layers):
+            for attr in LAYER_LINEARS:
+                setattr(layer, attr, build(f"layers.{i}.{attr}"))
+    if net.has_head and "head" in linears:
+        net.head = build("head")
+    return net
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+
+def add_parser(sub: Any) -> None:
+    """Register the `convert` subcommand on the CLI's subparsers."""
+    p = sub.add_parser("convert", help="convert a HF folder or a GGUF file into a SuperSLM folder",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", help="a Hugging Face folder or a GGUF file")
+    p.add_argument("dst", help="the folder to write (written atomically)")
+    p.add_argument("--format", default="auto", choices=("auto", *BODY_FORMATS),
+                   help="linears' format (default: gguf for a GGUF file, int4 otherwise)")
+    p.add_argument("--group", type=int, default=128, choices=(32, 64, 128, 256), help="int4 group size")
+    p.add_argument("--head", default=None, choices=HEAD_FORMATS, help="the output head's format")
+    p.add_argument("--no-rotate", action="store_true", help="no Hadamard rotation of int4/int8 weights")
+    p.add_argument("--seed", type=int, default=0, help="seed of the rotation's random signs")
+    p.add_argument("--lora", default=None, metavar="PEFT_FOLDER", help="merge this LoRA adapter first")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (hidden states)")
+    p.add_argument("--schema", action="extend", nargs="+", default=[], metavar="NAME=FILE",
+                   help="ship a JSON schema under NAME (repeatable)")
+    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_convert)
+
+
+def cmd_convert(ns: argparse.Namespace) -> int:
+    schemas: dict[str, str] = {}
+    for item in ns.schema:
+        name, sep, file = item.partition("=")
+        if not sep or not name or not file:
+            raise InvalidArgument(f"--schema takes NAME=FILE, not {item!r}")
+        schemas[name] = file
+    start = time.perf_counter()
+    dst = convert(ns.src, ns.dst, format=ns.format, group=ns.group, head=ns.head, rotate=not ns.no_rotate,
+                  seed=ns.seed, lora=ns.lora, layers=ns.layers, schemas=schemas, overwrite=ns.force,
+                  progress=not ns.quiet and sys.stderr.isatty())
+    size = sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
+    print(f"{dst}: {size / 2**20:.1f} MiB in {time.perf_counter() - start:.1f} s")
+    return 0

@@ -1,0 +1,137 @@
+"""Compile the kernels for a GPU target ahead of time, on any machine (no GPU needed).
+
+The interpreter runs what the compiler may refuse (types, tile shapes, register-hungry tiles), so
+CI compiles each kernel with the tile sizes its launcher picks: `python -m superslm.kernels.triton.aot
+[--target cuda:90|hip:gfx942] [--all]`. Run it without TRITON_INTERPRET (the kernels must be jitted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from superslm.kernels.triton._util import next_pow2
+from superslm.kernels.triton.int4_gemv import _int4_kernel, int4_config
+from superslm.kernels.triton.paged_attention import _attn_kernel, _merge_kernel, attn_config
+from superslm.kernels.triton.rmsnorm import _rms_norm_kernel
+from superslm.kernels.triton.rope import _rope_kernel
+from superslm.kernels.triton.store_kv import _store_kv_kernel
+
+#: int arguments the launcher's real values make multiples of 16 (triton specializes those)
+_DIVISIBLE = {
+    "k_row", "k_head", "v_row", "v_head", "kc_slot", "kc_head", "vc_slot", "vc_head", "q_row", "q_head", "k_slot",
+    "v_slot", "o_row", "o_head", "head_dim", "x_row", "x_outer", "x_inner", "r_outer", "r_inner", "dim", "cs_row",
+    "qw_row", "K",
+}  # fmt: skip
+_FLOATS = {"qk_scale", "eps"}
+_TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def parse_target(spec: str) -> GPUTarget:
+    """"cuda:90" (sm_90, H100/H200) or "hip:gfx942" (MI300) -> a triton GPUTarget."""
+    backend, _, arch = spec.partition(":")
+    if backend == "cuda":
+        return GPUTarget("cuda", int(arch or 90), 32)
+    if backend == "hip":
+        return GPUTarget("hip", arch or "gfx942", 64)
+    raise ValueError(f"target must be cuda:<sm> or hip:<gfx>, not {spec!r}")
+
+
+def compile_kernel(
+    kernel: Any, target: GPUTarget, ptrs: dict[str, str], num_warps: int = 4, fusion: bool = True, **constexprs: Any
+) -> Any:
+    """triton.compile `kernel` (a JITFunction) with pointer element types `ptrs`; other args are i32/fp32."""
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name] = "*" + ptrs[name]
+        else:
+            sig[name] = "fp32" if name in _FLOATS else "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+             if sig[n][0] == "*" or n in _DIVISIBLE}  # fmt: skip
+    src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=target, options={"num_warps": num_warps, "enable_fp_fusion": fusion})
+
+
+@dataclass
+class Case:
+    """One kernel variant as a launcher would pick it."""
+
+    name: str
+    kernel: Any
+    ptrs: dict[str, str]
+    num_warps: int
+    constexprs: dict[str, Any]
+    #: the launcher's enable_fp_fusion: off where the kernel repeats the reference's roundings
+    fusion: bool = True
+
+    def compile(self, target: GPUTarget) -> Any:
+        return compile_kernel(self.kernel, target, self.ptrs, self.num_warps, self.fusion, **self.constexprs)
+
+
+def cases(everything: bool = False) -> list[Case]:
+    """Each kernel variant the launchers pick: bf16 on two model shapes; with `everything` fp32 and more shapes."""
+    out: list[Case] = []
+    dtypes = (torch.bfloat16, torch.float32) if everything else (torch.bfloat16,)
+    # (G, head_dim): Qwen2.5-0.5B, Qwen2.5-1.5B; then MHA and Gemma 3's 256
+    shapes = ((7, 64), (6, 128), (1, 128), (4, 256)) if everything else ((7, 64), (6, 128))
+    norms = [(a, w) for a in (False, True) for w in (False, True)] if everything else [(True, False), (False, True)]
+    for dt in dtypes:
+        t, f32 = _TY[dt], dt == torch.float32
+        kv = dict(k_ptr=t, v_ptr=t, kc_ptr=t, vc_ptr=t, slot_ptr="i64")
+        out.append(Case(f"store_kv {t}", _store_kv_kernel, kv, 4, dict(BLOCK_H=2, BLOCK_D=64), False))
+        attn = dict(q_ptr=t, k_ptr=t, v_ptr=t, o_ptr=t, part_ptr="fp32", ml_ptr="fp32", bt_ptr="i32",
+                    sl_ptr="i32", qs_ptr="i32", pos_ptr="i64", item_ptr="i32")  # fmt: skip
+        for groups, head_dim in shapes:
+            for decode in (True, False):
+                c = attn_config(groups, head_dim, dt, decode, False)
+                cx = dict(G=groups, BLOCK_Q=c["block_q"], BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
+                          BLOCK_D=next_pow2(head_dim), SPLIT=decode, F32_DOT=f32)  # fmt: skip
+                kind = "decode" if decode else "mixed"
+                out.append(Case(f"paged_attention {t} G={groups} D={head_dim} {kind}", _attn_kernel, attn,
+                                c["num_warps"], cx))  # fmt: skip
+        merge = dict(part_ptr="fp32", ml_ptr="fp32", o_ptr=t)
+        out.append(Case(f"merge {t}", _merge_kernel, merge, 4, dict(BLOCK_S=16, BLOCK_D=128)))
+        norm = dict(x_ptr=t, r_ptr=t, w_ptr=t, o_ptr=t, ro_ptr=t)
+        for add, wf in norms:
+            out.append(Case(f"rms_norm {t} add={add} weight_in_float={wf}", _rms_norm_kernel, norm, 4,
+                            dict(ADD=add, WEIGHT_IN_FLOAT=wf, BLOCK=1024), False))  # fmt: skip
+        rope = dict(x_ptr=t, cos_ptr=t, sin_ptr=t, o_ptr=t)
+        out.append(Case(f"rope {t}", _rope_kernel, rope, 4, dict(BLOCK_H=16, BLOCK_D=64), False))
+        int4 = dict(x_ptr=t, qw_ptr="u8", s_ptr="bf16", z_ptr="bf16", o_ptr=t)
+        for m in (1, 16, 64):
+            c = int4_config(m, False)
+            cx = dict(BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_KH=64, DOT=c["block_m"] > 1, F32_DOT=f32)
+            out.append(Case(f"int4_matmul {t} m={m}", _int4_kernel, int4, c["num_warps"], cx))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Compile every case; print one line each; exit status 1 if any failed."""
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--target", default="cuda:90")
+    ap.add_argument("--all", action="store_true", help="fp32 variants and more shapes too")
+    ns = ap.parse_args(argv)
+    target = parse_target(ns.target)
+    failed = 0
+    for case in cases(ns.all):
+        try:
+            k = case.compile(target)
+            print(f"ok    {case.name}  (shared memory {k.metadata.shared} B)", flush=True)
+        except Exception as e:  # noqa: BLE001 - report every failure, then fail
+            failed += 1
+            print(f"FAIL  {case.name}: {type(e).__name__}: {str(e)[-2000:]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
