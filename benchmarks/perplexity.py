@@ -38,7 +38,7 @@ FORMATS: list[tuple[str, dict[str, Any] | None]] = [
     ("fp32 (GGUF dequantized)", None),
     ("dense bf16 (load dtype=bf16)", {"format": "dense", "dtype": "bfloat16"}),
     ("bf16", {"format": "bf16"}),
-    ("gguf native (Q4_1 as is), head nearest (int8)", {"format": "gguf"}),
+    ("gguf native (Q4_0/Q4_1/Q4_K as they are, other blocks nearest), head nearest", {"format": "gguf"}),
     ("int8, int8 head, rotated", {"format": "int8"}),
     ("int8, int8 head, not rotated", {"format": "int8", "rotate": False}),
     ("int4 g32, int8 head, rotated", {"format": "int4", "group": 32}),

@@ -107,6 +107,12 @@ def test_header_config_and_overwrite(tiny, tmp_path) -> None:
     assert native.read_folder(dst).header["format"] == "int8"
     with pytest.raises(InvalidArgument):
         superslm.load(dst, quant="int4")  # a converted folder is not re-quantized at load
+    # quant=None (and any non-CPU device): the stored formats dequantized into dense fp32 linears; they
+    # differ from the formats only by the formats' bf16 activations (a few 2^-8 relative)
+    dense = superslm.load(dst, quant=None, dtype="float32")
+    assert set(superslm.quant.linear_summary(dense.net)) == {"dense float32"}
+    formats = logits(superslm.load(dst, dtype="float32"))
+    assert ((logits(dense) - formats).norm() / formats.norm()).item() < 0.03
     with pytest.raises(InvalidArgument):
         convert(src, tmp_path / "g", format="gguf")  # gguf blocks need a GGUF source
 
@@ -306,11 +312,12 @@ def test_gguf_blocks_kept_and_load_memory_mapped(smol, smollm2_gguf) -> None:
     tokens = ref.tokenizer.encode("The capital of France is Paris. It is known for its museums and")
     assert torch.equal(logits(got, tokens), logits(ref, tokens))
     assert superslm.quant.linear_summary(got.net) == superslm.quant.linear_summary(ref.net)
+    assert got.fingerprint == ref.fingerprint  # saved sequences restore into either
     # the tokenizer written from the GGUF vocabulary is the same tokenizer
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|> there"}]
     assert got.chat_tokens(msgs) == ref.chat_tokens(msgs)
     assert got.tokenizer.decode(range(0, 49152, 97)) == ref.tokenizer.decode(range(0, 49152, 97))
-    for attr in ("bos_id", "eos_id", "add_bos", "kind", "chat_template", "vocab_size"):
+    for attr in ("bos_id", "eos_id", "add_bos", "add_eos", "kind", "chat_template", "vocab_size", "special_ids"):
         assert getattr(got.tokenizer, attr) == getattr(ref.tokenizer, attr), attr
     assert got.stop_ids == ref.stop_ids
     # no copy at load: the weights live in the file's memory map

@@ -179,6 +179,12 @@ def test_minilm_by_name_and_token_ids(minilm: tuple[Encoder, Any]) -> None:
     a, b = by_name.embed_batch(texts, batch=5), ours.embed_tokens(ids, batch=3)
     assert (a - b).abs().max().item() <= 1e-5
     assert model_kind("all-minilm-l6-v2") == "encoder"
+    # OpenAI's `dimensions`: the first entries, normalized again since the model normalizes
+    short = by_name.embed_batch(texts, dimensions=64)
+    assert (short - F.normalize(a[:, :64], dim=1)).abs().max().item() <= 1e-6
+    for bad in (0, 385, 1.5):
+        with pytest.raises(errors.InvalidArgument):
+            by_name.embed_batch(texts, dimensions=bad)  # type: ignore[arg-type]
 
 
 # --- tiny models with every pooling module --------------------------------------------------------
@@ -226,6 +232,21 @@ def test_plain_transformers_folder_mean_pools(tmp_path: Path) -> None:
     with torch.no_grad():
         h = [hf(torch.tensor([s])).last_hidden_state[0].mean(0) for s in ids]
     assert (got[:2] - torch.stack(h)).abs().max().item() <= 1e-5
+
+
+def test_plain_torch_path_and_bfloat16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The F.linear path (the GPU's, or a CPU without oneDNN) gives the oneDNN path's numbers; bf16 is close."""
+    from superslm.encoders import net
+
+    build_bert_family(tmp_path, "bert", act="gelu_new")
+    fast = Encoder.load(tmp_path, device="cpu")
+    half = Encoder.load(tmp_path, device="cpu", dtype="bfloat16").embed_batch(SHORT_TEXTS, batch=3)
+    monkeypatch.setattr(net, "USE_MKLDNN", False)
+    plain = Encoder.load(tmp_path, device="cpu")
+    assert not plain.body.net.layers[0].up.fast  # type: ignore[attr-defined]
+    a, b = fast.embed_batch(SHORT_TEXTS, batch=3), plain.embed_batch(SHORT_TEXTS, batch=3)
+    assert (a - b).abs().max().item() <= 1e-5
+    assert half.dtype == torch.float32 and F.cosine_similarity(half, a).min().item() >= 0.99
 
 
 # --- decoder models -------------------------------------------------------------------------------

@@ -41,6 +41,8 @@ def test_scores_match_sentence_transformers(family: str, labels: int, act: str, 
     st, ours = _oracle(tmp_path), CrossEncoder.load(tmp_path, device="cpu")
     assert ours.num_labels == labels and ours.activation == ("sigmoid" if labels == 1 else "identity")
     pairs = [(QUERY, d) for d in DOCS]
+    assert ours.tokenize(QUERY, DOCS) == st.tokenizer([QUERY] * len(DOCS), DOCS, truncation="longest_first",
+                                                      max_length=st.max_seq_length)["input_ids"]
     want = torch.as_tensor(st.predict(pairs, batch_size=3)).reshape(len(DOCS), labels)
     got = ours.predict(pairs, batch=3)
     assert (got - want).abs().max().item() <= 1e-5

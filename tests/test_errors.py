@@ -115,6 +115,16 @@ def _adapter(kind: str) -> Callable[..., None]:
     return provoke
 
 
+def _integrity(tiny, tmp: Path) -> None:
+    from superslm.convert import convert
+
+    model, folder = tiny
+    out = convert(folder, tmp / "converted", format="bf16")
+    with open(out / "config.json", "a") as f:
+        f.write(" ")
+    superslm.load(out)
+
+
 def _unknown_schema(tiny, tmp: Path) -> None:
     model, _ = tiny
     model.engine(slots=1, context=64).add(Request([3], 2, Sampling(schema="nope")))
@@ -126,6 +136,7 @@ PROVOKE: dict[type[errors.SuperSLMError], Callable[..., None]] = {
     errors.ContextLengthExceeded: lambda t, tmp: t[0].engine(slots=1, context=8).add(Request(list(range(3, 20)), 2)),
     errors.ModelNotFound: lambda t, tmp: superslm.load(tmp / "nowhere"),
     errors.FormatError: _format_error,
+    errors.ModelIntegrityError: _integrity,
     errors.GGUFError: _gguf_error,
     errors.UnsupportedModel: _unsupported,
     errors.TokenizerError: _tokenizer_error,

@@ -48,6 +48,7 @@ TOOLS = [WEATHER, TIME]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [[{"role": "user", "content": "What is the weather like in Paris?"}],
        [{"role": "user", "content": "What time is it in Tokyo right now?"}]]
+JSON_ASK = [{"role": "user", "content": "Give the weather in Paris as JSON with keys city and temperature."}]
 HERMES_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nYou may call these functions:\n{% for t in tools %}{{ t | tojson }}\n"
     "{% endfor %}Call one as <tool_call>\n{\"name\": ..., \"arguments\": ...}\n</tool_call><|im_end|>\n{% endif %}"
@@ -109,12 +110,12 @@ def check_calls(calls, names: set[str]) -> None:
 
 
 def test_json_object_and_schema_validate(client, model) -> None:
-    r = chat(client, ASK[0], response_format={"type": "json_object"}, max_tokens=96)
+    r = chat(client, JSON_ASK, response_format={"type": "json_object"})
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
     rf = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER_SCHEMA, "strict": True}}
-    r = chat(client, ASK[0], response_format=rf)
+    r = chat(client, JSON_ASK, response_format=rf)
     text = r.choices[0].message.content
     jsonschema.validate(json.loads(text), WEATHER_SCHEMA)
     assert r.choices[0].finish_reason == "stop"
@@ -122,9 +123,9 @@ def test_json_object_and_schema_validate(client, model) -> None:
     assert r.usage.completion_tokens_details.forced_tokens > 0
     # the library's answer under the same constraint is the same text
     ref = model.engine(slots=1, context=CONTEXT).generate(
-        [Request(model.chat_tokens(ASK[0]), 64, Sampling(grammar=Constraint.json_schema(WEATHER_SCHEMA)))])[0]
+        [Request(model.chat_tokens(JSON_ASK), 64, Sampling(grammar=Constraint.json_schema(WEATHER_SCHEMA)))])[0]
     assert text == ref.text
-    streamed, calls, finish = stream_message(client, ASK[0], response_format=rf)
+    streamed, calls, finish = stream_message(client, JSON_ASK, response_format=rf)
     assert (streamed, calls, finish) == (text, {}, "stop")
 
 
@@ -212,10 +213,15 @@ def test_hermes_template_tool_calls(model) -> None:
                                                                       "function": {"name": "get_weather"}})
         assert r.choices[0].finish_reason == "tool_calls"
         check_calls(r.choices[0].message.tool_calls, {"get_weather"})
-        content, calls, finish = stream_message(c, ASK[0], model="hermes", tools=TOOLS, tool_choice="required")
-        assert finish == "tool_calls" and calls
+        content, calls, finish = stream_message(c, ASK[0], model="hermes", tools=TOOLS, tool_choice="required",
+                                                parallel_tool_calls=False)
+        assert finish == "tool_calls" and len(calls) == 1 and content == ""
         for call in calls.values():
             jsonschema.validate(json.loads(call["arguments"]), PARAMS[call["name"]])
+        # parallel calls allowed: this model repeats its call until max_tokens; the whole ones are parsed
+        r = chat(c, ASK[0], model="hermes", tools=TOOLS, tool_choice="required")
+        assert r.choices[0].finish_reason in ("tool_calls", "length")
+        check_calls(r.choices[0].message.tool_calls, set(PARAMS))
 
 
 def test_tool_history_renders_for_a_template_without_tools(model) -> None:

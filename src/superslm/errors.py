@@ -190,3 +190,10 @@ class AdapterInUse(SuperSLMError):
 
     code = "adapter_in_use"
     http_status = 409
+
+
+class ModelIntegrityError(FormatError):
+    """A converted model folder that is incomplete (a stopped conversion) or was modified after it was
+    written (a file missing, added, resized or with another sha256 than its manifest says)."""
+
+    code = "model_integrity"

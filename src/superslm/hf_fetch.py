@@ -94,9 +94,10 @@ def _snapshot(model: HubModel, offline: bool, progress: bool) -> Path:
     """The local snapshot folder of the repository at `model.revision` (downloaded if needed)."""
     try:
         from huggingface_hub import snapshot_download
-        from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+        from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
     except ImportError as e:
         raise FetchError("hf: models need huggingface_hub: pip install 'superslm[hub]'") from e
+    was_disabled = are_progress_bars_disabled()
     if not progress:
         disable_progress_bars()
     try:
@@ -105,7 +106,7 @@ def _snapshot(model: HubModel, offline: bool, progress: bool) -> Path:
     except Exception as e:  # huggingface_hub's errors: offline, not cached, not found, HTTP
         raise FetchError(f"could not fetch {model.repo}@{model.revision}: {type(e).__name__}: {e}") from e
     finally:
-        if not progress:
+        if not progress and not was_disabled:
             enable_progress_bars()
 
 
@@ -144,7 +145,7 @@ def fetch_converted(
         try:
             from huggingface_hub import constants
 
-            offline = bool(constants.is_offline_mode())
+            offline = bool(getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)())
         except ImportError:
             offline = False
     root = cache_root() / model.key

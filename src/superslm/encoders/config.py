@@ -8,7 +8,7 @@ without modules.json a folder embeds with mean pooling and no normalization.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +159,6 @@ class SentenceSpec:
     normalize: bool = False
     max_seq_length: int | None = None
     do_lower_case: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_pooling(value: Any, where: str) -> tuple[str, ...]:

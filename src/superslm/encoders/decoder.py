@@ -35,7 +35,7 @@ class DecoderBody:
                 raise InvalidArgument(f"max_length must be a positive integer, not {max_length!r}")
             limit = min(limit, max_length)
         self.max_length = limit
-        self.vocab_size = model.tokenizer.vocab_size
+        self.vocab_size = min(model.tokenizer.vocab_size, model.arch.vocab)
         self.device = model.device
 
     def encode(self, texts: Sequence[str], truncate: bool) -> tuple[list[list[int]], None]:

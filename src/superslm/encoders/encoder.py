@@ -54,7 +54,7 @@ class BertBody:
     def __init__(self, spec: BertSpec, net: BertNet, st: SentenceSpec, dense: list[Dense], tokens: TextTokens) -> None:
         self.spec, self.net, self.st, self.dense, self.tokens = spec, net, st, dense, tokens
         self.max_length = tokens.max_length
-        self.vocab_size = tokens.vocab_size
+        self.vocab_size = min(tokens.vocab_size, spec.vocab)
         self.device = net.device
         self.dim = dense[-1].out_features if dense else spec.dim * len(st.pooling)
 

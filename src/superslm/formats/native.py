@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from superslm.errors import FormatError, InvalidArgument, ModelNotFound
+from superslm.errors import FormatError, InvalidArgument, ModelIntegrityError, ModelNotFound
 
 #: version of the folder layout and header; a reader refuses other versions
 FORMAT_VERSION = 1
@@ -224,7 +224,7 @@ def verify_folder(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder)
     path = folder / MANIFEST
     if not path.is_file():
-        raise FormatError(f"{folder}: incomplete conversion (no {MANIFEST}); run `superslm convert` again")
+        raise ModelIntegrityError(f"{folder}: incomplete conversion (no {MANIFEST}); run `superslm convert` again")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         files = manifest["files"]
@@ -237,19 +237,19 @@ def verify_folder(folder: str | Path) -> dict[str, Any]:
         raise FormatError(f"{path}: malformed manifest (files is not an object)")
     extra = sorted(set(_files(folder)) - set(files))
     if extra:
-        raise FormatError(f"{folder}: file {extra[0]} is not part of the conversion (not in {MANIFEST})")
+        raise ModelIntegrityError(f"{folder}: file {extra[0]} is not part of the conversion (not in {MANIFEST})")
     for rel, want in sorted(files.items()):
         p = folder / rel
         if not p.is_file():
-            raise FormatError(f"{folder}: {rel} is missing (listed in {MANIFEST})")
+            raise ModelIntegrityError(f"{folder}: {rel} is missing (listed in {MANIFEST})")
         try:
             size, digest = int(want["size"]), str(want["sha256"])
         except (KeyError, TypeError, ValueError) as e:
             raise FormatError(f"{path}: malformed entry for {rel} ({e})") from e
         if p.stat().st_size != size:
-            raise FormatError(f"{folder}: {rel} has {p.stat().st_size} bytes, the manifest says {size}")
+            raise ModelIntegrityError(f"{folder}: {rel} has {p.stat().st_size} bytes, the manifest says {size}")
         if sha256_file(p) != digest:
-            raise FormatError(f"{folder}: {rel} was modified (sha256 differs from {MANIFEST})")
+            raise ModelIntegrityError(f"{folder}: {rel} was modified (sha256 differs from {MANIFEST})")
     return manifest
 
 
