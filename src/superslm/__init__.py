@@ -7,10 +7,14 @@
 """
 
 from superslm import errors
+from superslm.encoders import CrossEncoder, Encoder
 from superslm.engine import Completion, Engine, Progress, Request
 from superslm.model import Model, load
 from superslm.sampling import Sampling
 
 __version__ = "0.1.0"
 
-__all__ = ["Completion", "Engine", "Model", "Progress", "Request", "Sampling", "errors", "load", "__version__"]
+__all__ = [
+    "Completion", "CrossEncoder", "Encoder", "Engine", "Model", "Progress", "Request", "Sampling", "errors", "load",
+    "__version__",
+]
