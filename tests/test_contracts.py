@@ -93,6 +93,6 @@ def test_damped_greedy_reduces_repetition_on_default_model(smollm2_gguf) -> None
                                       Request(p, 48, Sampling(damped=DampedGreedy(), ignore_eos=True))])
     assert repeated_ngrams(damped.tokens) < repeated_ngrams(greedy.tokens)
     # exact for the same logits: deterministic mode gives the same logits alone as in a batch
-    again = model.engine(slots=1, context=256, deterministic=True).generate([Request(p, 48, Sampling(damped=DampedGreedy(),
-                                                                                 ignore_eos=True))])[0]
+    alone = model.engine(slots=1, context=256, deterministic=True)
+    again = alone.generate([Request(p, 48, Sampling(damped=DampedGreedy(), ignore_eos=True))])[0]
     assert again.tokens == damped.tokens
