@@ -8,7 +8,8 @@ For each of a few schema prompts (from tests/schemas/), three runs of the same r
 - constrained, jump-forward off: every token masked and sampled, one per step;
 - unconstrained (ignore_eos), as many tokens as the constrained answer had: same positions, no mask;
 - constrained, jump-forward on (the default): forced tokens appended without sampling and run
-  through the model in the next step's chunk; the tokens must equal the jump-forward-off run.
+  through the model in the next step's chunk (with --deterministic the tokens equal the
+  jump-forward-off run's; without, a near-tie may flip: the count is printed).
 
 Decode time per token is measured from the first token to the last (prefill excluded). The mask
 time per sampled token is the grammar's work in a step, timed by wrapping the engine's calls:
@@ -121,15 +122,17 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--deterministic", action="store_true",
+                    help="batch-invariant kernels: jump-forward on and off then give the same tokens")
     args = ap.parse_args()
 
     model = superslm.load(args.model, device=args.device)
-    engine = model.engine(slots=1, context=512)
+    engine = model.engine(slots=1, context=512, deterministic=args.deterministic)
     engine.generate([Request(model.chat_tokens([{"role": "user", "content": "Hi"}]), 4)])  # warm-up
     totals = {k: [0.0, 0] for k in ("off", "plain", "on")}  # seconds, tokens
     ratios: list[float] = []
     masks_on, masks_off = MaskTimer(), MaskTimer()
-    forced = produced = 0
+    forced = produced = differ = 0
     for rep in range(args.repeats):
         rep_s = {k: [0.0, 0] for k in totals}
         for name, ask in ASKS.items():
@@ -143,8 +146,9 @@ def main() -> None:
             engine.jump_forward = True
             with masks_on:
                 on = run(engine, Request(prompt, args.max_tokens, grammar), masks_on)
-            if on["tokens"] != off["tokens"]:
-                raise SystemExit(f"{name}: jump-forward changed the tokens")
+            # a forced run is computed as a multi-token chunk: outside deterministic mode its logits may
+            # differ in the last bits from one-token steps, and a near-tie can then flip
+            differ += on["tokens"] != off["tokens"]
             for key, r in (("off", off), ("plain", plain), ("on", on)):
                 rep_s[key][0] += r["decode_s"]
                 rep_s[key][1] += r["decoded"]
@@ -172,7 +176,9 @@ def main() -> None:
     print(f"constrained vs unconstrained: {100 * overhead:+.1f}% per token "
           f"(per repeat: {', '.join(f'{100 * (r - 1):+.1f}%' for r in ratios)}; median "
           f"{100 * (statistics.median(ratios) - 1):+.1f}%)")
-    print(f"jump-forward speed-up: {tps['on'] / tps['off']:.2f}x tokens/s")
+    print(f"jump-forward speed-up: {tps['on'] / tps['off']:.2f}x tokens/s "
+          f"({differ} of {len(ASKS) * args.repeats} answers differ from jump-forward off"
+          f"{'' if args.deterministic else '; deterministic mode off'})")
     for label, arr in (("jump-forward off", off_ms), ("jump-forward on", on_ms)):
         print(f"mask time per sampled token ({label}, {len(arr)} steps): mean {arr.mean():.3f} ms, "
               f"p50 {np.percentile(arr, 50):.3f} ms, p99 {np.percentile(arr, 99):.3f} ms, max {arr.max():.3f} ms")
