@@ -50,16 +50,15 @@ def _attend(
     kt = k.permute(0, 2, 3, 1).reshape(b * kv_heads, d, blocks * BLOCK)
     scores = torch.bmm(qs.reshape(b * kv_heads, m, d), kt).view(b, kv_heads, m, -1) * scale
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    top = scores.amax(-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows that see no key
+    top = scores.amax(-1, keepdim=True).nan_to_num(neginf=0.0)  # rows that see no key: 0
     p = torch.exp(scores - top)  # masked keys give exact zeros
-    denom = tree_sum(p)  # [B, kv_heads, M]
-    # P @ V per 16-key block, then a tree over blocks
+    # P @ [V | 1] per 16-key block, then one tree over blocks: the last column is the denominator
+    ones = v.new_ones(b, blocks * BLOCK, kv_heads, 1)
     pb = p.view(b, kv_heads, m, blocks, BLOCK).permute(0, 1, 3, 2, 4).reshape(-1, m, BLOCK)
-    vb = v.view(b, blocks, BLOCK, kv_heads, d).permute(0, 3, 1, 2, 4).reshape(-1, BLOCK, d)
-    partial = torch.bmm(pb, vb).view(b, kv_heads, blocks, m, d)
-    acc = tree_sum(partial.permute(0, 1, 3, 4, 2))  # [B, kv_heads, M, D]
-    return acc / denom.clamp_min(torch.finfo(acc.dtype).tiny)[..., None]
+    vb = torch.cat([v, ones], -1).view(b, blocks, BLOCK, kv_heads, d + 1).permute(0, 3, 1, 2, 4)
+    partial = torch.bmm(pb, vb.reshape(-1, BLOCK, d + 1)).view(b, kv_heads, blocks, m, d + 1)
+    acc = tree_sum(partial.permute(0, 1, 3, 4, 2))  # [B, kv_heads, M, D + 1]
+    return acc[..., :d] / acc[..., d:].clamp_min(torch.finfo(acc.dtype).tiny)
 
 
 def _visible(qpos: torch.Tensor, padded: int, window: int | None, real: int) -> torch.Tensor:
