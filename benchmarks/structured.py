@@ -11,11 +11,15 @@ For each of a few schema prompts (from tests/schemas/), three runs of the same r
   through the model in the next step's chunk (with --deterministic the tokens equal the
   jump-forward-off run's; without, a near-tie may flip: the count is printed).
 
-Decode time per token is measured from the first token to the last (prefill excluded). The mask
-time per sampled token is the grammar's work in a step, timed by wrapping the engine's calls:
-`GrammarState.take_forced` (jump-forward look-ahead), `fill_bitmasks` and `apply_token_bitmask`.
-The runs are interleaved per prompt and repeated, so the machine's noise hits all three alike;
-the ratios mean more than the absolute numbers on a shared machine.
+Decode time per token is each engine step's wall time (the steps after the first token: prefill
+excluded) over the tokens it gave, reported as the median step (robust to a shared machine's
+bursts) and as the mean. The mask time per sampled token is the grammar's work in a step, timed by
+wrapping the engine's calls: llguidance's mask computation (`GrammarState._compute`), `accept`,
+`take_forced` (jump-forward look-ahead), `fill_bitmasks` and `apply_token_bitmask`; and again by
+replaying each answer's tokens through the same calls outside the engine (the fastest of 5 replays
+per token, so a busy machine's bursts drop out). The runs are interleaved per prompt (the unconstrained one alternately
+before and after) and repeated, so the machine's noise hits all three alike; the ratios mean more
+than the absolute numbers on a shared machine.
 """
 
 from __future__ import annotations
@@ -52,22 +56,31 @@ ASKS = {
 
 
 class MaskTimer:
-    """Wraps the engine's grammar calls and adds up their time per engine step."""
+    """Wraps the engine's grammar calls and adds up their time per engine step: wall time, and the
+    calling thread's CPU time (at batch 1 the mask is computed in that thread; CPU time does not
+    count the moments a busy shared machine takes the core away)."""
 
     def __init__(self) -> None:
-        self.step = 0.0
+        self.step = self.step_cpu = 0.0
         self.per_step: list[float] = []
+        self.per_step_cpu: list[float] = []
         self._undo: list[Callable[[], None]] = []
+        self._depth = 0
 
     def _wrap(self, owner: Any, name: str) -> None:
         original = getattr(owner, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
+            if self._depth:  # inside another timed call: counted there
+                return original(*args, **kwargs)
+            self._depth += 1
+            t, c = time.perf_counter(), time.thread_time()
             try:
                 return original(*args, **kwargs)
             finally:
                 self.step += time.perf_counter() - t
+                self.step_cpu += time.thread_time() - c
+                self._depth -= 1
 
         setattr(owner, name, timed)
         self._undo.append(lambda: setattr(owner, name, original))
@@ -75,7 +88,11 @@ class MaskTimer:
     def __enter__(self) -> MaskTimer:
         # the engine imports fill_bitmasks from superslm.grammar at each step, and sample() calls the
         # module-level apply_token_bitmask: patching those names reaches the engine's calls
+        # _compute is llguidance's mask computation: the engine triggers it after accepting a token
+        # (GrammarState.is_dead), so that the next step's fill_bitmasks only copies the mask
         self._wrap(GrammarState, "take_forced")
+        self._wrap(GrammarState, "accept")
+        self._wrap(GrammarState, "_compute")
         self._wrap(superslm.grammar, "fill_bitmasks")
         self._wrap(sampler_module, "apply_token_bitmask")
         return self
@@ -87,33 +104,64 @@ class MaskTimer:
 
     def end_step(self) -> None:
         self.per_step.append(self.step)
-        self.step = 0.0
+        self.per_step_cpu.append(self.step_cpu)
+        self.step = self.step_cpu = 0.0
 
 
 def run(engine: Engine, request: Request, timer: MaskTimer | None = None) -> dict[str, Any]:
-    """Run one request alone; its tokens, steps and decode seconds (first token to last)."""
+    """Run one request alone: its tokens, forced count, and the wall time of each decode step
+    (the steps after the one that gave the first token) with the tokens it gave."""
     rid = engine.add(request)
     tokens: list[int] = []
-    first_n, first_t, last_t, steps, forced = 0, None, None, 0, 0
+    steps: list[tuple[float, int]] = []  # (seconds, tokens) per decode step
+    started, forced = False, 0
     while engine.busy():
+        t = time.perf_counter()
         progress = engine.advance()
-        now = time.perf_counter()
-        steps += 1
-        for p in progress:
-            if p.id != rid:
-                continue
-            if p.tokens:
-                if first_t is None:
-                    first_t, first_n = now, len(tokens) + len(p.tokens)
-                last_t = now
-            tokens += p.tokens
-            if p.end:
-                forced = p.forced_tokens
-        if timer is not None and any(p.id == rid and (p.tokens or p.end) for p in progress):
+        took = time.perf_counter() - t
+        mine = [p for p in progress if p.id == rid]
+        got = sum(len(p.tokens) for p in mine)
+        if started and got:
+            steps.append((took, got))
+        started = started or got > 0
+        tokens += [tok for p in mine for tok in p.tokens]
+        forced = max([forced] + [p.forced_tokens for p in mine if p.end])
+        if timer is not None and any(p.tokens or p.end for p in mine):
             timer.end_step()  # one sampled token per step at batch 1 (add()'s look-ahead goes in the first)
-    decode_s = (last_t - first_t) if first_t is not None and last_t is not None else 0.0
-    return {"tokens": tokens, "decoded": len(tokens) - first_n, "decode_s": decode_s, "steps": steps,
-            "forced": forced}
+    return {"tokens": tokens, "steps": steps, "forced": forced}
+
+
+def replay_mask_times(model: superslm.Model, constraint: Constraint, tokens: list[int], jump_forward: bool,
+                      repeats: int = 5) -> list[float]:
+    """The grammar's work per sampled token, replaying an answer's tokens outside the engine as the
+    engine does it (take_forced with jump-forward, fill_bitmasks, apply_token_bitmask, accept):
+    per sampled token the fastest of `repeats` replays, so a busy machine's bursts drop out."""
+    compiler = superslm.grammar.compiler_for(model.tokenizer, model.arch.vocab)
+    grammar = compiler.compile(constraint)
+    logits = torch.zeros(1, compiler.vocab_size)
+    best: list[float] = []
+    for _ in range(repeats):
+        state, i, times = GrammarState(grammar), 0, []
+        while i < len(tokens):
+            t = time.perf_counter()
+            if jump_forward:
+                i += len(state.take_forced(len(tokens) - i))
+            bitmask = torch.full((1, compiler.bitmask_words), -1, dtype=torch.int32)
+            superslm.grammar.fill_bitmasks([state], bitmask)
+            sampler_module.apply_token_bitmask(logits, bitmask)
+            if i < len(tokens):
+                state.accept(tokens[i])
+                i += 1
+            times.append(time.perf_counter() - t)
+        best = times if not best else [min(a, b) for a, b in zip(best, times)]
+    return best
+
+
+def per_token(steps: list[tuple[float, int]]) -> tuple[float, float]:
+    """(mean, median) seconds per token: all decode time over all tokens, and the median step's
+    time per token (robust to the bursts of a shared machine)."""
+    total = sum(s for s, _ in steps)
+    return total / sum(n for _, n in steps), statistics.median(s / n for s, n in steps)
 
 
 def main() -> None:
@@ -128,61 +176,76 @@ def main() -> None:
 
     model = superslm.load(args.model, device=args.device)
     engine = model.engine(slots=1, context=512, deterministic=args.deterministic)
-    engine.generate([Request(model.chat_tokens([{"role": "user", "content": "Hi"}]), 4)])  # warm-up
-    totals = {k: [0.0, 0] for k in ("off", "plain", "on")}  # seconds, tokens
-    ratios: list[float] = []
+    warm = Sampling(grammar=Constraint.json_object())
+    engine.generate([Request(model.chat_tokens([{"role": "user", "content": "Hi"}]), 8, warm)])  # warm-up
+    steps: dict[str, list[tuple[float, int]]] = {"plain": [], "off": [], "on": []}
+    speedups: list[float] = []  # per request: tokens/s with jump-forward on / off
     masks_on, masks_off = MaskTimer(), MaskTimer()
     forced = produced = differ = 0
+    answers: list[tuple[Constraint, list[int], list[int]]] = []  # (constraint, off tokens, on tokens)
     for rep in range(args.repeats):
-        rep_s = {k: [0.0, 0] for k in totals}
-        for name, ask in ASKS.items():
+        for k, (name, ask) in enumerate(ASKS.items()):
             schema = json.loads((SCHEMAS / f"{name}.json").read_text())
             prompt = model.chat_tokens([{"role": "user", "content": ask}])
             grammar = Sampling(grammar=Constraint.json_schema(schema))
             engine.jump_forward = False
             with masks_off:
                 off = run(engine, Request(prompt, args.max_tokens, grammar), masks_off)
-            plain = run(engine, Request(prompt, len(off["tokens"]), Sampling(ignore_eos=True)))
+            plain_request = Request(prompt, len(off["tokens"]), Sampling(ignore_eos=True))
             engine.jump_forward = True
+            # alternate which run comes first, so that a drift of the machine does not favour one
+            first_plain = (rep + k) % 2 == 0
+            plain = run(engine, plain_request) if first_plain else None
             with masks_on:
                 on = run(engine, Request(prompt, args.max_tokens, grammar), masks_on)
+            plain = plain or run(engine, plain_request)
             # a forced run is computed as a multi-token chunk: outside deterministic mode its logits may
             # differ in the last bits from one-token steps, and a near-tie can then flip
             differ += on["tokens"] != off["tokens"]
-            for key, r in (("off", off), ("plain", plain), ("on", on)):
-                rep_s[key][0] += r["decode_s"]
-                rep_s[key][1] += r["decoded"]
+            for key, r in (("plain", plain), ("off", off), ("on", on)):
+                steps[key] += r["steps"]
+            if off["steps"] and on["steps"]:
+                speedups.append(per_token(off["steps"])[0] / per_token(on["steps"])[0])
             if rep == 0:
                 forced += on["forced"]
                 produced += len(on["tokens"])
-        for key in totals:
-            totals[key][0] += rep_s[key][0]
-            totals[key][1] += rep_s[key][1]
-        ratios.append((rep_s["off"][0] / rep_s["off"][1]) / (rep_s["plain"][0] / rep_s["plain"][1]))
+                answers.append((grammar.grammar, off["tokens"], on["tokens"]))  # type: ignore[arg-type]
 
-    ms = {k: 1e3 * s / n for k, (s, n) in totals.items()}
-    tps = {k: n / s for k, (s, n) in totals.items()}
-    on_ms, off_ms = np.array(masks_on.per_step) * 1e3, np.array(masks_off.per_step) * 1e3
-    overhead = ms["off"] / ms["plain"] - 1
+    mean = {k: per_token(v)[0] * 1e3 for k, v in steps.items()}
+    median = {k: per_token(v)[1] * 1e3 for k, v in steps.items()}
+    # tokens/s from the exact tokens per step and the median step (bursts of a shared machine drop out)
+    per_step = {k: sum(n for _, n in v) / len(v) for k, v in steps.items()}
+    robust = {k: per_step[k] / median[k] * 1e3 for k in steps}
     cpu = platform.processor() or platform.machine()
-    print(f"model {model.name} on {args.device}, {torch.get_num_threads()} threads, {cpu}")
+    print(f"model {model.name} on {args.device}, {torch.get_num_threads()} threads, {cpu}, "
+          f"{datetime.date.today().isoformat()}")
     print(f"{len(ASKS)} schema prompts x {args.repeats} repeats, batch 1, {produced} tokens per pass "
-          f"({forced} forced, {100 * forced / max(produced, 1):.0f}%)")
-    print("| run | decode ms/token | tokens/s |")
-    print("|---|---|---|")
-    print(f"| unconstrained | {ms['plain']:.1f} | {tps['plain']:.1f} |")
-    print(f"| JSON schema, jump-forward off | {ms['off']:.1f} | {tps['off']:.1f} |")
-    print(f"| JSON schema, jump-forward on | {ms['on']:.1f} | {tps['on']:.1f} |")
-    print(f"constrained vs unconstrained: {100 * overhead:+.1f}% per token "
-          f"(per repeat: {', '.join(f'{100 * (r - 1):+.1f}%' for r in ratios)}; median "
-          f"{100 * (statistics.median(ratios) - 1):+.1f}%)")
-    print(f"jump-forward speed-up: {tps['on'] / tps['off']:.2f}x tokens/s "
-          f"({differ} of {len(ASKS) * args.repeats} answers differ from jump-forward off"
-          f"{'' if args.deterministic else '; deterministic mode off'})")
-    for label, arr in (("jump-forward off", off_ms), ("jump-forward on", on_ms)):
-        print(f"mask time per sampled token ({label}, {len(arr)} steps): mean {arr.mean():.3f} ms, "
+          f"({forced} forced by jump-forward, {100 * forced / max(produced, 1):.0f}%)")
+    print("| run | ms/step (median) | tokens/step | tokens/s (median step) | ms/token (mean) |")
+    print("|---|---|---|---|---|")
+    labels = {"plain": "unconstrained", "off": "JSON schema, jump-forward off", "on": "JSON schema, jump-forward on"}
+    for key in ("plain", "off", "on"):
+        print(f"| {labels[key]} | {median[key] * per_step[key]:.1f} | {per_step[key]:.2f} | {robust[key]:.1f} | "
+              f"{mean[key]:.1f} |")
+    print(f"constrained vs unconstrained, per token: {100 * (median['off'] / median['plain'] - 1):+.1f}% "
+          f"(median steps), {100 * (mean['off'] / mean['plain'] - 1):+.1f}% (means)")
+    print(f"jump-forward speed-up, tokens/s: {robust['on'] / robust['off']:.2f}x (median steps), "
+          f"{mean['off'] / mean['on']:.2f}x (means), median of {len(speedups)} requests "
+          f"{statistics.median(speedups):.2f}x ({differ} of {len(speedups)} answers differ from "
+          f"jump-forward off{'' if args.deterministic else '; not in deterministic mode'})")
+
+    def show(label: str, values: list[float]) -> None:
+        arr = np.array(values) * 1e3
+        print(f"mask time per sampled token, {label} ({len(arr)} tokens): mean {arr.mean():.3f} ms, "
               f"p50 {np.percentile(arr, 50):.3f} ms, p99 {np.percentile(arr, 99):.3f} ms, max {arr.max():.3f} ms")
-    print(f"date {datetime.date.today().isoformat()}")
+
+    show("in the engine, jump-forward off, wall", masks_off.per_step)
+    show("in the engine, jump-forward on, wall", masks_on.per_step)
+    show("in the engine, jump-forward on, thread CPU", masks_on.per_step_cpu)
+    show("replayed (fastest of 5), jump-forward off", [t for c, off, _ in answers
+                                                       for t in replay_mask_times(model, c, off, False)])
+    show("replayed (fastest of 5), jump-forward on", [t for c, _, on in answers
+                                                      for t in replay_mask_times(model, c, on, True)])
 
 
 if __name__ == "__main__":
