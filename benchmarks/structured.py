@@ -157,11 +157,17 @@ def replay_mask_times(model: superslm.Model, constraint: Constraint, tokens: lis
     return best
 
 
-def per_token(steps: list[tuple[float, int]]) -> tuple[float, float]:
-    """(mean, median) seconds per token: all decode time over all tokens, and the median step's
-    time per token (robust to the bursts of a shared machine)."""
-    total = sum(s for s, _ in steps)
-    return total / sum(n for _, n in steps), statistics.median(s / n for s, n in steps)
+def per_token(steps: list[tuple[float, int]]) -> float:
+    """Mean seconds per token: all decode time over all tokens (bursts of a shared machine count)."""
+    return sum(sec for sec, _ in steps) / sum(n for _, n in steps)
+
+
+def robust_rate(steps: list[tuple[float, int]]) -> tuple[float, float, float]:
+    """(median step seconds, tokens per step, tokens/s = tokens per step / median step): the step
+    count is exact and the median step drops a shared machine's bursts."""
+    median = statistics.median(sec for sec, _ in steps)
+    per_step = sum(n for _, n in steps) / len(steps)
+    return median, per_step, per_step / median
 
 
 def main() -> None:
@@ -205,31 +211,28 @@ def main() -> None:
             for key, r in (("plain", plain), ("off", off), ("on", on)):
                 steps[key] += r["steps"]
             if off["steps"] and on["steps"]:
-                speedups.append(per_token(off["steps"])[0] / per_token(on["steps"])[0])
+                speedups.append(robust_rate(on["steps"])[2] / robust_rate(off["steps"])[2])
             if rep == 0:
                 forced += on["forced"]
                 produced += len(on["tokens"])
                 answers.append((grammar.grammar, off["tokens"], on["tokens"]))  # type: ignore[arg-type]
 
-    mean = {k: per_token(v)[0] * 1e3 for k, v in steps.items()}
-    median = {k: per_token(v)[1] * 1e3 for k, v in steps.items()}
-    # tokens/s from the exact tokens per step and the median step (bursts of a shared machine drop out)
-    per_step = {k: sum(n for _, n in v) / len(v) for k, v in steps.items()}
-    robust = {k: per_step[k] / median[k] * 1e3 for k in steps}
+    mean = {k: per_token(v) * 1e3 for k, v in steps.items()}
+    robust = {k: robust_rate(v) for k, v in steps.items()}
     cpu = platform.processor() or platform.machine()
     print(f"model {model.name} on {args.device}, {torch.get_num_threads()} threads, {cpu}, "
-          f"{datetime.date.today().isoformat()}")
+          f"{datetime.date.today().isoformat()}{', deterministic' if args.deterministic else ''}")
     print(f"{len(ASKS)} schema prompts x {args.repeats} repeats, batch 1, {produced} tokens per pass "
           f"({forced} forced by jump-forward, {100 * forced / max(produced, 1):.0f}%)")
-    print("| run | ms/step (median) | tokens/step | tokens/s (median step) | ms/token (mean) |")
+    print("| run | decode step, median | tokens/step | tokens/s (median step) | ms/token (mean) |")
     print("|---|---|---|---|---|")
     labels = {"plain": "unconstrained", "off": "JSON schema, jump-forward off", "on": "JSON schema, jump-forward on"}
     for key in ("plain", "off", "on"):
-        print(f"| {labels[key]} | {median[key] * per_step[key]:.1f} | {per_step[key]:.2f} | {robust[key]:.1f} | "
-              f"{mean[key]:.1f} |")
-    print(f"constrained vs unconstrained, per token: {100 * (median['off'] / median['plain'] - 1):+.1f}% "
+        med, per_step, rate = robust[key]
+        print(f"| {labels[key]} | {med * 1e3:.2f} ms | {per_step:.2f} | {rate:.1f} | {mean[key]:.1f} |")
+    print(f"constrained vs unconstrained, per token: {100 * (robust['off'][0] / robust['plain'][0] - 1):+.1f}% "
           f"(median steps), {100 * (mean['off'] / mean['plain'] - 1):+.1f}% (means)")
-    print(f"jump-forward speed-up, tokens/s: {robust['on'] / robust['off']:.2f}x (median steps), "
+    print(f"jump-forward speed-up, tokens/s: {robust['on'][2] / robust['off'][2]:.2f}x (median steps), "
           f"{mean['off'] / mean['on']:.2f}x (means), median of {len(speedups)} requests "
           f"{statistics.median(speedups):.2f}x ({differ} of {len(speedups)} answers differ from "
           f"jump-forward off{'' if args.deterministic else '; not in deterministic mode'})")

@@ -96,3 +96,9 @@ def test_damped_greedy_reduces_repetition_on_default_model(smollm2_gguf) -> None
     alone = model.engine(slots=1, context=256, deterministic=True)
     again = alone.generate([Request(p, 48, Sampling(damped=DampedGreedy(), ignore_eos=True))])[0]
     assert again.tokens == damped.tokens
+
+
+def test_model_tool_calls_parser(tiny) -> None:
+    model, _ = tiny
+    content, calls = model.tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>')
+    assert calls == [{"name": "f", "arguments": '{"x": 1}'}] and not (content or "").strip()

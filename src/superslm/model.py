@@ -128,6 +128,13 @@ class Model:
         names = self.source.recipe.layer_names(hf=True)
         return load_peft(folder, self.arch, dict(names), self.fingerprint, self.dtype, self.device)
 
+    def tool_calls(self, text: str, tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str | None, list]:
+        """Parse model text back into (content, OpenAI-style tool calls [{"name", "arguments"}]) in the
+        model's own format (Hermes/Qwen <tool_call>, Llama 3 JSON, or a generic JSON fallback)."""
+        from superslm.grammar import parse_tool_calls
+
+        return parse_tool_calls(text, tools)
+
     def schemas(self) -> dict[str, Any]:
         """The named JSON schemas shipped with the model (`schemas/NAME.json` in its folder)."""
         if self._schemas is None:
