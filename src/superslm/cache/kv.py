@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 
 
+def slot_mapping(block_table: list[int] | tuple[int, ...], start: int, end: int, page_size: int) -> list[int]:
+    """The KV slots of positions start..end-1 of a sequence with this block table."""
+    return [block_table[p // page_size] * page_size + p % page_size for p in range(start, end)]
+
+
 class KVCache:
     """Keys and values of every layer: k[layer], v[layer] are [num_pages * page_size, kv_heads, head_dim]."""
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from superslm.cache.kv import slot_mapping
 from superslm.engine import persist
 from superslm.engine.request import Request, Sequence
 from superslm.errors import (
@@ -75,7 +76,7 @@ class ContractsMixin:
 
     def _slots_of(self: Engine, seq: Sequence, n: int) -> torch.Tensor:
         ps = self.page_size
-        return torch.tensor([seq.block_table[p // ps] * ps + p % ps for p in range(n)], dtype=torch.long,
+        return torch.tensor(slot_mapping(seq.block_table, 0, n, ps), dtype=torch.long,
                             device=self.kv.k.device)
 
     def save(self: Engine, request_id: int) -> bytes:
@@ -130,7 +131,7 @@ class ContractsMixin:
         pages = self.pool.allocate(-(-len(ids) // ps))
         meta = AttnMetadata(
             positions=torch.arange(len(ids), device=self.net.device),
-            slot_mapping=torch.tensor([pages[p // ps] * ps + p % ps for p in range(len(ids))], device=self.net.device),
+            slot_mapping=torch.tensor(slot_mapping(pages, 0, len(ids), ps), device=self.net.device),
             query_start=(0, len(ids)), seq_lens=(len(ids),), block_tables=(tuple(pages),), page_size=ps,
             deterministic=self.deterministic,
         )

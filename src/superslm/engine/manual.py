@@ -9,7 +9,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from superslm.cache import PagePool
-from superslm.cache.kv import KVCache
+from superslm.cache.kv import KVCache, slot_mapping
 from superslm.errors import ContextLengthExceeded, InvalidArgument, KVCacheFull, TokenOutOfRange
 from superslm.kernels.attention import AttnMetadata
 from superslm.models.transformer import Transformer
@@ -106,10 +106,8 @@ class ManualSlots:
         order = [row for rows in by_slot.values() for row in rows]
         positions, slot_map, starts, lens, tables = [], [], [0], [], []
         for s, rows in by_slot.items():
-            for i in range(len(rows)):
-                p = self.lengths[s] + i
-                positions.append(p)
-                slot_map.append(self.tables[s][p // ps] * ps + p % ps)
+            positions.extend(range(self.lengths[s], self.lengths[s] + len(rows)))
+            slot_map.extend(slot_mapping(self.tables[s], self.lengths[s], self.lengths[s] + len(rows), ps))
             self.lengths[s] += len(rows)
             starts.append(starts[-1] + len(rows))
             lens.append(self.lengths[s])

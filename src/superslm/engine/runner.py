@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from superslm.cache.kv import KVCache
+from superslm.cache.kv import KVCache, slot_mapping
 from superslm.engine.request import Sequence
 from superslm.kernels.attention import AttnMetadata
 from superslm.models.transformer import Transformer
@@ -45,9 +45,8 @@ def build_step(
         all_tokens = seq.tokens
         tokens.extend(all_tokens[start : start + n])
         table = seq.block_table
-        for p in range(start, start + n):
-            positions.append(p)
-            slots.append(table[p // page_size] * page_size + p % page_size)
+        positions.extend(range(start, start + n))
+        slots.extend(slot_mapping(table, start, start + n, page_size))
         query_start.append(query_start[-1] + n)
         seq_lens.append(start + n)
         tables.append(tuple(table))
