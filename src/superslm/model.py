@@ -197,6 +197,20 @@ def load_tokenizer(source: Source) -> Tokenizer:
 QUANTS = ("auto", "none", "gguf", "int4", "int8", "bf16")
 
 
+#: linear weights `quantize_from_source` rebuilds from a GGUF file's blocks (the head included)
+_BLOCK_LINEARS = frozenset({"q", "k", "v", "o", "gate", "up", "down", "head"})
+
+
+def _release_freed_memory() -> None:
+    # glibc keeps freed load-time buffers in its heap; hand them back so RSS reflects the model
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def load(
     path_or_name: str | Path | None = None,
     device: str | torch.device | None = None,
@@ -238,11 +252,14 @@ def load(
             native = source.format == "gguf" and dev.type == "cpu" and dtype is None
             quant = "gguf" if native else None
         dt = torch.bfloat16 if quant not in (None, "none") and dtype is None else pick_dtype(dtype, dev)
-        net = Transformer(source.arch, materialize(source, dt, dev, layers), layers)
+        # GGUF blocks run as they are: their dense copies would only be built to be dropped
+        skip = _BLOCK_LINEARS if quant == "gguf" else frozenset()
+        net = Transformer(source.arch, materialize(source, dt, dev, layers, skip), layers)
     if quant == "gguf":
         from superslm.quant import quantize_from_source
 
         quantize_from_source(net, source)
+        _release_freed_memory()
     elif quant in ("int4", "int8", "bf16"):
         from superslm.quant import quantize_linears
 

@@ -247,14 +247,25 @@ def canonical_names(src: Source, layers: int | None = None) -> dict[str, Stored]
 
 
 def materialize(
-    src: Source, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", layers: int | None = None
+    src: Source,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    layers: int | None = None,
+    skip: frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
-    """Canonical weights as dense tensors of `dtype`, with the recipe's fixes applied."""
+    """Canonical weights as dense tensors of `dtype`, with the recipe's fixes applied.
+
+    Tensors whose short name is in `skip` (linears about to be rebuilt from their blocks) become empty
+    [0, in] placeholders, so a model is never held dense in memory only to be thrown away.
+    """
     fix = src.recipe.fix_hf if src.is_hf else src.recipe.fix_gguf
     out: dict[str, torch.Tensor] = {}
     for key, stored in canonical_names(src, layers).items():
-        t = stored.load().float()
         short = key.rsplit(".", 1)[-1] if key.startswith("layers.") else key
+        if short in skip:
+            out[key] = torch.empty((0, int(stored.shape[-1]) if len(stored.shape) else 0), dtype=dtype, device=device)
+            continue
+        t = stored.load().float()
         t = fix(short, t, src.arch)
         _check_shape(key, short, t, src.arch)
         out[key] = t.to(device=device, dtype=dtype).contiguous()

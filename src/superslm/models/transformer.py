@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from superslm.kernels import cpu_decode
 from superslm.kernels.attention import AttnMetadata
 from superslm.kernels.attention_invariant import BLOCK
+from superslm.kernels.cpu_decode import decode_key_slots, decode_layers
 from superslm.kernels.dispatch import add_rms_norm, apply_rope, paged_attention, rms_norm, store_kv
 from superslm.kernels.rope import rope_cos_sin
 from superslm.models.arch import Arch
@@ -138,6 +140,8 @@ class Transformer(nn.Module):
             self.head = DenseLinear(head)  # type: ignore[arg-type]
         self._inv_freq: dict[int, tuple[torch.Tensor, float]] = {}
         self._kinds = sorted({self._rope_key(i) for i in range(n)})
+        #: run all-decode steps through the C++ plan where it is built (kernels/cpu_decode.py)
+        self.fast_decode = True
 
     @property
     def dtype(self) -> torch.dtype:
@@ -196,9 +200,22 @@ class Transformer(nn.Module):
             # fixed-shape matmuls: every row gets the same bits wherever it sits in the step
             h, positions = pad_rows(h, BLOCK), pad_rows(positions, BLOCK)
         tables = self._rope_tables(positions)
+        if self._fast_decode(h, meta, k_cache):
+            # every row decodes one token: all layers in one C++ call (kernels/cpu_decode.py)
+            key_slots = decode_key_slots(meta.block_tables, meta.seq_lens, meta.page_size, h.device)
+            lens = torch.tensor(meta.seq_lens, dtype=torch.long, device=h.device)
+            tabs = [tables[k] for k in range(max(tables) + 1)] if 0 in tables else [tables[1], tables[1]]
+            return decode_layers(self, h, meta.slot_mapping, key_slots, lens, tabs, k_cache, v_cache, start, end)
         for i in range(start, end):
             h = self.layers[i](h, meta, tables[self._rope_key(i)], k_cache[i], v_cache[i])
         return h
+
+    def _fast_decode(self, h: torch.Tensor, meta: AttnMetadata, k_cache: torch.Tensor) -> bool:
+        if meta.deterministic or meta.lora is not None or h.device.type != "cpu" or not self.fast_decode:
+            return False
+        if len(meta.seq_lens) != h.shape[0] or h.shape[0] != meta.query_start[-1]:
+            return False  # some sequence computes a prompt chunk this step
+        return cpu_decode.usable(self, h, k_cache)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return rms_norm(h, self.norm_weight, self.arch.norm_eps, self.arch.norm_float)

@@ -28,7 +28,8 @@ def _prepare(
     w = as_parts(weight)
     k = w.shape[1]
     k_pad = round_up(k, k_multiple)
-    w = F.pad(w, (0, k_pad - k))
+    if k_pad != k:
+        w = F.pad(w, (0, k_pad - k))
     rot = None
     if rotate is not None:
         rot = (int(rotate), pick_block(k_pad) if block is None else block)
@@ -84,12 +85,22 @@ class Bf16Linear(LinearFormat):
         return cls(tensors["weight"], **common)
 
 
+#: rows quantized at a time
+_ROWS = 4096
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output row of w float32 [N, K] -> (codes int8 [N, K], scale bf16 [N]);
     codes are rounded against the bf16 scale the kernel will use."""
     tiny = torch.finfo(torch.bfloat16).tiny
-    scale = (w.abs().amax(dim=1) / 127).clamp_min(tiny).to(torch.bfloat16)
-    codes = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    codes = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=torch.bfloat16, device=w.device)
+    # a block of rows at a time: a 49152-row head would otherwise need ~4 float32 copies at once
+    for r in range(0, w.shape[0], _ROWS):
+        part = w[r : r + _ROWS]
+        s = (part.abs().amax(dim=1) / 127).clamp_min(tiny).to(torch.bfloat16)
+        codes[r : r + _ROWS] = torch.round(part / s.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        scale[r : r + _ROWS] = s
     return codes, scale
 
 

@@ -1,0 +1,138 @@
+"""The C++ decode layers (kernels/cpu/decode_layers.cpp) against their torch reference and the generic path.
+
+Every family of the tiny configs, float32 and bfloat16, dense and quantized linears (int4, int8, bf16,
+rotated or not), three sequences of different lengths on shuffled pages decoding together.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from superslm.cache.kv import KVCache
+from superslm.kernels import cpu_decode
+from superslm.kernels.attention import AttnMetadata
+from superslm.models.loader import materialize, open_source
+from superslm.models.transformer import Transformer
+from superslm.quant import quantize_linears
+from tests.tiny_models import CONFIGS, build_hf_model
+
+pytestmark = pytest.mark.skipif(os.environ.get("SUPERSLM_CPU_KERNELS") == "0", reason="C++ kernels disabled")
+
+PS = 4
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, object]:
+    out = {}
+    for family in sorted(CONFIGS):
+        path = tmp_path_factory.mktemp(family)
+        build_hf_model(family, path)
+        out[family] = path
+    return out
+
+
+def test_extension_builds() -> None:
+    # CI has a compiler: the fast path must exist there, not silently fall back
+    assert cpu_decode.extension() is not None
+
+
+def _prefilled(net: Transformer, lengths: list[int], seed: int = 0):
+    """A KV cache holding three prompts (prefilled by the generic path) and the decode step's metadata."""
+    a = net.arch
+    pages = 64
+    kv = KVCache(len(net.layers), pages, PS, a.kv_heads, a.head_dim, net.dtype)
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(pages, generator=g).tolist()
+    tables, used = [], 0
+    for n in lengths:
+        need = n // PS + 1
+        tables.append(tuple(perm[used : used + need]))
+        used += need
+    net.fast_decode = False
+    with torch.no_grad():
+        for table, n in zip(tables, lengths):
+            toks = torch.randint(0, a.vocab, (n,), generator=g)
+            pos = torch.arange(n)
+            slots = torch.tensor([table[p // PS] * PS + p % PS for p in range(n)])
+            meta = AttnMetadata(pos, slots, (0, n), (n,), (table,), PS)
+            net.run_layers(net.embed(toks), meta, kv.k, kv.v)
+    pos = torch.tensor(lengths)
+    slots = torch.tensor([t[n // PS] * PS + n % PS for t, n in zip(tables, lengths)])
+    qs = tuple(range(len(lengths) + 1))
+    meta = AttnMetadata(pos, slots, qs, tuple(n + 1 for n in lengths), tuple(tables), PS)
+    toks = torch.randint(0, a.vocab, (len(lengths),), generator=g)
+    return kv, meta, toks
+
+
+def _three_ways(net: Transformer, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Hidden states after every layer from the generic path, the torch reference and the C++ plan."""
+    outs = []
+    for way in ("generic", "reference", "cpp"):
+        kv, meta, toks = _prefilled(net, lengths)
+        with torch.no_grad():
+            h = net.embed(toks)
+            if way == "generic":
+                net.fast_decode = False
+                outs.append(net.run_layers(h, meta, kv.k, kv.v))
+                continue
+            tables = net._rope_tables(meta.positions)
+            tabs = [tables.get(k, tables[max(tables)]) for k in range(2)]
+            key_slots = cpu_decode.decode_key_slots(meta.block_tables, meta.seq_lens, PS, h.device)
+            lens = torch.tensor(meta.seq_lens)
+            fn = cpu_decode.decode_layers_reference if way == "reference" else cpu_decode.decode_layers
+            outs.append(fn(net, h, meta.slot_mapping, key_slots, lens, tabs, kv.k, kv.v, 0, len(net.layers)))
+    return outs[0], outs[1], outs[2]
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_float32_equals_reference_and_generic(family: str, folders) -> None:
+    src = open_source(folders[family])
+    net = Transformer(src.arch, materialize(src, torch.float32))
+    assert cpu_decode.plan_for(net) is not None
+    generic, ref, cpp = _three_ways(net, [3, 9, 14])
+    assert (ref - generic).abs().max().item() <= 1e-5
+    assert (cpp - ref).abs().max().item() <= 1e-5
+    assert generic.std().item() > 0.1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("fmt", [None, "int4", "int8", "bf16", "int4-rotated"])
+def test_bfloat16_formats_within_rounding(family: str, fmt: str | None, folders) -> None:
+    src = open_source(folders[family])
+    net = Transformer(src.arch, materialize(src, torch.bfloat16))
+    if fmt is not None:
+        body = fmt.split("-")[0]
+        quantize_linears(net, body=body, head=None, group=32, rotate=fmt.endswith("rotated"))
+    assert cpu_decode.plan_for(net) is not None
+    generic, ref, cpp = _three_ways(net, [2, 7, 13])
+    scale = generic.float().abs().max().item()
+    # one bf16 rounding (2^-8 relative) compounds over a few layers; a wrong kernel is off by O(1)
+    # the same roundings in the same order: equal but for a rare flip of one bf16 ulp (2^-7 relative)
+    assert (cpp.float() - ref.float()).abs().max().item() <= 2**-6 * scale
+    assert (cpp.float() - generic.float()).abs().max().item() <= 0.03 * scale
+    cos = torch.nn.functional.cosine_similarity(cpp.float(), generic.float(), dim=-1)
+    assert cos.min().item() > 0.999
+
+
+def test_mixed_steps_take_the_generic_path(folders) -> None:
+    # a prefill chunk in the step: the plan is not used, and nothing differs from the reference run
+    src = open_source(folders["llama"])
+    net = Transformer(src.arch, materialize(src, torch.float32))
+    kv, meta, toks = _prefilled(net, [3, 5])
+    mixed = AttnMetadata(torch.tensor([3, 5, 6]), meta.slot_mapping.new_tensor([0, 1, 2]), (0, 1, 3),
+                         (4, 7), meta.block_tables, PS)
+    net.fast_decode = True
+    assert not net._fast_decode(torch.zeros(3, net.arch.dim), mixed, kv.k)
+    assert net._fast_decode(torch.zeros(2, net.arch.dim), meta, kv.k)
+
+
+def test_plan_follows_module_swaps(folders) -> None:
+    src = open_source(folders["llama"])
+    net = Transformer(src.arch, materialize(src, torch.bfloat16))
+    first = cpu_decode.plan_for(net)
+    assert cpu_decode.plan_for(net) is first
+    quantize_linears(net, body="int8", head=None)
+    assert cpu_decode.plan_for(net) is not first
