@@ -194,8 +194,21 @@ class Encoder:
         (`dimensions` as in embed_batch). Raises TokenOutOfRange, ContextLengthExceeded (past
         max_seq_length without `truncate`)."""
         self._check_dimensions(dimensions)
-        seqs = check_ids(ids, self.body.vocab_size, self.max_seq_length, truncate)
-        return self._run(seqs, None, batch, dimensions)
+        return self._run(self.check_tokens(ids, truncate), None, batch, dimensions)
+
+    def check_tokens(self, ids: Sequence[Sequence[int]], truncate: bool = True) -> list[list[int]]:
+        """Token id lists as `embed_tokens` takes them: checked against the vocabulary, cut to max_seq_length
+        with `truncate` (TokenOutOfRange, ContextLengthExceeded, InvalidArgument otherwise)."""
+        return check_ids(ids, self.body.vocab_size, self.max_seq_length, truncate)
+
+    def truncate_dim(self, vectors: torch.Tensor, dimensions: int | None) -> torch.Tensor:
+        """Vectors [n, dim] cut to their first `dimensions` entries (None: all), L2-normalized again if the
+        model normalizes (as sentence-transformers' truncate_dim followed by its Normalize)."""
+        self._check_dimensions(dimensions)
+        if dimensions is None or dimensions == vectors.shape[-1]:
+            return vectors
+        out = vectors[..., :dimensions].contiguous()
+        return torch.nn.functional.normalize(out, p=2.0, dim=-1) if self.normalize else out
 
     def _check_dimensions(self, dimensions: int | None) -> None:
         if dimensions is not None and (
@@ -212,11 +225,7 @@ class Encoder:
         for indices in steps:
             order, vectors = self.body.run(ids, types, indices)
             out[torch.tensor(order)] = vectors.float().cpu()
-        if dimensions is not None and dimensions != self.dim:
-            out = out[:, :dimensions].contiguous()
-            if self.normalize:
-                out = torch.nn.functional.normalize(out, p=2.0, dim=1)
-        return out
+        return self.truncate_dim(out, dimensions)
 
     def __repr__(self) -> str:
         return f"Encoder({self.name!r}, dim={self.dim}, pooling={self.pooling}, normalize={self.normalize})"

@@ -4,6 +4,12 @@
     from superslm.serve import create_app
     app = create_app(superslm.load("model.gguf"), slots=8, api_key="secret")
     # then: uvicorn.run(app, host="127.0.0.1", port=8000)
+    app = create_app(Encoder.load("all-minilm-l6-v2"))      # /v1/embeddings only
+    app = create_app(CrossEncoder.load("path/to/reranker"))  # /v1/rerank only
+
+A language model serves the generation routes and /v1/embeddings (last-token pooling); an encoder
+serves /v1/embeddings, a cross-encoder /v1/rerank (embeddings.py); any other route of the three
+answers 400 (wrong model kind).
 
 Every error answers `{"error": {"message", "type", "param", "code"}}`: SuperSLM errors with their
 own `http_status` and `code`, HTTP-level ones (401, 404 route, 405, 413) with codes of their own.
@@ -26,8 +32,9 @@ from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from superslm.errors import InternalError, ModelNotFound, SuperSLMError
-from superslm.serve import generate
+from superslm.encoders import CrossEncoder, Encoder
+from superslm.errors import InternalError, ModelNotFound, SuperSLMError, UnsupportedModel
+from superslm.serve import embeddings, generate
 from superslm.serve.loop import EngineLoop
 from superslm.serve.metrics import Metrics
 from superslm.serve.output import Job
@@ -58,23 +65,73 @@ def error_json(status: int, message: str, code: str, param: str | None = None) -
 
 
 class ServerState:
-    """What the routes share: the model, the engine loop, the metrics and the settings."""
+    """What the routes share: the model, the engine loop (a language model's) or the encoder worker, the
+    metrics and the settings. `kind` is "decoder", "encoder" or "cross-encoder"."""
 
-    def __init__(self, model: Model, engine: Engine, served_names: list[str], api_key: str | None,
-                 max_waiting: int, max_body_bytes: int) -> None:
-        self.model, self.engine = model, engine
+    def __init__(self, model: Model | Encoder | CrossEncoder, engine: Engine | None, served_names: list[str],
+                 api_key: str | None, max_waiting: int, max_body_bytes: int) -> None:
+        self.model: Any = model  # a Model wherever `engine` is set (the generation routes need both)
+        self.engine: Any = engine
+        self.kind = "encoder" if isinstance(model, Encoder) else "cross-encoder" if isinstance(
+            model, CrossEncoder) else "decoder"
         self.served_names = served_names
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.metrics = Metrics(served_names[0])
-        self.loop = EngineLoop(engine, max_waiting, self.metrics)
+        self.loop: Any = None if engine is None else EngineLoop(engine, max_waiting, self.metrics)
+        self.worker = embeddings.EncoderWorker(max_waiting)
+        self._embedder: Encoder | None = model if isinstance(model, Encoder) else None
         self.draining = False
         self.created = int(time.time())
+
+    @property
+    def max_len(self) -> int:
+        """The longest input in tokens (a language model's context, an encoder's max_seq_length)."""
+        return int(self.engine.context if self.engine is not None else self.model.max_seq_length)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread that does the work (engine loop or encoder worker) runs."""
+        return bool(self.loop.alive if self.loop is not None else self.worker.alive)
+
+    def start(self) -> None:
+        if self.loop is not None:
+            self.loop.start()
+        self.worker.start()
+
+    def stop(self) -> None:
+        self.drain()
+        if self.loop is not None:
+            self.loop.stop()  # quick: cancels what is left and joins the loop thread
+        self.worker.stop()
 
     def drain(self) -> None:
         """Refuse new work from now on (SIGTERM); what is in flight goes on. /health turns 503."""
         self.draining = True
-        self.loop.drain()
+        if self.loop is not None:
+            self.loop.drain()
+        self.worker.drain()
+
+    def embedder(self) -> Encoder:
+        """The Encoder behind /v1/embeddings (a language model's is built on first use), or a 400."""
+        if self.kind == "cross-encoder":
+            raise embeddings.wrong_kind(self.kind, self.served_names[0], "/v1/embeddings",
+                                        "an embedding model or a language model")
+        if self._embedder is None:
+            try:
+                # inputs get the server's context, as prompts do
+                self._embedder = Encoder.from_model(self.model, pooling="last", normalize=True,
+                                                    max_length=self.engine.context)
+            except UnsupportedModel as e:  # a model loaded without all its layers
+                e.param = "model"  # type: ignore[attr-defined]
+                raise
+        return self._embedder
+
+    def reranker(self) -> CrossEncoder:
+        """The CrossEncoder behind /v1/rerank, or a 400."""
+        if not isinstance(self.model, CrossEncoder):
+            raise embeddings.wrong_kind(self.kind, self.served_names[0], "/v1/rerank", "a cross-encoder")
+        return self.model
 
     def check_model(self, name: str | None) -> str:
         """The served name a request means (None: the first), or ModelNotFound (404)."""
@@ -110,7 +167,7 @@ class ServerState:
 
 
 def create_app(
-    model: Model,
+    model: Model | Encoder | CrossEncoder,
     engine: Engine | None = None,
     *,
     slots: int = 8,
@@ -121,7 +178,8 @@ def create_app(
     max_body_bytes: int = 4 << 20,
     **engine_kwargs: Any,
 ) -> FastAPI:
-    """The OpenAI-compatible app serving `model`.
+    """The OpenAI-compatible app serving `model`: a language model, an `Encoder` (/v1/embeddings) or a
+    `CrossEncoder` (/v1/rerank); the engine settings do not apply to the last two.
 
     `engine` defaults to `model.engine(slots, context, **engine_kwargs)`. `served_model_name`: the
     name(s) requests may give as `model` (default: model.name). `api_key`: when set, every route but
@@ -129,7 +187,10 @@ def create_app(
     engine's slots before requests get 503. `max_body_bytes`: larger bodies get 413.
     The engine loop thread starts with the app's lifespan (or at the first request) and stops with it.
     """
-    if engine is None:
+    if isinstance(model, (Encoder, CrossEncoder)):
+        if engine is not None:
+            raise bad("engine", "engine: an encoder or cross-encoder is served without an engine")
+    elif engine is None:
         engine = model.engine(slots=slots, context=context, **engine_kwargs)
     if served_model_name is None:
         names = [model.name]
@@ -143,10 +204,9 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.loop.start()
+        state.start()
         yield
-        state.drain()
-        state.loop.stop()  # quick: cancels what is left and joins the loop thread
+        state.stop()
 
     app = FastAPI(title="SuperSLM", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
@@ -155,8 +215,8 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        state.loop.start()  # no-op once started (the lifespan starts it; some test clients skip that)
-        if not state.loop.alive:
+        state.start()  # no-op once started (the lifespan starts it; some test clients skip that)
+        if not state.alive:
             return error_json(503, "the engine loop has stopped", "engine_stopped")
         if state.draining:
             return error_json(503, "the server is shutting down", "shutting_down")
@@ -164,12 +224,12 @@ def create_app(
 
     @app.get("/metrics", dependencies=[auth])
     async def metrics() -> Response:
-        text = state.metrics.render(state.loop.stats(), state.loop.alive)
+        text = state.metrics.render(state.loop.stats() if state.loop is not None else None, state.alive)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": state.created, "owned_by": "superslm",
-                "max_model_len": engine.context}
+                "max_model_len": state.max_len}
 
     @app.get("/v1/models", dependencies=[auth])
     async def models() -> Response:
@@ -197,6 +257,25 @@ def create_app(
 
         return handler
 
+    app.post("/v1/embeddings", dependencies=[auth])(counted("embeddings", embeddings.embeddings))
+    for route in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        app.post(route, dependencies=[auth])(counted("rerank", embeddings.rerank))
+    if engine is None:  # an encoder: the language-model routes are a 400, not a 404
+        lm = "a language model"
+        app.post("/v1/completions", dependencies=[auth])(
+            counted("completions", embeddings.refuse("/v1/completions", lm)))
+        app.post("/v1/chat/completions", dependencies=[auth])(
+            counted("chat_completions", embeddings.refuse("/v1/chat/completions", lm)))
+        for route in ("/tokenize", "/detokenize"):
+            app.post(route, dependencies=[auth])(_bound(state, embeddings.refuse(route, lm)))
+        return app
+    _generation_routes(app, state, auth, counted)
+    return app
+
+
+def _generation_routes(app: FastAPI, state: ServerState, auth: Any, counted: Callable[..., Any]) -> None:
+    """The routes of a language model: completions, chat, tokenize, detokenize."""
+    model, engine = state.model, state.engine
     app.post("/v1/completions", dependencies=[auth])(counted("completions", generate.completions))
     app.post("/v1/chat/completions", dependencies=[auth])(counted("chat_completions", generate.chat_completions))
 
@@ -231,7 +310,12 @@ def create_app(
             raise
         return JSONResponse({"prompt": text})
 
-    return app
+
+def _bound(state: ServerState, run: Callable[[ServerState, HTTPRequest], Awaitable[Response]]) -> Any:
+    async def handler(request: HTTPRequest) -> Response:
+        return await run(state, request)
+
+    return handler
 
 
 def _auth(state: ServerState) -> Callable[[HTTPRequest], None]:

@@ -1,5 +1,8 @@
 """`superslm serve`: the OpenAI-compatible server on uvicorn.
 
+--model takes a language model (GGUF, Hugging Face folder, known name), a sentence-transformers
+encoder folder (the server then answers /v1/embeddings) or a cross-encoder folder (/v1/rerank).
+
 SIGTERM (or Ctrl-C) drains: /health turns 503 and new requests are refused at once, the listening
 socket closes, requests in flight run to their end (at most --drain-timeout seconds, then they are
 cancelled), and the process exits 0.
@@ -22,7 +25,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", "-m", default=None,
-                   help="a GGUF file, a Hugging Face folder or a known name (default: SmolLM2-135M-Instruct)")
+                   help="a GGUF file, a Hugging Face folder, a sentence-transformers encoder or cross-encoder "
+                        "folder, or a known name (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 on GPU)")
     p.add_argument("--host", default="127.0.0.1")
@@ -55,8 +59,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     import superslm
+    from superslm.encoders import CrossEncoder, Encoder, model_kind
 
-    model = superslm.load(ns.model, device=ns.device, dtype=ns.dtype)
+    kind = "decoder" if ns.model is None else model_kind(ns.model)
+    loader = {"encoder": Encoder.load, "cross-encoder": CrossEncoder.load}.get(kind, superslm.load)
+    model = loader(ns.model, device=ns.device, dtype=ns.dtype)
     app = create_app(model, slots=ns.slots, context=ns.context, served_model_name=ns.served_model_name,
                      api_key=ns.api_key, max_waiting=ns.max_waiting, max_body_bytes=ns.max_body_bytes)
     state = app.state.server

@@ -14,8 +14,10 @@ from collections.abc import Sequence
 
 from superslm.serve.loop import EngineStats
 
-#: generation endpoints, as the `endpoint` label spells them
-ENDPOINTS = ("completions", "chat_completions")
+#: the counted endpoints, as the `endpoint` label spells them
+ENDPOINTS = ("completions", "chat_completions", "embeddings", "rerank")
+#: the encoder endpoints (their inputs and tokens are counted apart from the engine's)
+ENCODER_ENDPOINTS = ("embeddings", "rerank")
 #: request outcomes: finished and answered; the client went away; 4xx; 503 (queue full, draining); 5xx
 OUTCOMES = ("success", "cancelled", "invalid", "rejected", "error")
 #: why a sequence (one choice) ended
@@ -66,15 +68,23 @@ class Metrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.forced_tokens = 0
+        self.encoder_inputs = dict.fromkeys(ENCODER_ENDPOINTS, 0)
+        self.encoder_tokens = dict.fromkeys(ENCODER_ENDPOINTS, 0)
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
 
     # --- from the event loop ----------------------------------------------------------------------
 
     def on_request(self, endpoint: str, outcome: str) -> None:
-        """Count one HTTP request to a generation endpoint by how it ended."""
+        """Count one HTTP request to a counted endpoint by how it ended."""
         with self._lock:
             self.requests[(endpoint, outcome)] += 1
+
+    def on_encoded(self, endpoint: str, inputs: int, tokens: int) -> None:
+        """Count the inputs (texts, or query-document pairs) and tokens an encoder endpoint ran."""
+        with self._lock:
+            self.encoder_inputs[endpoint] += inputs
+            self.encoder_tokens[endpoint] += tokens
 
     # --- from the engine loop (the LoopMetrics protocol) -----------------------------------------
 
@@ -104,8 +114,9 @@ class Metrics:
 
     # --- the scrape -------------------------------------------------------------------------------
 
-    def render(self, stats: EngineStats, alive: bool) -> str:
-        """The Prometheus text exposition of everything, engine gauges from `stats`."""
+    def render(self, stats: EngineStats | None, alive: bool) -> str:
+        """The Prometheus text exposition of everything, engine gauges from `stats` (None: a server with
+        no engine, an encoder's; `alive` then says whether its worker runs)."""
         lines: list[str] = []
 
         def family(name: str, kind: str, help_text: str, samples: list[str]) -> None:
@@ -117,7 +128,8 @@ class Metrics:
         with self._lock:
             family(
                 "superslm_requests_total", "counter",
-                "Requests to the generation endpoints by outcome (success, cancelled, invalid, rejected, error).",
+                "Requests to the generation and encoder endpoints by outcome "
+                "(success, cancelled, invalid, rejected, error).",
                 [f'superslm_requests_total{{endpoint="{e}",outcome="{o}"}} {n}'
                  for (e, o), n in self.requests.items()],
             )
@@ -137,6 +149,14 @@ class Metrics:
             family("superslm_time_per_output_token_seconds", "histogram",
                    "Seconds between consecutive sampled tokens of a sequence.",
                    self.tpot.lines("superslm_time_per_output_token_seconds"))
+            family("superslm_encoder_inputs_total", "counter",
+                   "Texts embedded (embeddings) or query-document pairs scored (rerank).",
+                   [f'superslm_encoder_inputs_total{{endpoint="{e}"}} {n}' for e, n in self.encoder_inputs.items()])
+            family("superslm_encoder_tokens_total", "counter", "Tokens the encoder endpoints ran (their usage).",
+                   [f'superslm_encoder_tokens_total{{endpoint="{e}"}} {n}' for e, n in self.encoder_tokens.items()])
+        if stats is None:
+            one("superslm_engine_alive", "gauge", "1 while the engine loop (or the encoder worker) runs.", int(alive))
+            return "\n".join(lines) + "\n"
         s = stats
         one("superslm_requests_running", "gauge", "Sequences in the engine's running set.", s.running)
         one("superslm_requests_waiting", "gauge", "Sequences admitted but not yet running.", s.waiting)
@@ -153,5 +173,5 @@ class Metrics:
         one("superslm_preemptions_total", "counter", "Sequences preempted for lack of KV pages.", s.preemptions)
         one("superslm_kv_evictions_total", "counter", "Cached KV pages evicted to make room.", s.evictions)
         one("superslm_engine_steps_total", "counter", "Engine steps run.", s.steps)
-        one("superslm_engine_alive", "gauge", "1 while the engine loop runs.", int(alive))
+        one("superslm_engine_alive", "gauge", "1 while the engine loop (or the encoder worker) runs.", int(alive))
         return "\n".join(lines) + "\n"

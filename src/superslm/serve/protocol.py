@@ -114,6 +114,32 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings: OpenAI's fields, plus `truncate` (ours) or vLLM's `truncate_prompt_tokens: -1`."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate: bool = False
+    truncate_prompt_tokens: int | None = None
+
+
+class RerankRequest(BaseModel):
+    """POST /v1/rerank (and /rerank, /v2/rerank): vLLM's, Jina's and Cohere's shape."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    query: str
+    documents: list[str | dict[str, Any]]
+    top_n: int | None = None
+    return_documents: bool = True
+    truncate: bool = False
+    truncate_prompt_tokens: int | None = None
+
+
 def parse(cls: type[BaseModel], body: bytes) -> Any:
     """Validate a JSON body into `cls`; a bad body raises InvalidArgument without echoing it."""
     try:
