@@ -1,0 +1,447 @@
+"""GPU benchmark (issue 9): SuperSLM beside transformers on the same random-weight model, in one run.
+
+    python benchmarks/gpu.py [--models qwen2.5-0.5b,qwen2.5-1.5b,qwen3-0.6b] [--workloads decode1,batch64,
+        batch256,nano] [--device cuda] [--dtype bf16] [--quick] [--no-int4] [--no-peer]
+    python benchmarks/gpu.py --device cpu --tiny    # shrunk configs and workloads: proves it runs end to end
+
+Each model is its real config.json with random weights, built by transformers on the device itself
+(torch.manual_seed(0)) and saved once to a scratch folder for superslm.load, beside a WordLevel tokenizer of
+the full vocabulary: both engines are fed token ids. All runs are greedy to max_tokens (superslm:
+Sampling(ignore_eos=True); transformers: no eos, min_new_tokens = max_new_tokens).
+  decode1   batch 1, a 128-token prompt, 256 new tokens (also int4, where quant="int4" runs on the device)
+  batch64   64 sequences, 128-token prompts, 256 new tokens each;  batch256: 256 of them
+  nano      nano-vllm's bench.py: 256 sequences, random.seed(0), prompts of randint(100, 1024) ids
+            randint(0, 10000), then max_tokens randint(100, 1024) each (greedy here, temperature 0.6 there);
+            transformers runs it as one left-padded batch to the longest output, only requested tokens count
+decode tok/s: tokens made after every sequence has its first one, over that time; e2e tok/s: all requested
+tokens over the whole wall time (nano-vllm's number); weight GB/s: the bytes of weights a decode step reads
+(linears, head, norms) times steps per second, beside a 1 GiB device-to-device copy (read + write bytes).
+--quick: decode1 128 tokens, batch runs 64 tokens, nano on its first 64 sequences. --tiny: 2 layers, hidden 64,
+vocab 512; decode1 16+16, batches of 2 and 8 (8+8), nano on 8 sequences of 4..16 tokens; targets not checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers.generation.streamers import BaseStreamer
+
+import superslm
+from superslm import Request, Sampling
+
+#: the real config.json of each model (Hugging Face Qwen/..., the fields a Qwen2/Qwen3 config reads)
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2.5-0.5b": ("Qwen2Config", dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, use_sliding_window=False, sliding_window=32768, max_window_layers=24,
+        bos_token_id=151643, eos_token_id=151643, hidden_act="silu")),
+    "qwen2.5-1.5b": ("Qwen2Config", dict(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, use_sliding_window=False, sliding_window=131072, max_window_layers=28,
+        bos_token_id=151643, eos_token_id=151643, hidden_act="silu")),
+    "qwen3-0.6b": ("Qwen3Config", dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, attention_bias=False, use_sliding_window=False, sliding_window=None,
+        max_window_layers=28, bos_token_id=151643, eos_token_id=151645, hidden_act="silu")),
+}
+#: --tiny: each config shrunk (the family's quirks kept: q/k/v biases, q/k norms, head_dim != dim / heads)
+TINY: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
+    "qwen2.5-1.5b": dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=1),
+    "qwen3-0.6b": dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+}
+TINY_COMMON = dict(vocab_size=512, num_hidden_layers=2, max_window_layers=2, bos_token_id=511, eos_token_id=511)
+WORKLOADS = ("decode1", "batch64", "batch256", "nano")
+#: acceptance targets of issue 9: (model, precision, workload, tok/s, which rate); nano on every model run
+TARGETS = [("qwen2.5-0.5b", "bf16", "decode1", 1500.0, "decode"), ("qwen2.5-0.5b", "int4", "decode1", 2500.0, "decode"),
+           (None, "bf16", "nano", 40000.0, "e2e")]
+TIME_TARGET_S = 300.0
+
+
+@dataclass
+class Workload:
+    key: str
+    label: str
+    prompts: list[list[int]]
+    outputs: list[int]
+
+
+@dataclass
+class Run:
+    """One engine on one workload: useful output tokens, rates, and (optionally) the tokens themselves."""
+
+    tokens: int
+    wall_s: float
+    decode_tps: float
+    e2e_tps: float
+    outputs: list[list[int]] = field(default_factory=list)
+
+
+def make_config(name: str, tiny: bool) -> Any:
+    cls_name, kwargs = CONFIGS[name]
+    if tiny:
+        kwargs = {**kwargs, **TINY_COMMON, **TINY[name]}
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def make_workloads(keys: list[str], vocab: int, tiny: bool, quick: bool) -> list[Workload]:
+    rng = random.Random(0)
+    hi = vocab - 1 if tiny else 10000
+
+    def batch(key: str, n: int, prompt: int, out: int) -> Workload:
+        prompts = [[rng.randint(0, hi) for _ in range(prompt)] for _ in range(n)]
+        return Workload(key, f"b{n} {prompt}+{out}", prompts, [out] * n)
+
+    out: list[Workload] = []
+    for key in keys:
+        if key == "decode1":
+            out.append(batch(key, 1, 16, 16) if tiny else batch(key, 1, 128, 128 if quick else 256))
+        elif key in ("batch64", "batch256"):
+            n = int(key[5:])
+            out.append(batch(key, n // 32, 8, 8) if tiny else batch(key, n, 128, 64 if quick else 256))
+        elif key == "nano":
+            # nano-vllm's bench.py draw order: every prompt, then every max_tokens
+            n, lo, top = (8, 4, 16) if tiny else (256, 100, 1024)
+            r = random.Random(0)
+            prompts = [[r.randint(0, hi) for _ in range(r.randint(lo, top))] for _ in range(n)]
+            outputs = [r.randint(lo, top) for _ in range(n)]
+            if quick:
+                prompts, outputs = prompts[:64], outputs[:64]
+            out.append(Workload(key, f"nano-vllm x{len(prompts)}", prompts, outputs))
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free(device: torch.device) -> None:
+    # hand a finished run's KV cache back before the next one sizes its own (a collection: ~0.2 s)
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def copy_speed(device: torch.device, nbytes: int, iters: int = 10) -> float:
+    """Device-to-device copy speed in bytes/s, counting the bytes read and the bytes written."""
+    a = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    b = a.clone()  # also the warm-up
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(iters):
+        b.copy_(a)
+    sync(device)
+    return 2 * nbytes * iters / (time.perf_counter() - t)
+
+
+def weight_bytes(net: torch.nn.Module) -> int:
+    """Bytes one decode step reads of the weights: every layer's tensors, the final norm and the head (a tied
+    head is the embedding, read whole for the logits); the embedding lookup itself reads one row."""
+    mods = list(net.layers) + ([net.head] if getattr(net, "has_head", False) else [])
+    tensors = [t for m in mods for t in (*m.parameters(), *m.buffers())]
+    if getattr(net, "norm_weight", None) is not None:
+        tensors.append(net.norm_weight)
+    seen = {(t.data_ptr(), t.nbytes): t.nbytes for t in tensors}
+    return sum(seen.values())
+
+
+def build_hf(config: Any, device: torch.device, dtype: torch.dtype, tiny: bool) -> Any:
+    """transformers' model of `config` with random weights, made on the device itself."""
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    hf = hf.to(device).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            # norms start at ones: perturb them so every weight matters; tiny models get it everywhere
+            # (as tests/tiny_models.py) so greedy tokens are well separated
+            if tiny or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.08)
+    hf.generation_config.eos_token_id = None  # generate to max_new_tokens: no eos stop, no eos masking
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+def write_folder(hf: Any, folder: Path) -> None:
+    """safetensors + config.json, and a WordLevel tokenizer of the full vocabulary (ids are all we feed)."""
+    hf.save_pretrained(folder, safe_serialization=True)
+    vocab = hf.config.vocab_size
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    eos = hf.config.eos_token_id
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"t{eos}", "add_bos_token": False}))
+
+
+def scratch_dir(nbytes: int) -> str | None:
+    # /dev/shm when it holds the weights twice over: saving and loading then never touch a disk
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free > 2 * nbytes:
+        return str(shm)
+    return None
+
+
+def rates(events: list[tuple[float, int]], t_all: float, t0: float, t_end: float, tokens: int) -> tuple[float, float]:
+    """(decode tok/s, e2e tok/s) from (time, new tokens) events; t_all: every sequence has its first token."""
+    after = sum(n for t, n in events if t > t_all)
+    span = events[-1][0] - t_all
+    decode = after / span if span > 0 and after else float("nan")
+    return decode, tokens / (t_end - t0)
+
+
+def run_superslm(model: superslm.Model, wl: Workload, rows: int) -> Run:
+    """The workload through the public engine API: add every request, advance until done."""
+    device, n = model.device, len(wl.prompts)
+    context = max(len(p) + o for p, o in zip(wl.prompts, wl.outputs, strict=True)) + 1
+    engine = model.engine(slots=n, context=context, rows=max(rows, n), prefix_caching=False)
+    greedy = Sampling(ignore_eos=True)
+    engine.generate([Request(p[:4], 2, greedy) for p in wl.prompts])  # warm-up at this batch size (JIT)
+    sync(device)
+    t0 = time.perf_counter()
+    index = {engine.add(Request(p, o, greedy)): i for i, (p, o) in enumerate(zip(wl.prompts, wl.outputs, strict=True))}
+    outputs: list[list[int]] = [[] for _ in range(n)]
+    events: list[tuple[float, int]] = []
+    started, t_all = 0, None
+    while engine.busy():
+        progress = engine.advance()  # tokens come back on the host: the step is finished
+        now, new = time.perf_counter(), 0
+        for p in progress:
+            i = index.get(p.id)
+            if i is None or not p.tokens:
+                continue
+            started += not outputs[i]
+            outputs[i] += p.tokens
+            new += len(p.tokens)
+        if new:
+            events.append((now, new))
+        if t_all is None and started == n:
+            t_all = now
+    sync(device)
+    t_end = time.perf_counter()
+    short = [i for i in range(n) if len(outputs[i]) != wl.outputs[i]]
+    if short or t_all is None:
+        raise RuntimeError(f"superslm stopped early on {len(short)} of {n} sequences (ignore_eos should prevent it)")
+    tokens = sum(wl.outputs)
+    return Run(tokens, t_end - t0, *rates(events, t_all, t0, t_end, tokens), outputs)
+
+
+class Clock(BaseStreamer):
+    """Stamps each put: transformers' generate puts the prompt, then each step's tokens (on the host)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def run_transformers(hf: Any, wl: Workload) -> Run:
+    """The workload as one transformers generate call (left-padded to the longest prompt, greedy, to the
+    longest output); a streamer stamps each step's tokens."""
+    device, n, pad = hf.device, len(wl.prompts), 0
+    width, new = max(len(p) for p in wl.prompts), max(wl.outputs)
+    ids = torch.full((n, width), pad, dtype=torch.long)
+    mask = torch.zeros(n, width, dtype=torch.long)
+    for i, p in enumerate(wl.prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    kw = dict(do_sample=False, pad_token_id=pad, eos_token_id=None)
+    with torch.inference_mode():
+        hf.generate(input_ids=ids[:, -4:], attention_mask=mask[:, -4:], max_new_tokens=2, min_new_tokens=2, **kw)
+        clock = Clock()
+        sync(device)
+        t0 = time.perf_counter()
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                          streamer=clock, **kw)
+        sync(device)
+        t_end = time.perf_counter()
+    gen, times = out[:, width:].tolist(), clock.times[1:]  # the first put is the prompt
+    if len(gen[0]) != new or len(times) != new:
+        raise RuntimeError(f"transformers made {len(gen[0])} tokens, not {new}")
+    events = [(t, sum(o > s for o in wl.outputs)) for s, t in enumerate(times)]
+    tokens = sum(wl.outputs)
+    return Run(tokens, t_end - t0, *rates(events, times[0], t0, t_end, tokens),
+               [g[:o] for g, o in zip(gen, wl.outputs, strict=True)])
+
+
+def load_int4(folder: str, device: torch.device) -> tuple[superslm.Model | None, str]:
+    """The model with quant="int4", or None and why it does not run on this device: one int4 linear is tried
+    there first (cheaper than quantizing the whole model to find out)."""
+    from superslm.quant import Int4Linear
+
+    try:
+        w = torch.randn(64, 128, device=device, dtype=torch.bfloat16)
+        y = Int4Linear.from_dense(w)(torch.randn(1, 128, device=device, dtype=torch.bfloat16))
+        if y.device.type != device.type:
+            return None, f"Int4Linear returned its output on {y.device}"
+        return superslm.load(folder, device=device, quant="int4"), ""
+    except Exception as e:  # any failure is the answer: report it, do not crash the benchmark
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return None, f"quant='int4' does not run on {device.type}: {type(e).__name__}: {first[:100]}"
+
+
+def greedy_tokens(name: str, workloads: tuple[str, ...] = ("decode1",), device: str = "cpu", dtype: str = "fp32"
+                  ) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
+    """{workload: (superslm's, transformers' greedy tokens, one list per sequence)} for --tiny workloads of
+    one model (what tests/test_gpu_benchmark.py compares)."""
+    dev = torch.device(device)
+    dt = superslm.model.pick_dtype(dtype, dev)
+    config = make_config(name, tiny=True)
+    hf = build_hf(config, dev, dt, tiny=True)
+    with tempfile.TemporaryDirectory() as folder:
+        write_folder(hf, Path(folder))
+        ours = superslm.load(folder, device=dev, dtype=dt, quant=None)
+        return {wl.key: (run_superslm(ours, wl, rows=64).outputs, run_transformers(hf, wl).outputs)
+                for wl in make_workloads(list(workloads), config.vocab_size, tiny=True, quick=False)}
+
+
+def bench_model(name: str, ns: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """Every chosen workload on one model: SuperSLM (and its int4 variant at batch 1), then transformers."""
+    dt = superslm.model.pick_dtype(ns.dtype, device)
+    precision = str(dt).replace("torch.", "").replace("bfloat16", "bf16").replace("float32", "fp32")
+    config = make_config(name, ns.tiny)
+    hf = build_hf(config, device, dt, ns.tiny)
+    workloads = make_workloads(ns.workloads, config.vocab_size, ns.tiny, ns.quick)
+    rows = 64 if ns.tiny else 8192
+    nbytes = sum(p.nbytes for p in hf.parameters())
+    out: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(dir=scratch_dir(nbytes)) as folder:
+        write_folder(hf, Path(folder))
+        ours = superslm.load(folder, device=device, dtype=dt, quant=None)
+        variants: list[tuple[str, superslm.Model | None, str]] = [(precision, ours, "")]
+        if not ns.no_int4 and "decode1" in ns.workloads:
+            variants.append(("int4", *load_int4(folder, device)))
+        wbytes = {p: weight_bytes(m.net) for p, m, _ in variants if m is not None}
+        for wl in workloads:
+            for prec, model, why in variants:
+                if prec == "int4" and wl.key != "decode1":
+                    continue
+                row = dict(model=name, workload=wl.key, label=wl.label, precision=prec, seqs=len(wl.prompts),
+                           note=why, weight_bytes=wbytes.get(prec, 0))
+                if model is not None:
+                    row["superslm"] = run_superslm(model, wl, rows)
+                    free(device)
+                if prec == precision and not ns.no_peer:
+                    row["transformers"] = run_transformers(hf, wl)
+                    free(device)
+                out.append(row)
+        del ours, variants
+    del hf
+    free(device)
+    return out
+
+
+def bandwidth(row: dict[str, Any], run: Run, copy_bps: float) -> str:
+    """Weight GB/s (% of the copy speed) of a fixed-batch decode row; "-" where the batch varies (nano)."""
+    if row["workload"] == "nano" or not row["weight_bytes"] or math.isnan(run.decode_tps):
+        return "-"
+    bps = row["weight_bytes"] * run.decode_tps / row["seqs"]
+    return f"{bps / 1e9:,.1f} ({100 * bps / copy_bps:.0f}%)"
+
+
+def report(results: list[dict[str, Any]], copy_bps: float, tiny: bool, quick: bool) -> None:
+    """One table per model, markdown rows for docs/benchmarks.md, and the acceptance targets."""
+    head = (f"{'workload':22} {'engine':13} {'seqs':>5} {'out tok':>8} {'decode tok/s':>13} {'e2e tok/s':>11} "
+            f"{'wall s':>8}  weight GB/s (% copy)")
+    md = ["| model | workload | precision | superslm decode tok/s | transformers decode tok/s | ratio "
+          "| superslm e2e tok/s | transformers e2e tok/s | ratio | weight GB/s (% of copy) |",
+          "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name in dict.fromkeys(r["model"] for r in results):
+        rows = [r for r in results if r["model"] == name]
+        wb = {r["precision"]: r["weight_bytes"] for r in rows if r["weight_bytes"]}
+        print(f"\nmodel {name}  weights read per decode step: "
+              + ", ".join(f"{b / 1e6:,.1f} MB ({p})" for p, b in wb.items()))
+        print(head)
+        for r in rows:
+            label, a, b = f"{r['label']} {r['precision']}", r.get("superslm"), r.get("transformers")
+            if a is None:
+                print(f"{label:22} {'superslm':13} n/a: {r['note']}")
+                md.append(f"| {name} | {r['label']} | {r['precision']} | n/a ({r['note']}) | | | | | | |")
+                continue
+            for engine, run in (("superslm", a), ("transformers", b)):
+                if run is not None:
+                    print(f"{label:22} {engine:13} {r['seqs']:5d} {run.tokens:8d} {run.decode_tps:13.1f} "
+                          f"{run.e2e_tps:11.1f} {run.wall_s:8.3f}  {bandwidth(r, run, copy_bps)}")
+            dec = f"{a.decode_tps / b.decode_tps:.2f}x" if b else "-"
+            e2e = f"{a.e2e_tps / b.e2e_tps:.2f}x" if b else "-"
+            if b:
+                print(f"{label:22} {'ratio':13} {'':5} {'':8} {dec:>13} {e2e:>11}")
+            bd, be = (f"{b.decode_tps:,.0f}", f"{b.e2e_tps:,.0f}") if b else ("-", "-")
+            md.append(f"| {name} | {r['label']} | {r['precision']} | {a.decode_tps:,.0f} | {bd} | {dec} "
+                      f"| {a.e2e_tps:,.0f} | {be} | {e2e} | {bandwidth(r, a, copy_bps)} |")
+    print("\nmarkdown rows for docs/benchmarks.md:")
+    print("\n".join(md))
+    note = ": tiny configs, the targets do not apply" if tiny else (
+        " (--quick: shortened workloads; the targets are for the full ones)" if quick else "")
+    print("\nacceptance (issue 9)" + note)
+    for model, prec, key, need, which in [] if tiny else TARGETS:
+        for r in results:
+            if r["workload"] == key and r["precision"] == prec and model in (None, r["model"]):
+                run = r.get("superslm")
+                got = "n/a: " + r["note"] if run is None else f"{getattr(run, which + '_tps'):,.0f} tok/s"
+                verdict = "" if run is None else ("PASS" if getattr(run, which + "_tps") >= need else "FAIL")
+                print(f"  {r['model']} {prec} {r['label']} {which} >= {need:,.0f} tok/s: {got} {verdict}")
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", type=lambda s: s.split(","), default=list(CONFIGS))
+    ap.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--quick", action="store_true", help="shorter outputs, nano-vllm on 64 sequences")
+    ap.add_argument("--tiny", action="store_true", help="shrunk configs and workloads (runs on a CPU in seconds)")
+    ap.add_argument("--no-int4", action="store_true", help="skip the int4 batch-1 decode")
+    ap.add_argument("--no-peer", action="store_true", help="skip transformers")
+    ns = ap.parse_args(argv)
+    for given, known in ((ns.models, CONFIGS), (ns.workloads, WORKLOADS)):
+        if set(given) - set(known):
+            raise SystemExit(f"unknown: {sorted(set(given) - set(known))} (known: {', '.join(known)})")
+    device = torch.device(ns.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here: run with --device cpu --tiny to check the script")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # as tensors report it: cuda:0
+    start = time.perf_counter()
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    copy_bps = copy_speed(device, (64 if ns.tiny else 1024) << 20)
+    print(f"superslm {superslm.__version__}  transformers {transformers.__version__}  torch {torch.__version__}  "
+          f"device {device} ({gpu})  dtype {ns.dtype}  {time.strftime('%Y-%m-%d')}" + ("  TINY" if ns.tiny else ""))
+    print(f"copy speed ({'64 MiB' if ns.tiny else '1 GiB'} device to device, read + write): {copy_bps / 1e9:,.1f} GB/s")
+    results: list[dict[str, Any]] = []
+    for name in ns.models:
+        t = time.perf_counter()
+        results += bench_model(name, ns, device)
+        print(f"[{name}: {time.perf_counter() - t:.1f} s]", flush=True)
+    report(results, copy_bps, ns.tiny, ns.quick)
+    total = time.perf_counter() - start
+    print(f"\ntotal {total:.1f} s" + ("" if ns.tiny else f" (target: under {TIME_TARGET_S:.0f} s on an H200)"))
+    return results
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
