@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     # other layers' subcommands; each module imports its heavy dependencies only when run
+    from superslm.bench import add_parser as add_bench
     from superslm.convert import add_parser as add_convert
     from superslm.encoders.cli import add_parser as add_embed
     from superslm.serve.cli import add_parser as add_serve
@@ -147,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve(sub)
     add_embed(sub)
     add_convert(sub)
+    add_bench(sub)
     return p
 
 

@@ -7,11 +7,14 @@ block_table, and every row's K/V is written to `slot_mapping[row]` (page * page_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+_MISSING = object()
 
 
 @dataclass
@@ -36,10 +39,19 @@ class AttnMetadata:
     _slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _masks: dict[tuple[int, int | None], tuple[int, torch.Tensor]] = field(default_factory=dict, repr=False)
     _decode: dict[int | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _step: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    def step_cache(self, key: Any, build: Callable[[], Any]) -> Any:
+        """`build()` once per step and key: what a kernel derives from the metadata alone (index
+        tensors, masks, layouts) is then shared by every layer of the step."""
+        hit = self._step.get(key, _MISSING)
+        if hit is _MISSING:
+            hit = self._step[key] = build()
+        return hit
 
     def key_slots(self, s: int) -> torch.Tensor:
         """[seq_lens[s]] KV slots of sequence s, in position order (cached for the step)."""

@@ -1,74 +1,176 @@
 """Batch-invariant paged attention (deterministic mode), torch reference.
 
 A row's result must not depend on the other rows of its step, nor on how its prompt was chunked. So
-every reduction has a shape fixed by the row alone:
-- query rows are padded to a multiple of 16 (the matmul kernels then give each row the same bits
-  wherever it sits);
-- keys are laid out from position 0 in blocks of 16, padded to a power-of-two number of blocks;
-  masked keys contribute exact zeros;
-- sums over keys are pairwise trees over adjacent leaves, so a longer zero-padded tail only adds
-  zero subtrees; P @ V is a matmul per 16-key block followed by the same tree over blocks.
-The result equals softmax attention up to float rounding, and is bit-identical for a given row.
+every reduction a row takes part in has an order fixed by the row alone:
+- the query rows of a matmul are padded to a multiple of ROWS (4): on the CPU kernels a row then gets
+  the same bits whatever the matrix's row count, column count, batch count or the row's place
+  (`tests/test_deterministic.py` checks this where the tests run);
+- keys are cut in blocks of KEYS (64) positions aligned to position 0; a block's P @ [V | 1] is one
+  matmul over its 64 keys (the last column gives the softmax denominator); masked keys give exact zeros;
+- the block results are added one after the other in block order, in float64 (`block_sum`), so
+  fully masked blocks, before or after the row's keys, add exact zeros;
+- the softmax maximum is exact in any order.
+Each step's layout (which q rows, which key slots, masks as an additive bias and as 0/1) is built once
+per step and window (`_plan`, cached on the AttnMetadata): a layer then makes ~17 torch calls for all
+the sequences that decode, and as many per group of prompt chunks. The arithmetic is float32 (float64
+inputs stay float64) whatever the cache's dtype.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from superslm.kernels.attention import AttnMetadata
 
+#: deterministic mode pads a step's rows to a multiple of this for the linears (models/transformer.py)
 BLOCK = 16
+#: query rows of an attention matmul: a multiple of this
+ROWS = 4
+#: keys per block: one matmul reduces a block, the blocks are added in order
+KEYS = 64
+#: query tokens of a prompt chunk per unit of work (a longer chunk is cut; rows are independent)
+TILE = 64
+#: most scores (kv heads * units * rows * keys) in one group of chunk units
+GROUP_BUDGET = 1 << 21
+#: a masked score; exp() inputs are clamped to CLAMP first (no denormals: they are ~10x slower)
+_MASKED = -1e30
+_CLAMP = -80.0
 
 
-def _pad_rows(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
-    n = x.shape[dim]
-    pad = (-n) % multiple
-    if not pad:
-        return x
-    shape = list(x.shape)
-    shape[dim] = pad
-    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+@dataclass
+class _Group:
+    """Fixed-shape layout of some units (query rows of one sequence): kv heads x units x M rows x nb blocks."""
+
+    units: int
+    rows: int  # M, a multiple of ROWS
+    blocks: int  # nb; a unit's keys are nb * KEYS slots from its first block on
+    q_index: torch.Tensor  # [kv * U * M] rows of q.view(-1, D) (padding rows repeat a real row)
+    kv_index: torch.Tensor  # [kv * U * nb * KEYS] rows of k_cache.view(-1, D) (masked keys: any slot)
+    bias: torch.Tensor  # [kv * U, M, nb * KEYS] 0 where the key is visible to the row, _MASKED elsewhere
+    visible: torch.Tensor  # [1, U, M, nb * KEYS] bool
+    out_index: torch.Tensor  # [kv * U * M] where each result row goes (padding rows: trash rows)
 
 
-def tree_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim (a power of two) by adding adjacent pairs, level by level."""
-    while x.shape[-1] > 1:
-        x = x[..., 0::2] + x[..., 1::2]
-    return x[..., 0]
+@dataclass
+class _Plan:
+    groups: list[_Group]
+    #: q rows * heads, and the trash rows after them that take the padding rows' results
+    real: int
+    total: int
+    #: one group covering every row of q once: the output is a gather (`inverse`) instead of a scatter
+    inverse: torch.Tensor | None
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+def block_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 1 one block after the other, in float64 (cumsum on the CPU): zero blocks
+    anywhere add exact zeros, and no other dim changes the order (torch.sum's does not promise that)."""
+    return x.cumsum(1)[:, -1]
 
 
-def _attend(
-    qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float, blocks: int
-) -> torch.Tensor:
-    """Batched core: qs [B, kv_heads, M, D] (M a multiple of 16), k/v [B, Lp, kv_heads, D] with
-    Lp = blocks * 16 keys from position 0, visible [B, M, Lp] -> [B, kv_heads, M, D]."""
-    b, kv_heads, m, d = qs.shape
-    kt = k.permute(0, 2, 3, 1).reshape(b * kv_heads, d, blocks * BLOCK)
-    scores = torch.bmm(qs.reshape(b * kv_heads, m, d), kt).view(b, kv_heads, m, -1) * scale
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    top = scores.amax(-1, keepdim=True).nan_to_num(neginf=0.0)  # rows that see no key: 0
-    p = torch.exp(scores - top)  # masked keys give exact zeros
-    # P @ [V | 1] per 16-key block, then one tree over blocks: the last column is the denominator
-    ones = v.new_ones(b, blocks * BLOCK, kv_heads, 1)
-    pb = p.view(b, kv_heads, m, blocks, BLOCK).permute(0, 1, 3, 2, 4).reshape(-1, m, BLOCK)
-    vb = torch.cat([v, ones], -1).view(b, blocks, BLOCK, kv_heads, d + 1).permute(0, 3, 1, 2, 4)
-    partial = torch.bmm(pb, vb.reshape(-1, BLOCK, d + 1)).view(b, kv_heads, blocks, m, d + 1)
-    acc = tree_sum(partial.permute(0, 1, 3, 4, 2))  # [B, kv_heads, M, D + 1]
-    return acc[..., :d] / acc[..., d:].clamp_min(torch.finfo(acc.dtype).tiny)
+def _units(meta: AttnMetadata) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """(sequence, first row, row count) of the one-row sequences and of the chunk tiles."""
+    single, chunks = [], []
+    for s in range(meta.num_seqs):
+        a, b = meta.query_start[s], meta.query_start[s + 1]
+        if b - a == 1:
+            single.append((s, a, 1))
+        for t in range(a, b if b - a > 1 else a, TILE):
+            chunks.append((s, t, min(TILE, b - t)))
+    return single, chunks
 
 
-def _visible(qpos: torch.Tensor, padded: int, window: int | None, real: int) -> torch.Tensor:
-    """[rows, Lp] causal (and windowed) visibility; padded query rows see nothing."""
-    kpos = torch.arange(padded, device=qpos.device)
-    vis = kpos[None, :] <= qpos[:, None]
+def _group(meta: AttnMetadata, units: list[tuple[int, int, int]], pos: list[int], window: int | None,
+           kv: int, groups: int, first_out: int, dtype: torch.dtype) -> _Group:
+    """The layout of `units`; padding rows send their results to trash rows from `first_out` on."""
+    dev = meta.slot_mapping.device
+    heads, ps = kv * groups, meta.page_size
+    m = -(-max(n for _, _, n in units) * groups // ROWS) * ROWS
+    firsts, lasts = [], []
+    for _, a, n in units:
+        lo = 0 if window is None else max(0, min(pos[a : a + n]) - window + 1)
+        firsts.append(lo // KEYS)
+        lasts.append(max(pos[a : a + n]) // KEYS)
+    nb = max(b - f + 1 for f, b in zip(firsts, lasts))
+    u, lp = len(units), nb * KEYS
+    # keys: positions from each unit's first block on; past the sequence's end they are masked
+    lens = torch.tensor([meta.seq_lens[s] for s, _, _ in units], device=dev)
+    kpos = torch.tensor(firsts, device=dev)[:, None] * KEYS + torch.arange(lp, device=dev)[None, :]
+    kclip = torch.minimum(kpos, lens[:, None] - 1)
+    width = max(len(meta.block_tables[s]) for s, _, _ in units)
+    tables = torch.tensor([list(meta.block_tables[s]) + [0] * (width - len(meta.block_tables[s]))
+                           for s, _, _ in units], dtype=torch.long, device=dev)
+    slots = tables.gather(1, kclip // ps) * ps + kclip % ps  # [U, Lp]
+    # query rows ordered (token, group); a padding row repeats the unit's last token
+    r = torch.arange(m, device=dev)
+    count = torch.tensor([n for _, _, n in units], device=dev)
+    tok = torch.minimum(r[None, :] // groups, count[:, None] - 1)  # [U, M]
+    row = torch.tensor([a for _, a, _ in units], device=dev)[:, None] + tok
+    qpos = torch.tensor(pos, device=dev)[row]
+    visible = kpos[:, None, :] <= qpos[:, :, None]  # [U, M, Lp]; every row sees its own key at least
     if window is not None:
-        vis &= kpos[None, :] > (qpos[:, None] - window)
-    vis[real:] = False
-    return vis
+        visible &= kpos[:, None, :] > qpos[:, :, None] - window
+    bias = torch.zeros(visible.shape, dtype=dtype, device=dev).masked_fill_(~visible, _MASKED)
+    h = torch.arange(kv, device=dev)[:, None, None] * groups + (r % groups)[None, None, :]  # [kv, 1, M]
+    q_index = (row[None] * heads + h).reshape(-1)
+    kv_index = (slots[None] * kv + torch.arange(kv, device=dev)[:, None, None]).reshape(-1)
+    pad = ~(r[None, :] < count[:, None] * groups).expand(kv, u, m).reshape(-1)
+    out_index = q_index.clone()
+    out_index[pad] = first_out + torch.arange(int(pad.sum()), device=dev)
+    return _Group(u, m, nb, q_index, kv_index, bias.expand(kv, u, m, lp).reshape(kv * u, m, lp), visible[None],
+                  out_index)
+
+
+def _plan(meta: AttnMetadata, window: int | None, kv: int, groups: int, q_rows: int, dtype: torch.dtype) -> _Plan:
+    dev = meta.slot_mapping.device
+    pos = meta.positions.tolist()
+    single, chunks = _units(meta)
+    batches = [single] if single else []
+    # chunk tiles, longest first, packed into groups of at most GROUP_BUDGET scores each
+    chunks.sort(key=lambda t: -pos[t[1] + t[2] - 1])
+    cur: list[tuple[int, int, int]] = []
+    for t in chunks:
+        if cur:
+            keys = (pos[cur[0][1] + cur[0][2] - 1] // KEYS + 1) * KEYS  # the first tile's are the most
+            rows = -(-max(n for _, _, n in cur + [t]) * groups // ROWS) * ROWS
+            if kv * (len(cur) + 1) * rows * keys > GROUP_BUDGET:
+                batches.append(cur)
+                cur = []
+        cur.append(t)
+    if cur:
+        batches.append(cur)
+    real = q_rows * kv * groups
+    out, total = [], real
+    for units in batches:
+        g = _group(meta, units, pos, window, kv, groups, total, dtype)
+        total += int((g.out_index >= real).sum())
+        out.append(g)
+    inverse = None
+    if len(out) == 1 and meta.query_start[-1] == q_rows:
+        inverse = torch.empty(real, dtype=torch.long, device=dev)
+        keep = out[0].out_index < real
+        inverse[out[0].out_index[keep]] = torch.nonzero(keep)[:, 0]
+    return _Plan(out, real, total, inverse)
+
+
+def _attend(g: _Group, qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, scale: float, kv: int) -> torch.Tensor:
+    """One group: [kv * units * M, D] results in the bias's dtype."""
+    d, dt = qf.shape[1], g.bias.dtype
+    b, m, nb, lp = kv * g.units, g.rows, g.blocks, g.blocks * KEYS
+    q = qf.index_select(0, g.q_index).to(dt)
+    k = kf.index_select(0, g.kv_index).to(dt)
+    v = vf.index_select(0, g.kv_index)
+    v = torch.cat([v, g.bias.new_ones(1, 1).expand(v.shape[0], 1)], 1)  # [V | 1], promoted to dt
+    s = torch.baddbmm(g.bias, q.view(b, m, d), k.view(b, lp, d).transpose(1, 2), alpha=scale)  # [B, M, Lp]
+    s.sub_(s.amax(-1, keepdim=True)).clamp_min_(_CLAMP).exp_()
+    s.view(kv, g.units, m, lp).mul_(g.visible)  # masked keys: exact zeros
+    if nb > 1:
+        p = s.view(b, m, nb, KEYS).transpose(1, 2).reshape(b * nb, m, KEYS)
+        acc = block_sum(torch.bmm(p, v.view(b * nb, KEYS, d + 1)).view(b, nb, m, d + 1))
+    else:
+        acc = torch.bmm(s, v.view(b, KEYS, d + 1))
+    return (acc[..., :d] / acc[..., d:]).reshape(b * m, d)
 
 
 def paged_attention_invariant(
@@ -79,55 +181,21 @@ def paged_attention_invariant(
     window: int | None,
     scale: float,
 ) -> torch.Tensor:
-    """Same signature and meaning as kernels.attention.paged_attention; q [N, heads, D] -> [N, heads, D]."""
-    out = torch.zeros_like(q)
-    heads, d = q.shape[1], q.shape[2]
-    kv_heads = k_cache.shape[1]
-    groups = heads // kv_heads
-    single = [s for s in range(meta.num_seqs) if meta.query_start[s + 1] - meta.query_start[s] == 1]
-    if len(single) > 1:
-        # every one-row sequence in one batch: keys padded to a common power of two of blocks
-        # (zero subtrees), each query row padded to 16 rows as in the chunked path
-        blocks = _pow2(max(-(-meta.seq_lens[s] // BLOCK) for s in single))
-        padded = blocks * BLOCK
-        rows = [meta.query_start[s] for s in single]
-        idx = torch.zeros(len(single), padded, dtype=torch.long, device=q.device)
-        real = torch.zeros(len(single), padded, dtype=torch.bool, device=q.device)
-        for i, s in enumerate(single):
-            n = meta.seq_lens[s]
-            idx[i, :n] = meta.key_slots(s)
-            real[i, :n] = True
-        k = (k_cache[idx].to(q.dtype) * real[..., None, None])  # [B, Lp, kv_heads, D], zeros past the end
-        v = (v_cache[idx].to(q.dtype) * real[..., None, None])
-        row_idx = torch.tensor(rows, device=q.device)
-        qs = torch.zeros(len(single), BLOCK, heads, d, dtype=q.dtype, device=q.device)
-        qs[:, 0] = q.index_select(0, row_idx)
-        qs = qs.view(len(single), BLOCK, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(
-            len(single), kv_heads, groups * BLOCK, d)
-        qpos = meta.positions.index_select(0, row_idx)
-        vis = torch.stack([_visible(p.view(1), padded, window, 1) for p in qpos])  # [B, 1, Lp]
-        vis = torch.cat([vis, vis.new_zeros(len(single), BLOCK - 1, padded)], 1).repeat(1, groups, 1)
-        o = _attend(qs, k, v, vis, scale, blocks)  # [B, kv_heads, G*16, D]
-        o = o.view(len(single), kv_heads, groups, BLOCK, d)[:, :, :, 0].reshape(len(single), heads, d)
-        out[row_idx] = o
-    done = set(single) if len(single) > 1 else set()
-    for s in range(meta.num_seqs):
-        a, b = meta.query_start[s], meta.query_start[s + 1]
-        if a == b or s in done:
-            continue
-        n, length = b - a, meta.seq_lens[s]
-        blocks = _pow2(-(-length // BLOCK))
-        padded = blocks * BLOCK
-        slots = meta.key_slots(s)
-        k = _pad_rows(k_cache[slots].to(q.dtype), 0, padded)  # [Lp, kv_heads, D]
-        v = _pad_rows(v_cache[slots].to(q.dtype), 0, padded)
-        # queries grouped by kv head: [kv_heads, groups * n16, D], rows ordered (group, row)
-        qs = _pad_rows(q[a:b], 0, BLOCK).view(-1, kv_heads, groups, d).permute(1, 2, 0, 3)
-        m16 = qs.shape[2]
-        qs = qs.reshape(1, kv_heads, groups * m16, d)
-        vis = _visible(_pad_rows(meta.positions[a:b], 0, BLOCK), padded, window, n).repeat(groups, 1)
-        o = _attend(qs, k[None], v[None], vis[None], scale, blocks)[0]
-        # back to [rows, heads, D]: heads are ordered (kv head, group)
-        o = o.view(kv_heads, groups, m16, d).permute(2, 0, 1, 3).reshape(m16, heads, d)
-        out[a:b] = o[:n]
-    return out
+    """Same signature and meaning as kernels.attention.paged_attention; q [N, heads, D] -> [N, heads, D].
+
+    q may have more rows than the metadata (deterministic mode pads a step's rows): theirs are zeros.
+    """
+    n, heads, d = q.shape
+    kv = k_cache.shape[1]
+    dt = torch.promote_types(q.dtype, torch.float32)
+    plan = meta.step_cache(("invariant", window, kv, heads, n, dt),
+                           lambda: _plan(meta, window, kv, heads // kv, n, dt))
+    qf = q.reshape(n * heads, d)
+    kf, vf = k_cache.view(-1, d), v_cache.view(-1, d)
+    if plan.inverse is not None:
+        o = _attend(plan.groups[0], qf, kf, vf, scale, kv)
+        return o.index_select(0, plan.inverse).to(q.dtype).view(n, heads, d)
+    out = torch.zeros(plan.total, d, dtype=dt, device=q.device)
+    for g in plan.groups:
+        out.index_copy_(0, g.out_index, _attend(g, qf, kf, vf, scale, kv))
+    return out[: plan.real].to(q.dtype).view(n, heads, d)

@@ -24,7 +24,7 @@ from superslm.kernels.rope import apply_rope
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "cpu" / "decode_layers.cpp"
+_SOURCES = [Path(__file__).parent / "cpu" / n for n in ("decode_layers.cpp", "gemv.cpp")]
 _ext: Any = None
 _ext_tried = False
 _ACT = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -48,7 +48,7 @@ def extension() -> Any:
     _ext_tried = True
     if os.environ.get("SUPERSLM_CPU_KERNELS", "1") == "0":
         return None
-    src = _SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in _SOURCES)
     # -march=native code must never be reused on another CPU: the name carries the CPU's flags
     tag = hashlib.sha256(src + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:12]
     try:
@@ -56,7 +56,7 @@ def extension() -> Any:
 
         _ext = load(
             name=f"superslm_decode_{tag}",
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-fno-math-errno"],
             verbose=False,
         )
@@ -232,6 +232,22 @@ def decode_layers(
     cos = [t[0].contiguous() for t in tables]
     sin = [t[1].contiguous() for t in tables]
     return plan.run(h.contiguous(), slot_mapping, key_slots, seq_lens, cos, sin, k_cache, v_cache, start, end)
+
+
+def single_row_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """module(x) for one row through the extension's int8 GEMV (the head of a decode step), or None where
+    it does not apply (another format, a rotation, several rows, no AVX-512 build)."""
+    from superslm.quant.dense import Int8Linear
+
+    if x.shape[0] != 1 or x.device.type != "cpu" or type(module) is not Int8Linear or module.rotation is not None:
+        return None
+    ext = extension()
+    if ext is None or not ext.fast_gemv_available() or module.k_pad != module.in_features:
+        return None
+    y = ext.int8_linear(x.to(torch.bfloat16), module.codes, module.scale)
+    if module.bias is not None:
+        y = y.float() + module.bias
+    return y.to(x.dtype)
 
 
 def usable(net: Any, h: torch.Tensor, k_cache: torch.Tensor) -> bool:

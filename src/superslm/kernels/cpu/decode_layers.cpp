@@ -13,6 +13,10 @@
 #include <cstring>
 #include <vector>
 
+// gemv.cpp
+bool fast_gemv_available();
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale);
+
 namespace {
 
 // ---- scalar helpers ------------------------------------------------------------------------------
@@ -62,7 +66,7 @@ struct Lin {
       y = at::_weight_int4pack_mm_for_cpu(h, a, group, b);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == INT8) {
-      y = at::_weight_int8pack_mm(h, a, b);
+      y = (h.size(0) == 1 && fast_gemv_available()) ? int8_linear(h, a, b) : at::_weight_int8pack_mm(h, a, b);
     } else {
       y = at::linear(h, a);
     }
@@ -317,4 +321,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecodePlan::add_layer)
       .def("num_layers", &DecodePlan::num_layers)
       .def("run", &DecodePlan::run, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("fast_gemv_available", &fast_gemv_available);
+  m.def("int8_linear", &int8_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

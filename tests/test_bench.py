@@ -1,0 +1,33 @@
+"""`superslm bench`: runs each engine in its own process and prints the figures and ratios."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_with_transformers_peer(smollm2_gguf: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "superslm.cli", "bench", "--model", str(smollm2_gguf), "--threads", "1",
+         "--prefill", "32", "--decode", "6", "--streams", "3", "--peer", "transformers"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    rows = {m.group(1): [float(x) for x in m.group(2).split()]
+            for m in re.finditer(r"^(superslm|transformers)\s+([\d.\snan]+)$", r.stdout, re.M)}
+    assert set(rows) == {"superslm", "transformers"}, r.stdout
+    assert len(rows["superslm"]) == 5 and all(v > 0 for v in rows["superslm"])
+    assert re.search(r"vs transformers: prefill [\d.]+x, decode [\d.]+x", r.stdout)
+    assert re.search(r"superslm peak RSS \d+ MB = file 94 MB \+ KV \d+ MB", r.stdout)
+
+
+def test_bench_refuses_bad_numbers(smollm2_gguf: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "superslm.cli", "bench", "--model", str(smollm2_gguf), "--decode", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--decode must be at least 2" in r.stderr
