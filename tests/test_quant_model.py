@@ -109,3 +109,15 @@ def test_quantized_model_still_talks(smollm2_gguf, reference) -> None:
     assert got["top1"] >= 0.9 and abs(got["ppl_ratio"] - 1) < 0.05
     text = model.engine(slots=1, context=256).complete("The capital of France is", 8)
     assert "Paris" in text
+
+
+def test_embedding_rows_come_from_the_file(smollm2_gguf) -> None:
+    # the default GGUF load keeps no dense embedding table: each step's rows are dequantized from the map
+    model = superslm.load(smollm2_gguf)
+    net, src = model.net, model.source
+    assert net.embed_weight.numel() == 0 and net.embed_rows is not None
+    name = next(n for n in src.gguf.tensors if n.startswith("token_embd"))
+    dense = src.gguf.dequantize(name).to(torch.bfloat16)  # the whole table at once
+    ids = torch.tensor([0, 7, 49151, 7, 12345])
+    assert torch.equal(net.embed(ids), dense[ids])
+    assert net.embed(ids[:0]).shape == (0, net.arch.dim)

@@ -153,7 +153,15 @@ class Model:
             import json
 
             h = hashlib.sha256(json.dumps(self.arch.summary(), sort_keys=True, default=str).encode())
+            rows = self.net.embed_rows
             for name, t in list(self.net.named_parameters()) + list(self.net.named_buffers()):
+                if name == "embed_weight" and rows is not None:
+                    # embeddings read from the file per step hash as the dense table they stand for
+                    h.update(f"{name}:{self.net.dtype}:{(rows.vocab, rows.dim)}".encode())
+                    for r in range(0, rows.vocab, 8192):
+                        part = rows(torch.arange(r, min(r + 8192, rows.vocab)))
+                        h.update(part.contiguous().view(torch.uint8).numpy().tobytes())
+                    continue
                 h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
                 data = t.detach().contiguous().cpu()
                 h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
@@ -197,8 +205,8 @@ def load_tokenizer(source: Source) -> Tokenizer:
 QUANTS = ("auto", "none", "gguf", "int4", "int8", "bf16")
 
 
-#: linear weights `quantize_from_source` rebuilds from a GGUF file's blocks (the head included)
-_BLOCK_LINEARS = frozenset({"q", "k", "v", "o", "gate", "up", "down", "head"})
+#: weights `quantize_from_source` takes from a GGUF file's blocks (linears, head, embedding rows)
+_BLOCK_LINEARS = frozenset({"q", "k", "v", "o", "gate", "up", "down", "head", "embed"})
 
 
 def _release_freed_memory() -> None:

@@ -140,6 +140,8 @@ class Transformer(nn.Module):
             self.head = DenseLinear(head)  # type: ignore[arg-type]
         self._inv_freq: dict[int, tuple[torch.Tensor, float]] = {}
         self._kinds = sorted({self._rope_key(i) for i in range(n)})
+        #: embeddings computed from tokens another way (quant.gguf_map.GGUFEmbedding reads the file's blocks)
+        self.embed_rows: nn.Module | None = None
         #: run all-decode steps through the C++ plan where it is built (kernels/cpu_decode.py)
         self.fast_decode = True
 
@@ -179,7 +181,7 @@ class Transformer(nn.Module):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [N] -> residual stream [N, dim]."""
-        h = F.embedding(tokens, self.embed_weight)
+        h = F.embedding(tokens, self.embed_weight) if self.embed_rows is None else self.embed_rows(tokens)
         if self.arch.embed_scale != 1.0:
             h = h * torch.tensor(self.arch.embed_scale, dtype=h.dtype)
         return h

@@ -44,6 +44,52 @@ def nearest_format(block_type: type[BlockType], mapping: Mapping[str, tuple[str,
     return got
 
 
+def _int8_by_rows(part: GGUFPart, bias: torch.Tensor | None, note: str) -> LinearFormat:
+    """A GGUF weight re-quantized to int8 per output channel a block of rows at a time (the same codes
+    as dequantize-then-quantize; a 262k-row head never exists in float32 all at once)."""
+    from superslm.quant.dense import Int8Linear, quantize_int8
+
+    raw, block_type, shape, _ = part
+    n, k = (int(d) for d in shape)
+    if k % 32 or k % block_type.block_size or block_type.n_elements(raw) != n * k:
+        return format_class("int8").from_dense(dequantize_gguf(*part), bias, note=note)
+    rows = raw.reshape(n, -1)  # [out, row bytes]
+    codes = torch.empty(n, k, dtype=torch.int8)
+    scale = torch.empty(n, dtype=torch.bfloat16)
+    for r in range(0, n, 8192):
+        chunk = np.ascontiguousarray(rows[r : r + 8192]).reshape(-1)
+        w = torch.from_numpy(block_type.dequantize(chunk)).view(-1, k)
+        codes[r : r + 8192], scale[r : r + 8192] = quantize_int8(w)
+    return Int8Linear(codes, scale, k, n, bias=None if bias is None else bias.float(), note=note)
+
+
+class GGUFEmbedding(torch.nn.Module):
+    """Token embeddings read from the GGUF blocks on demand: each step's rows are dequantized from the
+    memory map (the values `materialize` would give), so the [vocab, dim] table is never held dense.
+    For Gemma-3-270M that is 335 MB of bf16 (and 670 MB of float32 while loading) not spent."""
+
+    def __init__(self, raw: np.ndarray, block_type: type[BlockType], shape: Sequence[int], dtype: torch.dtype,
+                 fix: Any = None) -> None:
+        super().__init__()
+        n, k = (int(d) for d in shape)
+        if k % block_type.block_size or block_type.n_elements(raw) != n * k:
+            raise InvalidArgument(f"{block_type.name}: {raw.size} bytes are not [{n}, {k}] embeddings in whole blocks")
+        self.rows = raw.reshape(n, k // block_type.block_size * block_type.type_size)  # [vocab, row bytes]
+        self.block_type, self.vocab, self.dim, self.dtype, self.fix = block_type, n, k, dtype, fix
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [N] -> embeddings [N, dim] in the model dtype, on the tokens' device."""
+        idx = tokens.detach().to("cpu", torch.long).numpy()
+        raw = np.ascontiguousarray(self.rows[idx]).reshape(-1)
+        values = torch.from_numpy(self.block_type.dequantize(raw)).view(len(idx), self.dim)
+        if self.fix is not None:
+            values = self.fix(values)
+        return values.to(device=tokens.device, dtype=self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.block_type.name} [{self.vocab}, {self.dim}] read from the file per step"
+
+
 @register_format
 class ConcatLinear(LinearFormat):
     """Parts of a fused linear that map to different formats (e.g. Q4_K q, k with a Q6_K v): one
@@ -108,6 +154,8 @@ def linear_from_gguf(
         if fmt == "gguf":
             return GGUFInt4Linear.from_gguf_parts(parts, bias)
         names = "+".join(dict.fromkeys(p[1].name for p in parts))
+        if fmt == "int8" and not options and len(parts) == 1 and parts[0][3] is None:
+            return _int8_by_rows(parts[0], bias, f"from {names}")
         weights = [dequantize_gguf(*p) for p in parts]
         return format_class(fmt).from_dense(weights, bias, note=f"from {names}", **options)
     sizes = [int(p[2][0]) for p in parts]

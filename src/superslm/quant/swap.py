@@ -15,7 +15,7 @@ from superslm.errors import InvalidArgument, UnsupportedModel
 from superslm.models.loader import Source, Stored, canonical_names
 from superslm.models.transformer import DenseLinear, Transformer
 from superslm.quant.base import LinearFormat, format_class
-from superslm.quant.gguf_map import GGUFPart, linear_from_gguf
+from superslm.quant.gguf_map import GGUFEmbedding, GGUFPart, linear_from_gguf
 
 #: a Layer's linears, and the canonical weights each one fuses (in this order along out)
 LAYER_LINEARS: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"),
@@ -127,6 +127,14 @@ def quantize_from_source(
             module = linear_from_gguf(parts, getattr(old, "bias", None), mapping)
             setattr(layer, attr, module)
             done[f"layers.{i}.{attr}"] = module.describe()
+    if net.embed_weight.numel() == 0:
+        # the loader skipped the dense table: rows come from the file's blocks per step
+        part = gguf_parts(source, names, "", ("embed",))[0]
+        if part[3] is not None:
+            raise UnsupportedModel(f"{source.recipe.family}: the GGUF embedding's rows are permuted")
+        fix = source.recipe.fix_gguf
+        net.embed_rows = GGUFEmbedding(part[0], part[1], part[2], net.dtype,
+                                       lambda t: fix("embed", t, source.arch))
     if getattr(net, "has_head", False) and head is not None:
         if head == "nearest":
             key = "head" if "head" in names else "embed"
