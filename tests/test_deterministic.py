@@ -7,8 +7,9 @@ import torch
 
 import superslm
 from superslm import Request, Sampling
-from superslm.kernels.attention import paged_attention
-from superslm.kernels.attention_invariant import paged_attention_invariant, tree_sum
+from superslm.kernels import attention_invariant
+from superslm.kernels.attention import AttnMetadata, paged_attention
+from superslm.kernels.attention_invariant import KEYS, ROWS, block_sum, paged_attention_invariant
 from tests.test_engine import engine_page_bytes, prompts
 from tests.tiny_models import SingleSequence, build_hf_model
 
@@ -57,8 +58,6 @@ def test_invariant_attention_matches_reference(model) -> None:
     tokens = prompts(1, seed=22, lo=50, hi=50)[0]
     with torch.no_grad():
         seq.step(tokens)
-    from superslm.kernels.attention import AttnMetadata
-
     a = model.arch
     pos = torch.arange(40, 50)
     ps = seq.page_size
@@ -71,8 +70,90 @@ def test_invariant_attention_matches_reference(model) -> None:
         assert (got - want).abs().max() <= 1e-5
 
 
-def test_tree_sum_ignores_zero_padding() -> None:
-    x = torch.rand(3, 37)
-    base = tree_sum(torch.cat([x, torch.zeros(3, 64 - 37)], -1))
-    longer = tree_sum(torch.cat([x, torch.zeros(3, 256 - 37)], -1))
-    assert torch.equal(base, longer) and torch.allclose(base, x.sum(-1))
+def test_matmul_rows_do_not_depend_on_the_batch() -> None:
+    """What the invariant attention assumes of the CPU matmuls where the tests run: with a multiple
+    of ROWS query rows and whole blocks of KEYS keys, a row's results have the same bits whatever the
+    row count, the key count, the batch count and the row's place (scores: baddbmm with the mask
+    bias; then P @ [V | 1] over one block)."""
+    g = torch.Generator().manual_seed(5)
+    for k, cols in ((64, KEYS), (32, KEYS), (KEYS, 65), (KEYS, 33)):
+        a, b = torch.randn(k, generator=g), torch.randn(k, cols, generator=g)
+        want = None
+        for rows, n, batch in ((ROWS, cols, 1), (3 * ROWS, 4 * cols, 3), (48, 10 * cols, 24), (200, cols, 50)):
+            x, y = torch.randn(batch, rows, k, generator=g), torch.randn(batch, k, n, generator=g)
+            i, j, c = rows - 1 - batch % rows, n - cols, batch // 2
+            x[c, i], y[c, :, j:] = a, b
+            if k == KEYS:
+                got = torch.bmm(x, y)[c, i, j:]
+            else:
+                got = torch.baddbmm(torch.zeros(batch, rows, n), x, y, alpha=0.125)[c, i, j:]
+            want = got if want is None else want
+            assert torch.equal(got, want), (k, cols, rows, n, batch)
+
+
+def test_block_sum_is_sequential_and_ignores_zero_blocks() -> None:
+    g = torch.Generator().manual_seed(6)
+    for blocks in (3, 15, 22, 43, 130):
+        x = torch.randn(6, blocks, 4, 33, generator=g)
+        want = x[:, 0].double()
+        for i in range(1, blocks):
+            want = want + x[:, i].double()
+        got = block_sum(x)
+        assert torch.equal(got, want.to(x.dtype))
+        for before, after, batch in ((0, 1, 6), (2, 16, 9), (5, blocks + 7, 16)):
+            y = torch.zeros(batch, before + blocks + after, 4, 33)
+            y[:6, before : before + blocks] = x
+            assert torch.equal(block_sum(y)[:6], got), (blocks, before, after, batch)
+
+
+def _paged(lens: list[int], rows: list[int], page_size: int, seed: int) -> tuple:
+    """Random block tables for sequences of `lens` tokens whose last `rows` tokens are queried."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [-(-n // page_size) for n in lens]
+    perm = torch.randperm(sum(pages) + 3, generator=g).tolist()
+    tables = [tuple(perm[sum(pages[:i]) : sum(pages[: i + 1])]) for i in range(len(lens))]
+    pos = [p for n, r in zip(lens, rows) for p in range(n - r, n)]
+    slots = [t[p // page_size] * page_size + p % page_size for n, r, t in zip(lens, rows, tables)
+             for p in range(n - r, n)]
+    starts = [0]
+    for r in rows:
+        starts.append(starts[-1] + r)
+    return tables, pos, slots, starts, (sum(pages) + 3) * page_size
+
+
+@pytest.mark.parametrize("dtype,budget", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 1 << 13)])
+def test_invariant_attention_ignores_the_rest_of_the_step(dtype, budget, monkeypatch) -> None:
+    """Each row gets the same bits in a mixed step (decodes, long and short chunks), alone, one row
+    at a time, and with padding rows after the step's; and stays close to the SDPA reference. A small
+    budget cuts the step into many groups."""
+    if budget is not None:
+        monkeypatch.setattr(attention_invariant, "GROUP_BUDGET", budget)
+    heads, kv, d, ps = 6, 2, 32, 4
+    lens, rows = [37, 5, 130, 70, 16, 90, 600], [1, 5, 70, 1, 9, 1, 1]  # decodes of 1 to 10 key blocks
+    tables, pos, slots, starts, nslots = _paged(lens, rows, ps, seed=7)
+    g = torch.Generator().manual_seed(8)
+    kc, vc = (torch.randn(nslots, kv, d, generator=g).to(dtype) for _ in range(2))
+    # value dim 0 is zero but in the last 35 keys of the 70-token chunk: before them, any leak from a
+    # masked (later) key would show in the output's dim 0
+    vc[..., 0] = 0
+    vc[[tables[2][p // ps] * ps + p % ps for p in range(lens[2] - 35, lens[2])], :, 0] = 1
+    q = torch.randn(len(pos), heads, d, generator=g).to(dtype)
+
+    def meta(p, sl, st, ln, tb):
+        return AttnMetadata(torch.tensor(p), torch.tensor(sl), tuple(st), tuple(ln), tuple(tb), ps, deterministic=True)
+
+    for window in (None, 6, 50):
+        step = meta(pos, slots, starts, lens, tables)
+        full = paged_attention_invariant(q, kc, vc, step, window, d**-0.5)
+        want = paged_attention(q.float(), kc.float(), vc.float(), step, window, d**-0.5)
+        assert (full.float() - want).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2)
+        assert not full[starts[2] : starts[2] + 35, :, 0].any()
+        padded = paged_attention_invariant(torch.cat([q, q[:3]]), kc, vc, step, window, d**-0.5)
+        assert torch.equal(padded[: len(pos)], full) and not padded[len(pos) :].any()
+        for s, (a, b) in enumerate(zip(starts, starts[1:])):
+            alone = meta(pos[a:b], slots[a:b], (0, b - a), (lens[s],), (tables[s],))
+            assert torch.equal(paged_attention_invariant(q[a:b], kc, vc, alone, window, d**-0.5), full[a:b])
+            for r in range(a, b, 3):  # as if the prompt had been fed one token per step
+                one = meta(pos[r : r + 1], slots[r : r + 1], (0, 1), (pos[r] + 1,), (tables[s],))
+                got = paged_attention_invariant(q[r : r + 1], kc, vc, one, window, d**-0.5)
+                assert torch.equal(got, full[r : r + 1]), (window, s, r)

@@ -32,8 +32,8 @@ ROWS = 4
 KEYS = 64
 #: query tokens of a prompt chunk per unit of work (a longer chunk is cut; rows are independent)
 TILE = 64
-#: most scores (kv heads * units * rows * keys) in one group of chunk units
-GROUP_BUDGET = 1 << 21
+#: most elements of one tensor of a group (scores, gathered keys): kv heads * units * keys * max(rows, dim + 1)
+GROUP_BUDGET = 1 << 22
 #: a masked score; exp() inputs are clamped to CLAMP first (no denormals: they are ~10x slower)
 _MASKED = -1e30
 _CLAMP = -80.0
@@ -122,24 +122,29 @@ def _group(meta: AttnMetadata, units: list[tuple[int, int, int]], pos: list[int]
                   out_index)
 
 
-def _plan(meta: AttnMetadata, window: int | None, kv: int, groups: int, q_rows: int, dtype: torch.dtype) -> _Plan:
+def _pack(units: list[tuple[int, int, int]], pos: list[int], kv: int, groups: int, dim: int) -> list[list]:
+    """Units, longest keys first, in groups whose tensors hold at most GROUP_BUDGET elements each."""
+    units = sorted(units, key=lambda t: -pos[t[1] + t[2] - 1])
+    out: list[list[tuple[int, int, int]]] = []
+    for t in units:
+        if out:
+            cur = out[-1]
+            keys = (pos[cur[0][1] + cur[0][2] - 1] // KEYS + 1) * KEYS  # the first unit's are the most
+            rows = -(-max(n for _, _, n in cur + [t]) * groups // ROWS) * ROWS
+            if kv * (len(cur) + 1) * keys * max(rows, dim + 1) <= GROUP_BUDGET:
+                cur.append(t)
+                continue
+        out.append([t])
+    return out
+
+
+def _plan(meta: AttnMetadata, window: int | None, kv: int, groups: int, dim: int, q_rows: int,
+          dtype: torch.dtype) -> _Plan:
     dev = meta.slot_mapping.device
     pos = meta.positions.tolist()
     single, chunks = _units(meta)
-    batches = [single] if single else []
-    # chunk tiles, longest first, packed into groups of at most GROUP_BUDGET scores each
-    chunks.sort(key=lambda t: -pos[t[1] + t[2] - 1])
-    cur: list[tuple[int, int, int]] = []
-    for t in chunks:
-        if cur:
-            keys = (pos[cur[0][1] + cur[0][2] - 1] // KEYS + 1) * KEYS  # the first tile's are the most
-            rows = -(-max(n for _, _, n in cur + [t]) * groups // ROWS) * ROWS
-            if kv * (len(cur) + 1) * rows * keys > GROUP_BUDGET:
-                batches.append(cur)
-                cur = []
-        cur.append(t)
-    if cur:
-        batches.append(cur)
+    # decoding sequences apart from prompt chunks: their 1-token units need only ROWS query rows
+    batches = _pack(single, pos, kv, groups, dim) + _pack(chunks, pos, kv, groups, dim)
     real = q_rows * kv * groups
     out, total = [], real
     for units in batches:
@@ -188,8 +193,8 @@ def paged_attention_invariant(
     n, heads, d = q.shape
     kv = k_cache.shape[1]
     dt = torch.promote_types(q.dtype, torch.float32)
-    plan = meta.step_cache(("invariant", window, kv, heads, n, dt),
-                           lambda: _plan(meta, window, kv, heads // kv, n, dt))
+    plan = meta.step_cache(("invariant", window, kv, heads, d, n, dt),
+                           lambda: _plan(meta, window, kv, heads // kv, d, n, dt))
     qf = q.reshape(n * heads, d)
     kf, vf = k_cache.view(-1, d), v_cache.view(-1, d)
     if plan.inverse is not None:
