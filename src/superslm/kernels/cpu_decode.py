@@ -224,27 +224,52 @@ def decode_layers(
     v_cache: torch.Tensor,
     start: int,
     end: int,
+    deterministic: bool = False,
 ) -> torch.Tensor:
-    """`decode_layers_reference` through the C++ plan where it can run (CPU, a supported model)."""
+    """`decode_layers_reference` through the C++ plan where it can run (CPU, a supported model).
+
+    Rows are independent: a row's arithmetic never depends on the others (per-row norms, rope and
+    attention loops; the packed int kernels are row-invariant), so with `deterministic` (dense GEMMs
+    padded to 16 rows, no single-row kernels) every row gets the same bits in any batch, and prompt
+    rows may be passed too (each with its own key count).
+    """
     plan = plan_for(net) if h.device.type == "cpu" and k_cache.dtype == h.dtype else None
     if plan is None:
         return decode_layers_reference(net, h, slot_mapping, key_slots, seq_lens, tables, k_cache, v_cache, start, end)
     cos = [t[0].contiguous() for t in tables]
     sin = [t[1].contiguous() for t in tables]
-    return plan.run(h.contiguous(), slot_mapping, key_slots, seq_lens, cos, sin, k_cache, v_cache, start, end)
+    return plan.run(h.contiguous(), slot_mapping, key_slots, seq_lens, cos, sin, k_cache, v_cache, start, end,
+                    deterministic)
+
+
+def row_key_slots(meta: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N, L] key slots, [N] visible key counts) of every row of a step: each row sees its sequence's keys
+    up to its own position (prompt chunks and decode rows alike)."""
+    per_seq = decode_key_slots(meta.block_tables, meta.seq_lens, meta.page_size, device)  # [S, L]
+    counts = torch.tensor([b - a for a, b in zip(meta.query_start, meta.query_start[1:])], device=device)
+    rows = torch.repeat_interleave(torch.arange(len(meta.seq_lens), device=device), counts)
+    return per_seq[rows].contiguous(), (meta.positions[: rows.shape[0]] + 1).contiguous()
+
+
+def int8_gemv_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [1, K] @ (codes * scale)^T -> [1, N] bf16: torch's int8 kernel (what `int8_gemv` computes)."""
+    return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), codes, scale)
 
 
 def single_row_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """module(x) for one row through the extension's int8 GEMV (the head of a decode step), or None where
-    it does not apply (another format, a rotation, several rows, no AVX-512 build)."""
+    """module(x) for one row through the VNNI int8 GEMV (a decode step's head), or None where it does not
+    apply (another format, a rotation, several rows, a CPU or build without AVX-512 VNNI)."""
     from superslm.quant.dense import Int8Linear
 
     if x.shape[0] != 1 or x.device.type != "cpu" or type(module) is not Int8Linear or module.rotation is not None:
         return None
     ext = extension()
-    if ext is None or not ext.fast_gemv_available() or module.k_pad != module.in_features:
+    if ext is None or not ext.vnni_available() or module.k_pad != module.in_features or module.k_pad % 64:
         return None
-    y = ext.int8_linear(x.to(torch.bfloat16), module.codes, module.scale)
+    rowsum = getattr(module, "_rowsum", None)
+    if rowsum is None or rowsum.shape[0] != module.codes.shape[0]:
+        rowsum = module._rowsum = ext.int8_rowsum(module.codes)
+    y = ext.int8_gemv(x, module.codes, module.scale, rowsum)
     if module.bias is not None:
         y = y.float() + module.bias
     return y.to(x.dtype)

@@ -16,7 +16,7 @@ from torch import nn
 from superslm.kernels import cpu_decode
 from superslm.kernels.attention import AttnMetadata
 from superslm.kernels.attention_invariant import BLOCK
-from superslm.kernels.cpu_decode import decode_key_slots, decode_layers
+from superslm.kernels.cpu_decode import decode_key_slots, decode_layers, row_key_slots
 from superslm.kernels.dispatch import add_rms_norm, apply_rope, paged_attention, rms_norm, store_kv
 from superslm.kernels.rope import rope_cos_sin
 from superslm.models.arch import Arch
@@ -198,24 +198,35 @@ class Transformer(nn.Module):
         """Layers start..end-1 on the residual stream h [N, dim]; k_cache/v_cache are [layers, slots, kv, D]."""
         end = len(self.layers) if end is None else end
         positions = meta.positions
+        plan = self._plan_step(h, meta, k_cache)
+        if plan:
+            # all layers in one C++ call (kernels/cpu_decode.py): all-decode steps, or every step in
+            # deterministic mode, where its per-row arithmetic makes each row batch-invariant
+            tables = self._rope_tables(positions)
+            tabs = [tables[k] for k in range(max(tables) + 1)] if 0 in tables else [tables[1], tables[1]]
+            if meta.deterministic:
+                key_slots, lens = row_key_slots(meta, h.device)
+            else:
+                key_slots = decode_key_slots(meta.block_tables, meta.seq_lens, meta.page_size, h.device)
+                lens = torch.tensor(meta.seq_lens, dtype=torch.long, device=h.device)
+            return decode_layers(self, h, meta.slot_mapping, key_slots, lens, tabs, k_cache, v_cache, start, end,
+                                 meta.deterministic)
         if meta.deterministic and self.row_multiple > 1:
             # fixed-shape matmuls: every row gets the same bits wherever it sits in the step
             h, positions = pad_rows(h, BLOCK), pad_rows(positions, BLOCK)
         tables = self._rope_tables(positions)
-        if self._fast_decode(h, meta, k_cache):
-            # every row decodes one token: all layers in one C++ call (kernels/cpu_decode.py)
-            key_slots = decode_key_slots(meta.block_tables, meta.seq_lens, meta.page_size, h.device)
-            lens = torch.tensor(meta.seq_lens, dtype=torch.long, device=h.device)
-            tabs = [tables[k] for k in range(max(tables) + 1)] if 0 in tables else [tables[1], tables[1]]
-            return decode_layers(self, h, meta.slot_mapping, key_slots, lens, tabs, k_cache, v_cache, start, end)
         for i in range(start, end):
             h = self.layers[i](h, meta, tables[self._rope_key(i)], k_cache[i], v_cache[i])
         return h
 
-    def _fast_decode(self, h: torch.Tensor, meta: AttnMetadata, k_cache: torch.Tensor) -> bool:
-        if meta.deterministic or meta.lora is not None or h.device.type != "cpu" or not self.fast_decode:
+    def _plan_step(self, h: torch.Tensor, meta: AttnMetadata, k_cache: torch.Tensor) -> bool:
+        """Whether this step runs through the C++ plan: on the CPU, without LoRA; every step in
+        deterministic mode, else only steps where every row decodes one token."""
+        if meta.lora is not None or h.device.type != "cpu" or not self.fast_decode:
             return False
-        if len(meta.seq_lens) != h.shape[0] or h.shape[0] != meta.query_start[-1]:
+        if h.shape[0] != meta.query_start[-1]:
+            return False  # rows padded by a caller
+        if not meta.deterministic and len(meta.seq_lens) != h.shape[0]:
             return False  # some sequence computes a prompt chunk this step
         return cpu_decode.usable(self, h, k_cache)
 
@@ -237,7 +248,7 @@ class Transformer(nn.Module):
             h = pad_rows(h, BLOCK)
         x = self.final_norm(h)
         if not deterministic:
-            # one row: the extension's int8 GEMV reads the head faster than torch's kernel does
+            # one row: the VNNI int8 GEMV reads the head at memory speed (kernels/cpu/gemv.cpp)
             y = cpu_decode.single_row_linear(self.head, x)
             if y is not None:
                 return y.float()

@@ -14,8 +14,10 @@
 #include <vector>
 
 // gemv.cpp
-bool fast_gemv_available();
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale);
+bool vnni_available();
+void set_vnni(bool on);
+at::Tensor int8_rowsum(const at::Tensor& codes);
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& rowsum);
 
 namespace {
 
@@ -52,23 +54,36 @@ struct Lin {
   at::Tensor a, b, bias;
   // block Hadamard rotation of the input (quant/hadamard.py Rotation): signs [kpad], H [block, block]
   at::Tensor signs, hadamard;
+  // int8: sum of each output row's codes, for the VNNI GEMV's offset correction
+  at::Tensor rowsum;
 
-  at::Tensor operator()(const at::Tensor& x) const {
-    if (kind == DENSE_MODULE) return at::linear(x.to(a.scalar_type()), a, bias).to(x.scalar_type());
-    at::Tensor h = x.to(kind == DENSE_FORMAT ? a.scalar_type() : at::kBFloat16);
+  // deterministic: every row gets the same bits whatever the other rows (dense GEMMs and the rotation
+  // see a multiple of 16 rows, as models/transformer.py pads them; no single-row-only kernel)
+  at::Tensor operator()(const at::Tensor& x, bool deterministic) const {
+    const int64_t rows = x.size(0);
+    const bool pad = deterministic && rows % 16 && (kind == DENSE_MODULE || kind == DENSE_FORMAT || signs.defined());
+    at::Tensor xin = pad ? at::constant_pad_nd(x, {0, 0, 0, 16 - rows % 16}) : x;
+    if (kind == DENSE_MODULE) {
+      at::Tensor y = at::linear(xin.to(a.scalar_type()), a, bias).to(x.scalar_type());
+      return pad ? y.narrow(0, 0, rows).contiguous() : y;
+    }
+    at::Tensor h = xin.to(kind == DENSE_FORMAT ? a.scalar_type() : at::kBFloat16);
     if (kpad != in) h = at::constant_pad_nd(h, {0, kpad - in});
     if (signs.defined()) {
       const int64_t block = hadamard.size(0);
       h = at::matmul((h * signs).view({h.size(0), kpad / block, block}), hadamard).view({h.size(0), kpad});
     }
+    if (pad && kind != DENSE_FORMAT) h = h.narrow(0, 0, rows).contiguous();  // int kernels: row-invariant
     at::Tensor y;
     if (kind == INT4) {
       y = at::_weight_int4pack_mm_for_cpu(h, a, group, b);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == INT8) {
-      y = (h.size(0) == 1 && fast_gemv_available()) ? int8_linear(h, a, b) : at::_weight_int8pack_mm(h, a, b);
+      const bool vnni = !deterministic && h.size(0) == 1 && kpad % 64 == 0 && rowsum.defined() && vnni_available();
+      y = vnni ? int8_gemv(h, a, b, rowsum) : at::_weight_int8pack_mm(h, a, b);
     } else {
       y = at::linear(h, a);
+      if (pad) y = y.narrow(0, 0, rows);
     }
     if (bias.defined()) y = y.to(at::kFloat) + bias;
     return y.to(x.scalar_type()).contiguous();
@@ -126,14 +141,20 @@ void rope_rows(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, in
 
 // one query row against its keys key_slots[first:len]: scores, softmax and the value sum in float32
 template <typename T>
-void attend(const T* q, const T* kc, const T* vc, const int64_t* slots, int64_t first, int64_t len, int64_t kvh,
+void attend(const float* q, const T* kc, const T* vc, const int64_t* slots, int64_t first, int64_t len, int64_t kvh,
             int64_t kv_heads, int64_t head_dim, float scale, float* scores, float* acc, T* out) {
   const int64_t row = kv_heads * head_dim;
   float mx = -INFINITY;
   for (int64_t j = first; j < len; ++j) {
     const T* k = kc + slots[j] * row + kvh * head_dim;
+    // 16 lanes summed in a fixed order: vectorizes without reassociating, the same bits every run
+    float lane[16] = {0.f};
+    int64_t d = 0;
+    for (; d + 16 <= head_dim; d += 16)
+      for (int i = 0; i < 16; ++i) lane[i] += q[d + i] * ld(k + d + i);
+    for (; d < head_dim; ++d) lane[d % 16] += q[d] * ld(k + d);
     float s = 0.f;
-    for (int64_t d = 0; d < head_dim; ++d) s += ld(q + d) * ld(k + d);
+    for (int i = 0; i < 16; ++i) s += lane[i];
     s *= scale;
     scores[j - first] = s;
     mx = s > mx ? s : mx;
@@ -191,6 +212,7 @@ class DecodePlan {
       l.out = ints[5 * i + 2];
       l.in = ints[5 * i + 3];
       l.kpad = ints[5 * i + 4];
+      if (l.kind == INT8) l.rowsum = int8_rowsum(l.a);
     }
     p.attn_norm = get(20);
     p.ffn_norm = get(21);
@@ -210,7 +232,7 @@ class DecodePlan {
   // k_cache/v_cache [layers, slots, kv_heads, head_dim] of h's dtype. Runs layers start..end-1.
   at::Tensor run(at::Tensor h, const at::Tensor& slot_mapping, const at::Tensor& key_slots, const at::Tensor& seq_lens,
                  const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin, const at::Tensor& k_cache,
-                 const at::Tensor& v_cache, int64_t start, int64_t end) {
+                 const at::Tensor& v_cache, int64_t start, int64_t end, bool det) {
     TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be a contiguous [B, dim] tensor");
     TORCH_CHECK(k_cache.scalar_type() == h.scalar_type() && v_cache.scalar_type() == h.scalar_type(),
                 "the KV cache must have the model's dtype");
@@ -218,16 +240,16 @@ class DecodePlan {
                     slot_mapping.scalar_type() == at::kLong, "slots and lengths must be int64");
     TORCH_CHECK(start >= 0 && end <= num_layers() && start <= end, "layer range out of bounds");
     if (h.scalar_type() == at::kBFloat16) return run_t<at::BFloat16>(h, slot_mapping, key_slots, seq_lens, cos, sin,
-                                                                        k_cache, v_cache, start, end);
+                                                                        k_cache, v_cache, start, end, det);
     TORCH_CHECK(h.scalar_type() == at::kFloat, "decode layers run in bfloat16 or float32");
-    return run_t<float>(h, slot_mapping, key_slots, seq_lens, cos, sin, k_cache, v_cache, start, end);
+    return run_t<float>(h, slot_mapping, key_slots, seq_lens, cos, sin, k_cache, v_cache, start, end, det);
   }
 
  private:
   template <typename T>
   at::Tensor run_t(at::Tensor h, const at::Tensor& slot_mapping, const at::Tensor& key_slots,
                    const at::Tensor& seq_lens, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                   const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t start, int64_t end) {
+                   const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t start, int64_t end, bool det) {
     const int64_t B = h.size(0), dim = h.size(1), D = head_dim_;
     const int64_t qs = heads_ * D, ks = kv_heads_ * D, groups = heads_ / kv_heads_;
     const int64_t L = key_slots.size(1);
@@ -242,7 +264,7 @@ class DecodePlan {
       const LayerP& p = layers_[i];
       T* hp = h.data_ptr<T>();
       rms_norm_rows<T>(hp, p.attn_norm.data_ptr<T>(), x.data_ptr<T>(), B, dim, dim, dim, eps_, norm_float_);
-      at::Tensor qkv = p.qkv(x);  // [B, qs + 2 ks]
+      at::Tensor qkv = p.qkv(x, det);  // [B, qs + 2 ks]
       T* qkv_p = qkv.data_ptr<T>();
       const int64_t qkv_row = qkv.size(1);
       if (p.q_norm.defined()) {
@@ -270,26 +292,28 @@ class DecodePlan {
       // split across threads only when there is enough work to pay for waking them
       const int64_t grain = (L * D * heads_ < 32768) ? work : 1;
       at::parallel_for(0, work, grain, [&](int64_t lo, int64_t hi) {
-        std::vector<float> scores(L), acc(D);
+        std::vector<float> scores(L), acc(D), qf(D);
         for (int64_t w = lo; w < hi; ++w) {
           const int64_t b = w / kv_heads_, kvh = w % kv_heads_;
           const int64_t len = lens_p[b];
           const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
           for (int64_t g = 0; g < groups; ++g) {
             const int64_t head = kvh * groups + g;
-            attend<T>(qkv_p + b * qkv_row + head * D, kc, vc, slots_p + b * L, first, len, kvh, kv_heads_, D, scale,
-                      scores.data(), acc.data(), attn_p + b * qs + head * D);
+            const T* qh = qkv_p + b * qkv_row + head * D;
+            for (int64_t d = 0; d < D; ++d) qf[d] = ld(qh + d);
+            attend<T>(qf.data(), kc, vc, slots_p + b * L, first, len, kvh, kv_heads_, D, scale, scores.data(),
+                      acc.data(), attn_p + b * qs + head * D);
           }
         }
       });
-      at::Tensor o = p.o(attn);  // [B, dim]
+      at::Tensor o = p.o(attn, det);  // [B, dim]
       T* op = o.data_ptr<T>();
       if (p.post_attn_norm.defined())
         rms_norm_rows<T>(op, p.post_attn_norm.data_ptr<T>(), op, B, dim, dim, dim, eps_, norm_float_);
       hp = h.data_ptr<T>();
       for (int64_t j = 0; j < B * dim; ++j) hp[j] = static_cast<T>(ld(hp + j) + ld(op + j));
       rms_norm_rows<T>(hp, p.ffn_norm.data_ptr<T>(), x.data_ptr<T>(), B, dim, dim, dim, eps_, norm_float_);
-      at::Tensor gu = p.gate_up(x);  // [B, 2 * inter]
+      at::Tensor gu = p.gate_up(x, det);  // [B, 2 * inter]
       const int64_t inter = gu.size(1) / 2;
       at::Tensor act = at::empty({B, inter}, h.options());
       T* gp = gu.data_ptr<T>();
@@ -298,7 +322,7 @@ class DecodePlan {
         for (int64_t j = 0; j < inter; ++j)
           ap[b * inter + j] = static_cast<T>(rnd<T>(act_fn(act_, ld(gp + b * 2 * inter + j))) *
                                              ld(gp + b * 2 * inter + inter + j));
-      at::Tensor y = p.down(act);  // [B, dim]
+      at::Tensor y = p.down(act, det);  // [B, dim]
       T* yp = y.data_ptr<T>();
       if (p.post_ffn_norm.defined())
         rms_norm_rows<T>(yp, p.post_ffn_norm.data_ptr<T>(), yp, B, dim, dim, dim, eps_, norm_float_);
@@ -321,6 +345,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecodePlan::add_layer)
       .def("num_layers", &DecodePlan::num_layers)
       .def("run", &DecodePlan::run, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("fast_gemv_available", &fast_gemv_available);
-  m.def("int8_linear", &int8_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("vnni_available", &vnni_available);
+  m.def("set_vnni", &set_vnni);
+  m.def("int8_rowsum", &int8_rowsum);
+  m.def("int8_gemv", &int8_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
