@@ -105,3 +105,19 @@ def test_adapter_refusals(setup, tmp_path) -> None:
     other_model = superslm.load(tmp_path / "other")
     with pytest.raises(AdapterMismatch):
         other_model.engine(slots=1, context=64).add(Request([3], 2, adapter=model.adapter(base / "a2")))
+
+
+def test_deterministic_mode_with_adapters_mapped(setup) -> None:
+    # one arithmetic for every step while an adapter is mapped: bits equal alone and mixed
+    model, base, _, _, _ = setup
+    a1 = model.adapter(base / "a1")
+    p1, p2 = prompts(2, seed=61, lo=9, hi=21)
+    s = Sampling(logprobs=1, ignore_eos=True)
+    engine = model.engine(slots=4, context=64, deterministic=True)
+    alone_plain = run(engine, [Request(p2, 6, s)])[0]
+    alone_lora = run(engine, [Request(p1, 6, s, adapter=a1)])[0]
+    mixed = run(engine, [Request(p1, 6, s, adapter=a1), Request(p2, 6, s)])
+    assert mixed[0].tokens == alone_lora.tokens and mixed[1].tokens == alone_plain.tokens
+    assert [lp.logprob for lp in mixed[0].logprobs] == [lp.logprob for lp in alone_lora.logprobs]
+    assert [lp.logprob for lp in mixed[1].logprobs] == [lp.logprob for lp in alone_plain.logprobs]
+    a1.unmap()

@@ -126,7 +126,9 @@ class Model:
         from superslm.adapters import load_peft
 
         names = self.source.recipe.layer_names(hf=True)
-        return load_peft(folder, self.arch, dict(names), self.fingerprint, self.dtype, self.device)
+        adapter = load_peft(folder, self.arch, dict(names), self.fingerprint, self.dtype, self.device)
+        self.net.adapters.append(adapter)  # deterministic steps keep one arithmetic while it is mapped
+        return adapter
 
     def tool_calls(self, text: str, tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str | None, list]:
         """Parse model text back into (content, OpenAI-style tool calls [{"name", "arguments"}]) in the

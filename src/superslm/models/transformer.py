@@ -142,6 +142,9 @@ class Transformer(nn.Module):
         self._kinds = sorted({self._rope_key(i) for i in range(n)})
         #: embeddings computed from tokens another way (quant.gguf_map.GGUFEmbedding reads the file's blocks)
         self.embed_rows: nn.Module | None = None
+        #: LoRA adapters mapped onto this model (Model.adapter): while one is mapped, deterministic steps
+        #: all take the torch path, which applies them, so no row's arithmetic depends on its batch
+        self.adapters: list = []
         #: run all-decode steps through the C++ plan where it is built (kernels/cpu_decode.py)
         self.fast_decode = True
 
@@ -228,6 +231,10 @@ class Transformer(nn.Module):
             return False  # rows padded by a caller
         if not meta.deterministic and len(meta.seq_lens) != h.shape[0]:
             return False  # some sequence computes a prompt chunk this step
+        if meta.deterministic:
+            self.adapters = [a for a in self.adapters if not a.unmapped]
+            if self.adapters:
+                return False
         return cpu_decode.usable(self, h, k_cache)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
