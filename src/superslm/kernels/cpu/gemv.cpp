@@ -31,7 +31,21 @@ bool vnni_available() {
 }
 
 // codes int8 [N, K] -> sum over k of each row (int32 [N]): the correction for the +128 offset
-at::Tensor int8_rowsum(const at::Tensor& codes) { return codes.sum(1, /*keepdim=*/false, at::kInt); }
+// (a loop: torch's sum with an int32 result would first copy the whole matrix to int32)
+at::Tensor int8_rowsum(const at::Tensor& codes) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar, "int8_rowsum: codes int8 [N, K]");
+  at::Tensor c = codes.contiguous();
+  const int64_t N = c.size(0), K = c.size(1);
+  at::Tensor out = at::empty({N}, c.options().dtype(at::kInt));
+  const int8_t* cp = c.data_ptr<int8_t>();
+  int32_t* op = out.data_ptr<int32_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    int32_t total = 0;
+    for (int64_t k = 0; k < K; ++k) total += cp[n * K + k];
+    op[n] = total;
+  }
+  return out;
+}
 
 #ifdef SUPERSLM_VNNI
 namespace {
