@@ -67,7 +67,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
-    ap.add_argument("--ablation", action="store_true", help="also time ours without the oneDNN linear kernel")
+    ap.add_argument("--ablation", action="store_true",
+                    help="also time ours without the oneDNN linear kernel, and without the step workers")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object too")
     ns = ap.parse_args()
     if ns.threads:
@@ -76,7 +77,7 @@ def main() -> None:
     import sentence_transformers
     from sentence_transformers import SentenceTransformer
 
-    from superslm.encoders import Encoder, net
+    from superslm.encoders import Encoder, net, workers
     from superslm.encoders.batching import plan
     from superslm.model import resolve_path
 
@@ -118,6 +119,16 @@ def main() -> None:
     if plain is not None:
         batches["superslm (F.linear)"] = batches["superslm"]
         calls["superslm (F.linear)"] = lambda b: plain.embed_batch(b, batch=ns.batch)
+
+        def intra_op(b: list[str]) -> torch.Tensor:
+            workers.USE_WORKERS = False  # the whole step in this thread, operators split across torch's threads
+            try:
+                return ours.embed_batch(b, batch=ns.batch)
+            finally:
+                workers.USE_WORKERS = True
+
+        batches["superslm (intra-op threads)"] = batches["superslm"]
+        calls["superslm (intra-op threads)"] = intra_op
     # to compare the vectors, each system's rows back in input order
     unsort = {n: sorted(range(len(texts)), key=(by_chars if n.startswith("sentence") else by_tokens).__getitem__)
               for n in calls}

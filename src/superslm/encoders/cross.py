@@ -18,6 +18,7 @@ from superslm.encoders.batching import TextTokens, check_texts, pack, plan
 from superslm.encoders.config import BertSpec, cross_activation, max_length, read_json, transformer_dir
 from superslm.encoders.encoder import resolve_dtype
 from superslm.encoders.net import ACTIVATIONS, BertNet, ClassifierHead, Weights, read_tensors
+from superslm.encoders.workers import run_split
 from superslm.errors import InvalidArgument, UnsupportedModel
 
 
@@ -115,11 +116,17 @@ class CrossEncoder:
     def _run(self, ids: list[list[int]], types: list[list[int]], batch: int) -> torch.Tensor:
         out = torch.empty(len(ids), self.num_labels, dtype=torch.float32)
         for indices in plan([len(s) for s in ids], batch):
-            packed = pack(ids, types, indices, self.spec.pos_offset, self.device)
-            # the head reads the first token only: the last layer's feed-forward runs on those rows alone
-            first = self.net(packed, packed.first_rows())
-            out[torch.tensor(packed.order)] = self.head(first).float().cpu()
+            lengths = [len(ids[i]) for i in indices]
+            order, logits = run_split(lambda part: self._logits(ids, types, part), indices, lengths, self.device)
+            out[torch.tensor(order)] = logits.float().cpu()
         return out
+
+    def _logits(
+        self, ids: list[list[int]], types: list[list[int]], indices: list[int]
+    ) -> tuple[list[int], torch.Tensor]:
+        packed = pack(ids, types, indices, self.spec.pos_offset, self.device)
+        # the head reads the first token only: the last layer's feed-forward runs on those rows alone
+        return packed.order, self.head(self.net(packed, packed.first_rows()))
 
     def scores(
         self, query: str, docs: Sequence[str], batch: int = 32, truncate: bool = True

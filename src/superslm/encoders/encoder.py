@@ -18,6 +18,7 @@ from superslm.encoders.batching import TextTokens, check_ids, check_texts, pack,
 from superslm.encoders.config import BertSpec, SentenceSpec, max_length, parse_pooling, read_json, read_sentence_spec
 from superslm.encoders.net import BertNet, Weights, read_tensors
 from superslm.encoders.pooling import Dense, finish, pool
+from superslm.encoders.workers import run_split
 from superslm.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -62,6 +63,12 @@ class BertBody:
         return self.tokens.encode(texts, truncate)
 
     def run(
+        self, ids: Sequence[Sequence[int]], types: Sequence[Sequence[int]] | None, indices: Sequence[int]
+    ) -> tuple[list[int], torch.Tensor]:
+        lengths = [len(ids[i]) for i in indices]
+        return run_split(lambda part: self._run(ids, types, part), indices, lengths, self.device)
+
+    def _run(
         self, ids: Sequence[Sequence[int]], types: Sequence[Sequence[int]] | None, indices: Sequence[int]
     ) -> tuple[list[int], torch.Tensor]:
         packed = pack(ids, types, indices, self.spec.pos_offset, self.device)
