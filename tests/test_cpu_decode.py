@@ -137,3 +137,25 @@ def test_plan_follows_module_swaps(folders) -> None:
     quantize_linears(net, body="int8", head=None)
     assert cpu_decode.plan_for(net) is not first
 
+
+
+@pytest.mark.parametrize("shape", [(300, 64), (4099, 576), (1001, 640), (64, 40)])
+def test_vnni_int8_gemv_equals_torch_kernel(shape) -> None:
+    from superslm.quant.dense import Int8Linear
+
+    n, k = shape
+    g = torch.Generator().manual_seed(n)
+    m = Int8Linear.from_dense(torch.randn(n, k, generator=g))
+    x = (torch.randn(1, k, generator=g) * torch.rand(1, k, generator=g) ** 4).to(torch.bfloat16)  # wide range
+    want = m(x).float()
+    got = cpu_decode.single_row_linear(m, x)
+    ext = cpu_decode.extension()
+    if not ext.vnni_available() or m.k_pad % 64 or m.k_pad != k:
+        assert got is None
+        return
+    assert got is not None and got.dtype == torch.bfloat16
+    assert torch.equal(ext.int8_rowsum(m.codes), m.codes.sum(1, dtype=torch.int32))
+    # two int8 parts carry x to ~1/64516 of its largest element: the result is within bf16 rounding
+    assert ((got.float() - want).abs() <= 2**-7 * want.abs() + 1e-3 * want.abs().max()).all()
+    assert torch.equal(cpu_decode.single_row_linear(m, torch.zeros_like(x)).float(), torch.zeros(1, n))
+    assert cpu_decode.single_row_linear(m, x.repeat(2, 1)) is None
