@@ -50,14 +50,15 @@ def extension() -> Any:
         return None
     src = b"".join(p.read_bytes() for p in _SOURCES)
     # -march=native code must never be reused on another CPU: the name carries the CPU's flags
-    tag = hashlib.sha256(src + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:12]
+    tag = hashlib.sha256(src + _cpu_flags().encode() + torch.__version__.encode() + b"omp").hexdigest()[:12]
     try:
         from torch.utils.cpp_extension import load
 
         _ext = load(
             name=f"superslm_decode_{tag}",
             sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fno-math-errno"],
+            extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, headers missing: the reference still runs
