@@ -159,3 +159,22 @@ def test_vnni_int8_gemv_equals_torch_kernel(shape) -> None:
     assert ((got.float() - want).abs() <= 2**-7 * want.abs() + 1e-3 * want.abs().max()).all()
     assert torch.equal(cpu_decode.single_row_linear(m, torch.zeros_like(x)).float(), torch.zeros(1, n))
     assert cpu_decode.single_row_linear(m, x.repeat(2, 1)) is None
+
+
+@pytest.mark.parametrize("n,k,group", [(64, 128, 32), (960, 576, 32), (192, 512, 64), (128, 256, 128), (64, 512, 256)])
+def test_vnni_int4_gemv_equals_torch_kernel(n: int, k: int, group: int) -> None:
+    from superslm.quant.int4 import Int4Linear
+
+    ext = cpu_decode.extension()
+    g = torch.Generator().manual_seed(k + group)
+    m = Int4Linear.from_dense(torch.randn(n, k, generator=g), group=group)
+    x = (torch.randn(1, m.k_pad, generator=g) * torch.rand(1, m.k_pad, generator=g) ** 4).to(torch.bfloat16)
+    want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, m.qweight, group, m.scales_zeros).float()
+    got = ext.int4_gemv(x, m.qweight, ext.int4_repack_scales(m.scales_zeros), group)
+    if not ext.vnni_available():
+        assert got is None
+        return
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    # every row of the 64-row blocks lands where torch puts it, within bf16 rounding
+    assert ((got.float() - want).abs() <= 2**-7 * want.abs() + 1e-3 * want.abs().max()).all()
+    assert ext.int4_gemv(torch.zeros_like(x), m.qweight, ext.int4_repack_scales(m.scales_zeros), group) is None

@@ -18,6 +18,8 @@ bool vnni_available();
 void set_vnni(bool on);
 at::Tensor int8_rowsum(const at::Tensor& codes);
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& rowsum);
+at::Tensor int4_repack_scales(const at::Tensor& scales_zeros);
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sm, int64_t group);
 
 namespace {
 
@@ -56,6 +58,8 @@ struct Lin {
   at::Tensor signs, hadamard;
   // int8: sum of each output row's codes, for the VNNI GEMV's offset correction
   at::Tensor rowsum;
+  // int4: scales and z - 8 s in the VNNI GEMV's lane order (float32 [N / 64, groups, 2, 64])
+  at::Tensor sm;
 
   // deterministic: every row gets the same bits whatever the other rows (dense GEMMs and the rotation
   // see a multiple of 16 rows, as models/transformer.py pads them; no single-row-only kernel)
@@ -76,7 +80,8 @@ struct Lin {
     if (pad && kind != DENSE_FORMAT) h = h.narrow(0, 0, rows).contiguous();  // int kernels: row-invariant
     at::Tensor y;
     if (kind == INT4) {
-      y = at::_weight_int4pack_mm_for_cpu(h, a, group, b);
+      if (!deterministic && h.size(0) == 1 && sm.defined()) y = int4_gemv(h, a, sm, group);
+      if (!y.defined()) y = at::_weight_int4pack_mm_for_cpu(h, a, group, b);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == INT8) {
       const bool vnni = !deterministic && h.size(0) == 1 && kpad % 64 == 0 && rowsum.defined() && vnni_available();
@@ -213,6 +218,7 @@ class DecodePlan {
       l.in = ints[5 * i + 3];
       l.kpad = ints[5 * i + 4];
       if (l.kind == INT8) l.rowsum = int8_rowsum(l.a);
+      if (l.kind == INT4 && l.group % 4 == 0 && vnni_available()) l.sm = int4_repack_scales(l.b);
     }
     p.attn_norm = get(20);
     p.ffn_norm = get(21);
@@ -349,4 +355,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_vnni", &set_vnni);
   m.def("int8_rowsum", &int8_rowsum);
   m.def("int8_gemv", &int8_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int4_repack_scales", &int4_repack_scales);
+  m.def("int4_gemv", &int4_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

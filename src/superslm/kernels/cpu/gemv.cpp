@@ -138,3 +138,121 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return at::_weight_int8pack_mm(x.to(at::kBFloat16), codes, scale);
 #endif
 }
+
+// ---- int4 (torch's packed CPU layout, groups of 32..256) -------------------------------------------
+//
+// qweight [N, K / 2] as `_convert_weight_to_int4pack_for_cpu` lays it out: per block of 64 rows and per
+// k, 32 bytes; byte j holds row j (low nibble) and row j + 32 (high). Four k of one row become one
+// 32-bit VNNI lane by byte/word unpacks, so each dpbusd multiplies 16 rows x 4 k of codes (0..15,
+// unsigned) by the int8 parts of x. Per group: y += s * (sum c x - 8 sum x) + z * sum x, with s and
+// m = z - 8 s repacked once per linear into the lanes' row order (`int4_repack_scales`).
+
+namespace {
+// the row (within a block of 64) held by lane i of the four accumulators (lo nibbles q01, q23; hi q01, q23)
+int lane_row(int acc, int lane) {
+  static const int base01[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  const int r = base01[lane] + ((acc & 1) ? 8 : 0);
+  return r + ((acc & 2) ? 32 : 0);
+}
+}  // namespace
+
+// scales_zeros [G, N, 2] bf16 (N % 64 == 0) -> float32 [N / 64, G, 2, 64]: s and z - 8 s per lane order
+at::Tensor int4_repack_scales(const at::Tensor& scales_zeros) {
+  TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.size(2) == 2 && scales_zeros.size(1) % 64 == 0,
+              "int4_repack_scales: [groups, N, 2] with N % 64 == 0");
+  at::Tensor sz = scales_zeros.to(at::kFloat).contiguous();
+  const int64_t G = sz.size(0), N = sz.size(1);
+  at::Tensor out = at::empty({N / 64, G, 2, 64}, sz.options());
+  const float* sp = sz.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t b = 0; b < N / 64; ++b)
+    for (int64_t g = 0; g < G; ++g)
+      for (int acc = 0; acc < 4; ++acc)
+        for (int lane = 0; lane < 16; ++lane) {
+          const int64_t n = b * 64 + lane_row(acc, lane);
+          const float s = sp[(g * N + n) * 2], z = sp[(g * N + n) * 2 + 1];
+          float* dst = op + ((b * G + g) * 2) * 64 + acc * 16 + lane;
+          dst[0] = s;
+          dst[64] = z - 8.f * s;
+        }
+  return out;
+}
+
+// x [1, K] -> [1, N] bf16 for int4 weights in torch's packed layout (K % group == 0, group % 4 == 0)
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sm, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && qweight.dim() == 2 && qweight.size(1) * 2 == x.size(1),
+              "int4_gemv: one row of K against packed codes [N, K / 2]");
+  const int64_t K = x.size(1), N = qweight.size(0), G = K / group;
+  TORCH_CHECK(N % 64 == 0 && K % group == 0 && group % 4 == 0 && sm.size(0) == N / 64 && sm.size(1) == G,
+              "int4_gemv: shapes of the packed codes and repacked scales do not match");
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xp[k]));
+  if (amax == 0.f || !std::isfinite(amax) || !vnni_available()) return at::Tensor();  // caller falls back
+#ifdef SUPERSLM_VNNI
+  const float sh = amax / 127.f, sl = sh / 254.f;
+  std::vector<int8_t> hi(K), lo(K);
+  std::vector<float> gsum(G, 0.f);
+  for (int64_t k = 0; k < K; ++k) {
+    const float qh = std::nearbyint(xp[k] / sh);
+    const float ql = std::max(-127.f, std::min(127.f, std::nearbyint((xp[k] - qh * sh) / sl)));
+    hi[k] = static_cast<int8_t>(qh);
+    lo[k] = static_cast<int8_t>(ql);
+    gsum[k / group] += xp[k];
+  }
+  at::Tensor out = at::empty({1, N}, x.options().dtype(at::kBFloat16));
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const float* smp = sm.data_ptr<float>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int32_t* hi4 = reinterpret_cast<const int32_t*>(hi.data());
+  const int32_t* lo4 = reinterpret_cast<const int32_t*>(lo.data());
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+  at::parallel_for(0, N / 64, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* blk = wp + b * K * 32;  // [K][32] bytes of this block
+      __m512 y[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t g = 0; g < G; ++g) {
+        __m512i ah[4], al[4];
+        for (int a = 0; a < 4; ++a) ah[a] = al[a] = _mm512_setzero_si512();
+        for (int64_t k = g * group; k < (g + 1) * group; k += 4) {
+          const __m256i B0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + k * 32));
+          const __m256i B1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (k + 1) * 32));
+          const __m256i B2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (k + 2) * 32));
+          const __m256i B3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (k + 3) * 32));
+          const __m256i t01l = _mm256_unpacklo_epi8(B0, B1), t01h = _mm256_unpackhi_epi8(B0, B1);
+          const __m256i t23l = _mm256_unpacklo_epi8(B2, B3), t23h = _mm256_unpackhi_epi8(B2, B3);
+          const __m512i q01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(t01l, t23l)),
+                                                 _mm256_unpackhi_epi16(t01l, t23l), 1);
+          const __m512i q23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(t01h, t23h)),
+                                                 _mm256_unpackhi_epi16(t01h, t23h), 1);
+          const __m512i c[4] = {_mm512_and_si512(q01, nib), _mm512_and_si512(q23, nib),
+                                _mm512_and_si512(_mm512_srli_epi16(q01, 4), nib),
+                                _mm512_and_si512(_mm512_srli_epi16(q23, 4), nib)};
+          const __m512i xh = _mm512_set1_epi32(hi4[k / 4]), xl = _mm512_set1_epi32(lo4[k / 4]);
+          for (int a = 0; a < 4; ++a) {
+            ah[a] = _mm512_dpbusd_epi32(ah[a], c[a], xh);
+            al[a] = _mm512_dpbusd_epi32(al[a], c[a], xl);
+          }
+        }
+        const float* s = smp + ((b * G + g) * 2) * 64;
+        const __m512 gs = _mm512_set1_ps(gsum[g]);
+        for (int a = 0; a < 4; ++a) {
+          const __m512 d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ah[a]), _mm512_set1_ps(sh),
+                                           _mm512_mul_ps(_mm512_cvtepi32_ps(al[a]), _mm512_set1_ps(sl)));
+          y[a] = _mm512_fmadd_ps(_mm512_loadu_ps(s + a * 16), d, y[a]);
+          y[a] = _mm512_fmadd_ps(_mm512_loadu_ps(s + 64 + a * 16), gs, y[a]);
+        }
+      }
+      for (int a = 0; a < 4; ++a) {
+        alignas(64) float v[16];
+        _mm512_store_ps(v, y[a]);
+        for (int lane = 0; lane < 16; ++lane) op[b * 64 + lane_row(a, lane)] = static_cast<at::BFloat16>(v[lane]);
+      }
+    }
+  });
+  return out;
+#else
+  return at::Tensor();
+#endif
+}
