@@ -58,7 +58,7 @@ struct Lin {
   at::Tensor signs, hadamard;
   // int8: sum of each output row's codes, for the VNNI GEMV's offset correction
   at::Tensor rowsum;
-  // int4: scales and z - 8 s in the VNNI GEMV's lane order (float32 [N / 64, groups, 2, 64])
+  // int4: scales and zeros in the VNNI GEMV's lane order (bf16 [N / 64, groups, 2, 64])
   at::Tensor sm;
 
   // deterministic: every row gets the same bits whatever the other rows (dense GEMMs and the rotation

@@ -145,9 +145,17 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // k, 32 bytes; byte j holds row j (low nibble) and row j + 32 (high). Four k of one row become one
 // 32-bit VNNI lane by byte/word unpacks, so each dpbusd multiplies 16 rows x 4 k of codes (0..15,
 // unsigned) by the int8 parts of x. Per group: y += s * (sum c x - 8 sum x) + z * sum x, with s and
-// m = z - 8 s repacked once per linear into the lanes' row order (`int4_repack_scales`).
+// z repacked once per linear into the lanes' row order (`int4_repack_scales`).
 
 namespace {
+#ifdef SUPERSLM_VNNI
+// 16 bf16 -> 16 float32 (a bf16 is the top half of a float)
+inline __m512 bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+
 // the row (within a block of 64) held by lane i of the four accumulators (lo nibbles q01, q23; hi q01, q23)
 int lane_row(int acc, int lane) {
   static const int base01[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
@@ -156,24 +164,24 @@ int lane_row(int acc, int lane) {
 }
 }  // namespace
 
-// scales_zeros [G, N, 2] bf16 (N % 64 == 0) -> float32 [N / 64, G, 2, 64]: s and z - 8 s per lane order
+// scales_zeros [G, N, 2] bf16 (N % 64 == 0) -> bf16 [N / 64, G, 2, 64]: s and z in the lanes' row order
+// (bf16 as given: the kernel reads as many scale bytes as torch's does, and rounds nothing new)
 at::Tensor int4_repack_scales(const at::Tensor& scales_zeros) {
-  TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.size(2) == 2 && scales_zeros.size(1) % 64 == 0,
-              "int4_repack_scales: [groups, N, 2] with N % 64 == 0");
-  at::Tensor sz = scales_zeros.to(at::kFloat).contiguous();
+  TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.size(2) == 2 && scales_zeros.size(1) % 64 == 0 &&
+                  scales_zeros.scalar_type() == at::kBFloat16, "int4_repack_scales: bf16 [groups, N, 2], N % 64 == 0");
+  at::Tensor sz = scales_zeros.contiguous();
   const int64_t G = sz.size(0), N = sz.size(1);
   at::Tensor out = at::empty({N / 64, G, 2, 64}, sz.options());
-  const float* sp = sz.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const at::BFloat16* sp = sz.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
   for (int64_t b = 0; b < N / 64; ++b)
     for (int64_t g = 0; g < G; ++g)
       for (int acc = 0; acc < 4; ++acc)
         for (int lane = 0; lane < 16; ++lane) {
           const int64_t n = b * 64 + lane_row(acc, lane);
-          const float s = sp[(g * N + n) * 2], z = sp[(g * N + n) * 2 + 1];
-          float* dst = op + ((b * G + g) * 2) * 64 + acc * 16 + lane;
-          dst[0] = s;
-          dst[64] = z - 8.f * s;
+          at::BFloat16* dst = op + ((b * G + g) * 2) * 64 + acc * 16 + lane;
+          dst[0] = sp[(g * N + n) * 2];
+          dst[64] = sp[(g * N + n) * 2 + 1];
         }
   return out;
 }
@@ -203,7 +211,8 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
   }
   at::Tensor out = at::empty({1, N}, x.options().dtype(at::kBFloat16));
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
-  const float* smp = sm.data_ptr<float>();
+  TORCH_CHECK(sm.scalar_type() == at::kBFloat16, "int4_gemv: repacked scales are bf16");
+  const uint16_t* smp = reinterpret_cast<const uint16_t*>(sm.data_ptr<at::BFloat16>());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int32_t* hi4 = reinterpret_cast<const int32_t*>(hi.data());
   const int32_t* lo4 = reinterpret_cast<const int32_t*>(lo.data());
@@ -235,13 +244,14 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
             al[a] = _mm512_dpbusd_epi32(al[a], c[a], xl);
           }
         }
-        const float* s = smp + ((b * G + g) * 2) * 64;
-        const __m512 gs = _mm512_set1_ps(gsum[g]);
+        const uint16_t* s = smp + ((b * G + g) * 2) * 64;
+        const __m512 gs = _mm512_set1_ps(gsum[g]), g8 = _mm512_set1_ps(8.f * gsum[g]);
         for (int a = 0; a < 4; ++a) {
+          // sum (c - 8) x = sum c x - 8 sum x; then y += s * that + z * sum x
           const __m512 d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ah[a]), _mm512_set1_ps(sh),
                                            _mm512_mul_ps(_mm512_cvtepi32_ps(al[a]), _mm512_set1_ps(sl)));
-          y[a] = _mm512_fmadd_ps(_mm512_loadu_ps(s + a * 16), d, y[a]);
-          y[a] = _mm512_fmadd_ps(_mm512_loadu_ps(s + 64 + a * 16), gs, y[a]);
+          y[a] = _mm512_fmadd_ps(bf16x16(s + a * 16), _mm512_sub_ps(d, g8), y[a]);
+          y[a] = _mm512_fmadd_ps(bf16x16(s + 64 + a * 16), gs, y[a]);
         }
       }
       for (int a = 0; a < 4; ++a) {
