@@ -54,6 +54,14 @@ def extension() -> Any:
     try:
         from torch.utils.cpp_extension import load
 
+        try:  # the `ninja` wheel's binary, for interpreters run without their venv activated
+            import ninja
+
+            if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+                os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+
         _ext = load(
             name=f"superslm_decode_{tag}",
             sources=[str(p) for p in _SOURCES],
