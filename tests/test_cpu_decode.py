@@ -80,10 +80,9 @@ def _three_ways(net: Transformer, lengths: list[int]) -> tuple[torch.Tensor, tor
                 continue
             tables = net._rope_tables(meta.positions)
             tabs = [tables.get(k, tables[max(tables)]) for k in range(2)]
-            key_slots = cpu_decode.decode_key_slots(meta.block_tables, meta.seq_lens, PS, h.device)
-            lens = torch.tensor(meta.seq_lens)
+            key_slots, row_seq, lens = cpu_decode.row_key_slots(meta, h.device)
             fn = cpu_decode.decode_layers_reference if way == "reference" else cpu_decode.decode_layers
-            outs.append(fn(net, h, meta.slot_mapping, key_slots, lens, tabs, kv.k, kv.v, 0, len(net.layers)))
+            outs.append(fn(net, h, meta.slot_mapping, key_slots, row_seq, lens, tabs, kv.k, kv.v, 0, len(net.layers)))
     return outs[0], outs[1], outs[2]
 
 
@@ -177,4 +176,49 @@ def test_vnni_int4_gemv_equals_torch_kernel(n: int, k: int, group: int) -> None:
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     # every row of the 64-row blocks lands where torch puts it, within bf16 rounding
     assert ((got.float() - want).abs() <= 2**-7 * want.abs() + 1e-3 * want.abs().max()).all()
-    assert ext.int4_gemv(torch.zeros_like(x), m.qweight, ext.int4_repack_scales(m.scales_zeros), group) is None
+    zero = ext.int4_gemv(torch.zeros_like(x), m.qweight, ext.int4_repack_scales(m.scales_zeros), group)
+    assert torch.equal(zero.float(), torch.zeros_like(want))
+    # a NaN anywhere goes to torch's kernel (None here), never into the integer parts
+    bad = x.clone()
+    bad[0, 3] = float("nan")
+    assert ext.int4_gemv(bad, m.qweight, ext.int4_repack_scales(m.scales_zeros), group) is None
+
+
+def test_vnni_int8_falls_back_on_nan_and_outliers() -> None:
+    from superslm.quant.dense import Int8Linear
+
+    g = torch.Generator().manual_seed(3)
+    m = Int8Linear.from_dense(torch.randn(256, 512, generator=g))
+    x = (torch.randn(1, 512, generator=g) * 0.05).to(torch.bfloat16)
+    x[0, 7] = 2000.0  # one massive activation: the split's error would swamp the small ones
+    assert torch.equal(cpu_decode.single_row_linear(m, x).float(), m(x).float())  # torch's kernel, bit for bit
+    nan = x.clone()
+    nan[0, 1:] = float("nan")
+    assert torch.isnan(cpu_decode.single_row_linear(m, nan)).all()
+
+
+def test_plan_only_for_bf16_and_fp32_and_rebuilt_after_to(folders) -> None:
+    src = open_source(folders["llama"])
+    net = Transformer(src.arch, materialize(src, torch.float32))
+    kv = torch.zeros(1, 1, 1, 1)
+    assert cpu_decode.usable(net, torch.zeros(1, 2), kv)
+    first = cpu_decode.plan_for(net)
+    net.to(torch.bfloat16)
+    assert cpu_decode.plan_for(net) is not first
+    half = torch.zeros(1, 2, dtype=torch.float16)
+    assert not cpu_decode.usable(net, half, kv.half())
+
+
+def test_plan_refuses_out_of_range_inputs(folders) -> None:
+    src = open_source(folders["llama"])
+    net = Transformer(src.arch, materialize(src, torch.float32))
+    kv, meta, toks = _prefilled(net, [3, 5])
+    plan = cpu_decode.plan_for(net)
+    h = net.embed(toks)
+    key_slots, row_seq, lens = cpu_decode.row_key_slots(meta, h.device)
+    tabs = [net._rope_tables(meta.positions)[0]]
+    args = [h, meta.slot_mapping, key_slots, row_seq, lens, [tabs[0][0]], [tabs[0][1]], kv.k, kv.v, 0, 1, False]
+    plan.run(*args)
+    for i, bad in ((4, lens + key_slots.shape[1]), (1, meta.slot_mapping + 10**6), (3, row_seq + 5)):
+        with pytest.raises(RuntimeError):
+            plan.run(*[bad if j == i else a for j, a in enumerate(args)])

@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType, quants
 
 import superslm
 from superslm.cache.kv import KVCache
+from superslm.errors import TokenOutOfRange
 from superslm.kernels.attention import AttnMetadata
 from superslm.models.llama import unpermute_qk
 from superslm.quant import (
@@ -121,3 +122,5 @@ def test_embedding_rows_come_from_the_file(smollm2_gguf) -> None:
     ids = torch.tensor([0, 7, 49151, 7, 12345])
     assert torch.equal(net.embed(ids), dense[ids])
     assert net.embed(ids[:0]).shape == (0, net.arch.dim)
+    with pytest.raises(TokenOutOfRange):
+        net.embed(torch.tensor([-1]))

@@ -108,7 +108,7 @@ def _linears(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
 
 def build_plan(net: Any) -> Any:
     """The extension's DecodePlan for a Transformer, or None when a layer uses something it lacks
-    (rotated linears, formats it does not know, no extension)."""
+    (a format it does not know, e.g. ConcatLinear; an activation it does not know; no extension)."""
     ext = extension()
     if ext is None:
         return None
@@ -170,6 +170,7 @@ def decode_layers_reference(
     h: torch.Tensor,
     slot_mapping: torch.Tensor,
     key_slots: torch.Tensor,
+    row_seq: torch.Tensor,
     seq_lens: torch.Tensor,
     tables: list[tuple[torch.Tensor, torch.Tensor]],
     k_cache: torch.Tensor,
@@ -179,8 +180,9 @@ def decode_layers_reference(
 ) -> torch.Tensor:
     """Layers start..end-1 for rows that each decode one token (torch ops, one row's attention at a time).
 
-    h [B, dim]; slot_mapping [B]; key_slots [B, L]; seq_lens [B] keys visible to each row; tables[kind] =
-    (cos, sin) [B, rotary_dim]; caches [layers, slots, kv_heads, head_dim].
+    h [B, dim]; slot_mapping [B]; key_slots [S, L] each sequence's key slots; row_seq [B] each row's
+    sequence; seq_lens [B] keys visible to each row; tables[kind] = (cos, sin) [B, rotary_dim]; caches
+    [layers, slots, kv_heads, head_dim].
     """
     a = net.arch
     n = h.shape[0]
@@ -203,7 +205,7 @@ def decode_layers_reference(
         for b in range(n):
             length = int(seq_lens[b])
             first = max(0, length - window) if window is not None else 0
-            slots = key_slots[b, first:length]
+            slots = key_slots[int(row_seq[b]), first:length]
             kk = k_cache[i][slots].float().transpose(0, 1).repeat_interleave(g, 0)  # [heads, keys, D]
             vv = v_cache[i][slots].float().transpose(0, 1).repeat_interleave(g, 0)
             p = torch.softmax((kk @ q[b].float()[:, :, None])[..., 0] * a.attn_scale, -1)  # [heads, keys]
@@ -227,6 +229,7 @@ def decode_layers(
     h: torch.Tensor,
     slot_mapping: torch.Tensor,
     key_slots: torch.Tensor,
+    row_seq: torch.Tensor,
     seq_lens: torch.Tensor,
     tables: list[tuple[torch.Tensor, torch.Tensor]],
     k_cache: torch.Tensor,
@@ -244,20 +247,21 @@ def decode_layers(
     """
     plan = plan_for(net) if h.device.type == "cpu" and k_cache.dtype == h.dtype else None
     if plan is None:
-        return decode_layers_reference(net, h, slot_mapping, key_slots, seq_lens, tables, k_cache, v_cache, start, end)
+        return decode_layers_reference(net, h, slot_mapping, key_slots, row_seq, seq_lens, tables, k_cache, v_cache,
+                                       start, end)
     cos = [t[0].contiguous() for t in tables]
     sin = [t[1].contiguous() for t in tables]
-    return plan.run(h.contiguous(), slot_mapping, key_slots, seq_lens, cos, sin, k_cache, v_cache, start, end,
-                    deterministic)
+    return plan.run(h.contiguous(), slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache, start,
+                    end, deterministic)
 
 
-def row_key_slots(meta: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """([N, L] key slots, [N] visible key counts) of every row of a step: each row sees its sequence's keys
-    up to its own position (prompt chunks and decode rows alike)."""
+def row_key_slots(meta: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """([S, L] key slots of each sequence, [N] each row's sequence, [N] visible key counts) of a step: a row
+    sees its sequence's keys up to its own position (prompt chunks and decode rows alike)."""
     per_seq = decode_key_slots(meta.block_tables, meta.seq_lens, meta.page_size, device)  # [S, L]
     counts = torch.tensor([b - a for a, b in zip(meta.query_start, meta.query_start[1:])], device=device)
     rows = torch.repeat_interleave(torch.arange(len(meta.seq_lens), device=device), counts)
-    return per_seq[rows].contiguous(), (meta.positions[: rows.shape[0]] + 1).contiguous()
+    return per_seq, rows, (meta.positions[: rows.shape[0]] + 1).contiguous()
 
 
 def int8_gemv_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -285,6 +289,11 @@ def single_row_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor 
 
 
 def usable(net: Any, h: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the C++ plan runs this model's decode steps here (CPU, cache in the model dtype, extension built)."""
-    return h.device.type == "cpu" and k_cache.dtype == h.dtype and plan_for(net) is not None
+    """Whether the C++ plan runs this model's steps here: CPU, bf16 or fp32 with the cache in that dtype,
+    the extension built, and no request for the torch kernels (SUPERSLM_KERNELS=torch)."""
+    if h.device.type != "cpu" or h.dtype not in (torch.float32, torch.bfloat16) or k_cache.dtype != h.dtype:
+        return False
+    if os.environ.get("SUPERSLM_KERNELS", "auto") == "torch":
+        return False
+    return plan_for(net) is not None
 

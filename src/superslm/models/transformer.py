@@ -16,7 +16,7 @@ from torch import nn
 from superslm.kernels import cpu_decode
 from superslm.kernels.attention import AttnMetadata
 from superslm.kernels.attention_invariant import BLOCK
-from superslm.kernels.cpu_decode import decode_key_slots, decode_layers, row_key_slots
+from superslm.kernels.cpu_decode import decode_layers, row_key_slots
 from superslm.kernels.dispatch import add_rms_norm, apply_rope, paged_attention, rms_norm, store_kv
 from superslm.kernels.rope import rope_cos_sin
 from superslm.models.arch import Arch
@@ -148,6 +148,11 @@ class Transformer(nn.Module):
         #: run all-decode steps through the C++ plan where it is built (kernels/cpu_decode.py)
         self.fast_decode = True
 
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def, override]
+        # .to() / .float() replace the tensors the C++ plan holds: build it again on next use
+        self._decode_plan = None
+        return super()._apply(fn, recurse)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_weight.dtype
@@ -207,13 +212,9 @@ class Transformer(nn.Module):
             # deterministic mode, where its per-row arithmetic makes each row batch-invariant
             tables = self._rope_tables(positions)
             tabs = [tables[k] for k in range(max(tables) + 1)] if 0 in tables else [tables[1], tables[1]]
-            if meta.deterministic:
-                key_slots, lens = row_key_slots(meta, h.device)
-            else:
-                key_slots = decode_key_slots(meta.block_tables, meta.seq_lens, meta.page_size, h.device)
-                lens = torch.tensor(meta.seq_lens, dtype=torch.long, device=h.device)
-            return decode_layers(self, h, meta.slot_mapping, key_slots, lens, tabs, k_cache, v_cache, start, end,
-                                 meta.deterministic)
+            key_slots, row_seq, lens = row_key_slots(meta, h.device)
+            return decode_layers(self, h, meta.slot_mapping, key_slots, row_seq, lens, tabs, k_cache, v_cache, start,
+                                 end, meta.deterministic)
         if meta.deterministic and self.row_multiple > 1:
             # fixed-shape matmuls: every row gets the same bits wherever it sits in the step
             h, positions = pad_rows(h, BLOCK), pad_rows(positions, BLOCK)
@@ -229,7 +230,7 @@ class Transformer(nn.Module):
             return False
         if h.shape[0] != meta.query_start[-1]:
             return False  # rows padded by a caller
-        if not meta.deterministic and len(meta.seq_lens) != h.shape[0]:
+        if not meta.deterministic and any(b - a != 1 for a, b in zip(meta.query_start, meta.query_start[1:])):
             return False  # some sequence computes a prompt chunk this step
         if meta.deterministic:
             self.adapters = [a for a in self.adapters if not a.unmapped]

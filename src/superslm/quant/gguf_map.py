@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from superslm.errors import InvalidArgument
+from superslm.errors import InvalidArgument, TokenOutOfRange
 from superslm.formats.blocks import BlockType, Int4BlockType
 from superslm.quant.base import LinearFormat, dequantize_gguf, format_class, load_linear, register_format
 from superslm.quant.int4 import GGUFInt4Linear
@@ -80,6 +80,8 @@ class GGUFEmbedding(torch.nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [N] -> embeddings [N, dim] in the model dtype, on the tokens' device."""
         idx = tokens.detach().to("cpu", torch.long).numpy()
+        if idx.size and (idx.min() < 0 or idx.max() >= self.vocab):
+            raise TokenOutOfRange(f"token ids must be in 0..{self.vocab - 1}")
         raw = np.ascontiguousarray(self.rows[idx]).reshape(-1)
         values = torch.from_numpy(self.block_type.dequantize(raw)).view(len(idx), self.dim)
         if self.fix is not None:

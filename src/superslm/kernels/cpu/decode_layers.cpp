@@ -233,28 +233,53 @@ class DecodePlan {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // h [B, dim]; slot_mapping [B]; key_slots [B, L] (each row's key slots in position order);
-  // seq_lens [B] (keys visible to each row: its position + 1); cos/sin per rope kind [B, rot];
-  // k_cache/v_cache [layers, slots, kv_heads, head_dim] of h's dtype. Runs layers start..end-1.
-  at::Tensor run(at::Tensor h, const at::Tensor& slot_mapping, const at::Tensor& key_slots, const at::Tensor& seq_lens,
-                 const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin, const at::Tensor& k_cache,
-                 const at::Tensor& v_cache, int64_t start, int64_t end, bool det) {
-    TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be a contiguous [B, dim] tensor");
-    TORCH_CHECK(k_cache.scalar_type() == h.scalar_type() && v_cache.scalar_type() == h.scalar_type(),
-                "the KV cache must have the model's dtype");
-    TORCH_CHECK(key_slots.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
-                    slot_mapping.scalar_type() == at::kLong, "slots and lengths must be int64");
+  // h [B, dim]; slot_mapping [B]; key_slots [S, L] (each sequence's key slots in position order) and
+  // row_seq [B] (the sequence of each row); seq_lens [B] (keys visible to each row: its position + 1);
+  // cos/sin per rope kind [B, rot]; k_cache/v_cache [layers, slots, kv_heads, head_dim] of h's dtype.
+  // Runs layers start..end-1.
+  at::Tensor run(at::Tensor h, const at::Tensor& slot_mapping, const at::Tensor& key_slots, const at::Tensor& row_seq,
+                 const at::Tensor& seq_lens, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                 const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t start, int64_t end, bool det) {
+    TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.size(1) > 0, "h must be a contiguous [B, dim] tensor");
+    const int64_t B = h.size(0);
+    TORCH_CHECK(k_cache.scalar_type() == h.scalar_type() && v_cache.scalar_type() == h.scalar_type() &&
+                    k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                    k_cache.dim() == 4 && k_cache.size(0) >= num_layers() && k_cache.size(2) == kv_heads_ &&
+                    k_cache.size(3) == head_dim_, "the KV caches must be contiguous [layers, slots, kv, D] of h's dtype");
+    for (const at::Tensor* t : {&key_slots, &row_seq, &seq_lens, &slot_mapping})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "slots, rows and lengths must be int64");
+    TORCH_CHECK(key_slots.dim() == 2 && row_seq.numel() == B && seq_lens.numel() == B && slot_mapping.numel() == B,
+                "one slot, sequence and length per row");
+    TORCH_CHECK(cos.size() == sin.size() && !cos.empty(), "cos and sin per rope kind");
+    for (size_t i = 0; i < cos.size(); ++i)
+      TORCH_CHECK(cos[i].scalar_type() == h.scalar_type() && cos[i].is_contiguous() && sin[i].is_contiguous() &&
+                      cos[i].dim() == 2 && cos[i].size(0) == B && cos[i].size(1) == rot_ && sin[i].sizes() == cos[i].sizes(),
+                  "cos/sin must be [B, rotary_dim] of h's dtype");
+    for (const LayerP& p : layers_) TORCH_CHECK(p.rope_kind < static_cast<int64_t>(cos.size()), "a rope kind is missing");
     TORCH_CHECK(start >= 0 && end <= num_layers() && start <= end, "layer range out of bounds");
-    if (h.scalar_type() == at::kBFloat16) return run_t<at::BFloat16>(h, slot_mapping, key_slots, seq_lens, cos, sin,
-                                                                        k_cache, v_cache, start, end, det);
+    if (B > 0) {
+      // every index the loops follow stays inside its buffer
+      const int64_t slots = k_cache.size(1), L = key_slots.size(1);
+      TORCH_CHECK(slot_mapping.min().item<int64_t>() >= 0 && slot_mapping.max().item<int64_t>() < slots,
+                  "slot_mapping outside the cache");
+      TORCH_CHECK(row_seq.min().item<int64_t>() >= 0 && row_seq.max().item<int64_t>() < key_slots.size(0),
+                  "row_seq outside key_slots");
+      TORCH_CHECK(seq_lens.min().item<int64_t>() >= 1 && seq_lens.max().item<int64_t>() <= L,
+                  "seq_lens must be in 1..key_slots.size(1)");
+      TORCH_CHECK(key_slots.numel() == 0 || (key_slots.min().item<int64_t>() >= 0 && key_slots.max().item<int64_t>() < slots),
+                  "key_slots outside the cache");
+    }
+    if (h.scalar_type() == at::kBFloat16)
+      return run_t<at::BFloat16>(h, slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache, start, end,
+                                 det);
     TORCH_CHECK(h.scalar_type() == at::kFloat, "decode layers run in bfloat16 or float32");
-    return run_t<float>(h, slot_mapping, key_slots, seq_lens, cos, sin, k_cache, v_cache, start, end, det);
+    return run_t<float>(h, slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache, start, end, det);
   }
 
  private:
   template <typename T>
   at::Tensor run_t(at::Tensor h, const at::Tensor& slot_mapping, const at::Tensor& key_slots,
-                   const at::Tensor& seq_lens, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                   const at::Tensor& row_seq, const at::Tensor& seq_lens, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
                    const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t start, int64_t end, bool det) {
     const int64_t B = h.size(0), dim = h.size(1), D = head_dim_;
     const int64_t qs = heads_ * D, ks = kv_heads_ * D, groups = heads_ / kv_heads_;
@@ -264,6 +289,7 @@ class DecodePlan {
     at::Tensor attn = at::empty({B, qs}, h.options());
     const int64_t* slots_p = key_slots.data_ptr<int64_t>();
     const int64_t* lens_p = seq_lens.data_ptr<int64_t>();
+    const int64_t* rows_p = row_seq.data_ptr<int64_t>();
     const int64_t* map_p = slot_mapping.data_ptr<int64_t>();
     const int64_t cache_row = ks;
     for (int64_t i = start; i < end; ++i) {
@@ -307,7 +333,7 @@ class DecodePlan {
             const int64_t head = kvh * groups + g;
             const T* qh = qkv_p + b * qkv_row + head * D;
             for (int64_t d = 0; d < D; ++d) qf[d] = ld(qh + d);
-            attend<T>(qf.data(), kc, vc, slots_p + b * L, first, len, kvh, kv_heads_, D, scale, scores.data(),
+            attend<T>(qf.data(), kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale, scores.data(),
                       acc.data(), attn_p + b * qs + head * D);
           }
         }

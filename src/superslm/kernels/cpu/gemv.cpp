@@ -9,7 +9,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -28,6 +30,35 @@ bool vnni_available() {
 #else
   return false;
 #endif
+}
+
+// The two int8 parts of x[0:n): x ~= sh * hi + sl * lo with sh = max|x| / 127, sl = sh / 254. False when
+// the split would not be within bf16 rounding of every element that matters: a NaN or inf, all zeros
+// (callers answer those with torch's kernel), a denormal scale, or one element over 64x the others' rms
+// (the parts' error is relative to the largest element, so small elements would lose bits).
+static bool split_int8(const float* x, int64_t n, int8_t* hi, int8_t* lo, float* sh_out, float* sl_out) {
+  float amax = 0.f;
+  double ss = 0.0;
+  bool finite = true;
+  for (int64_t k = 0; k < n; ++k) {
+    finite = finite && std::isfinite(x[k]);
+    amax = std::max(amax, std::fabs(x[k]));
+    ss += static_cast<double>(x[k]) * x[k];
+  }
+  if (!finite || amax < 1e-30f) return false;
+  // the other elements' rms: one outlier among n cannot hide in an rms that includes it
+  const double rest = n > 1 ? std::max(0.0, ss - static_cast<double>(amax) * amax) / static_cast<double>(n - 1) : ss;
+  if (static_cast<double>(amax) * amax > 4096.0 * rest) return false;
+  const float sh = amax / 127.f, sl = sh / 254.f;
+  for (int64_t k = 0; k < n; ++k) {
+    const float qh = std::max(-127.f, std::min(127.f, std::nearbyint(x[k] / sh)));
+    const float ql = std::max(-127.f, std::min(127.f, std::nearbyint((x[k] - qh * sh) / sl)));
+    hi[k] = static_cast<int8_t>(qh);
+    lo[k] = static_cast<int8_t>(ql);
+  }
+  *sh_out = sh;
+  *sl_out = sl;
+  return true;
 }
 
 // codes int8 [N, K] -> sum over k of each row (int32 [N]): the correction for the +128 offset
@@ -106,21 +137,15 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 #ifdef SUPERSLM_VNNI
   at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
-  float amax = 0.f;
-  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xp[k]));
+  std::vector<int8_t> hs(K), ls(K);
+  float sh = 0.f, sl = 0.f;
+  if (!split_int8(xp, K, hs.data(), ls.data(), &sh, &sl)) return at::_weight_int8pack_mm(x.to(at::kBFloat16), codes, scale);
   at::Tensor out = at::empty({1, N}, x.options().dtype(at::kBFloat16));
-  if (amax == 0.f || !std::isfinite(amax)) {
-    // all zero: zero out; inf/nan: let torch's kernel propagate them as it would
-    if (amax == 0.f) return out.zero_();
-    return at::_weight_int8pack_mm(x.to(at::kBFloat16), codes, scale);
-  }
-  const float sh = amax / 127.f, sl = sh / 254.f;
+  // VNNI multiplies unsigned by signed bytes: the activation parts go in with +128
   std::vector<uint8_t> hi(K), lo(K);
   for (int64_t k = 0; k < K; ++k) {
-    const float qh = std::nearbyint(xp[k] / sh);
-    const float ql = std::nearbyint((xp[k] - qh * sh) / sl);
-    hi[k] = static_cast<uint8_t>(static_cast<int>(qh) + 128);
-    lo[k] = static_cast<uint8_t>(static_cast<int>(std::max(-127.f, std::min(127.f, ql))) + 128);
+    hi[k] = static_cast<uint8_t>(hs[k] + 128);
+    lo[k] = static_cast<uint8_t>(ls[k] + 128);
   }
   at::Tensor sc = scale.contiguous(), rs = rowsum.contiguous();
   const int8_t* cp = codes.data_ptr<int8_t>();
@@ -195,27 +220,32 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
               "int4_gemv: shapes of the packed codes and repacked scales do not match");
   at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
-  float amax = 0.f;
-  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xp[k]));
-  if (amax == 0.f || !std::isfinite(amax) || !vnni_available()) return at::Tensor();  // caller falls back
+  if (!vnni_available()) return at::Tensor();  // the caller falls back to torch's kernel
 #ifdef SUPERSLM_VNNI
-  const float sh = amax / 127.f, sl = sh / 254.f;
+  // each group has its own two int8 parts (its accumulators restart per group anyway), so an outlier
+  // only coarsens its own group; a group that cannot be split sends the whole row to torch's kernel
   std::vector<int8_t> hi(K), lo(K);
-  std::vector<float> gsum(G, 0.f);
-  for (int64_t k = 0; k < K; ++k) {
-    const float qh = std::nearbyint(xp[k] / sh);
-    const float ql = std::max(-127.f, std::min(127.f, std::nearbyint((xp[k] - qh * sh) / sl)));
-    hi[k] = static_cast<int8_t>(qh);
-    lo[k] = static_cast<int8_t>(ql);
-    gsum[k / group] += xp[k];
+  std::vector<float> gsum(G, 0.f), gsh(G), gsl(G);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* xg = xp + g * group;
+    bool zero = true;
+    for (int64_t k = 0; k < group; ++k) {
+      gsum[g] += xg[k];
+      zero = zero && xg[k] == 0.f;
+    }
+    if (zero) {
+      std::fill(hi.begin() + g * group, hi.begin() + (g + 1) * group, 0);
+      std::fill(lo.begin() + g * group, lo.begin() + (g + 1) * group, 0);
+      gsh[g] = gsl[g] = 0.f;
+    } else if (!split_int8(xg, group, hi.data() + g * group, lo.data() + g * group, &gsh[g], &gsl[g])) {
+      return at::Tensor();
+    }
   }
   at::Tensor out = at::empty({1, N}, x.options().dtype(at::kBFloat16));
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   TORCH_CHECK(sm.scalar_type() == at::kBFloat16, "int4_gemv: repacked scales are bf16");
   const uint16_t* smp = reinterpret_cast<const uint16_t*>(sm.data_ptr<at::BFloat16>());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int32_t* hi4 = reinterpret_cast<const int32_t*>(hi.data());
-  const int32_t* lo4 = reinterpret_cast<const int32_t*>(lo.data());
   const __m512i nib = _mm512_set1_epi8(0x0f);
   at::parallel_for(0, N / 64, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -238,7 +268,10 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
           const __m512i c[4] = {_mm512_and_si512(q01, nib), _mm512_and_si512(q23, nib),
                                 _mm512_and_si512(_mm512_srli_epi16(q01, 4), nib),
                                 _mm512_and_si512(_mm512_srli_epi16(q23, 4), nib)};
-          const __m512i xh = _mm512_set1_epi32(hi4[k / 4]), xl = _mm512_set1_epi32(lo4[k / 4]);
+          int32_t h4, l4;  // four activation bytes, broadcast to every lane
+          std::memcpy(&h4, hi.data() + k, 4);
+          std::memcpy(&l4, lo.data() + k, 4);
+          const __m512i xh = _mm512_set1_epi32(h4), xl = _mm512_set1_epi32(l4);
           for (int a = 0; a < 4; ++a) {
             ah[a] = _mm512_dpbusd_epi32(ah[a], c[a], xh);
             al[a] = _mm512_dpbusd_epi32(al[a], c[a], xl);
@@ -248,8 +281,8 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
         const __m512 gs = _mm512_set1_ps(gsum[g]), g8 = _mm512_set1_ps(8.f * gsum[g]);
         for (int a = 0; a < 4; ++a) {
           // sum (c - 8) x = sum c x - 8 sum x; then y += s * that + z * sum x
-          const __m512 d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ah[a]), _mm512_set1_ps(sh),
-                                           _mm512_mul_ps(_mm512_cvtepi32_ps(al[a]), _mm512_set1_ps(sl)));
+          const __m512 d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ah[a]), _mm512_set1_ps(gsh[g]),
+                                           _mm512_mul_ps(_mm512_cvtepi32_ps(al[a]), _mm512_set1_ps(gsl[g])));
           y[a] = _mm512_fmadd_ps(bf16x16(s + a * 16), _mm512_sub_ps(d, g8), y[a]);
           y[a] = _mm512_fmadd_ps(bf16x16(s + 64 + a * 16), gs, y[a]);
         }
