@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,18 @@ def extension() -> Any:
         except ImportError:
             pass
 
+        name = f"superslm_decode_{tag}"
+        try:  # the first use on a machine compiles (~30-60 s): say so rather than look hung
+            from torch.utils.cpp_extension import _get_build_directory
+
+            built = (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+        except Exception:  # a private torch helper: its absence only costs the notice
+            built = True
+        if not built:
+            print("superslm: building the C++ decode kernels for this machine (once, under a minute)...",
+                  file=sys.stderr, flush=True)
         _ext = load(
-            name=f"superslm_decode_{tag}",
+            name=name,
             sources=[str(p) for p in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
