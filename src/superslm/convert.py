@@ -27,8 +27,8 @@ from superslm.errors import FormatError, InvalidArgument, ModelNotFound
 from superslm.formats import native
 from superslm.models.loader import Source, Stored, canonical_names, open_source
 from superslm.models.transformer import DenseLinear, Transformer
-from superslm.quant import ConcatLinear, Int4Linear, LinearFormat, format_class, linear_from_gguf, load_linear
-from superslm.quant.int4 import _check_layout, round_up
+from superslm.quant import ConcatLinear, LinearFormat, linear_from_gguf
+from superslm.quant.stored import INT4_PACKED, linear_from_state, linear_state
 from superslm.quant.swap import LAYER_LINEARS, gguf_parts, make_linear
 
 #: --format: the body's linears; "gguf" runs a GGUF file's int4 blocks as they are (others nearest),
@@ -36,8 +36,6 @@ from superslm.quant.swap import LAYER_LINEARS, gguf_parts, make_linear
 BODY_FORMATS = ("int4", "int8", "bf16", "gguf", "dense")
 #: --head: a format, "nearest" (a GGUF head's block type mapped like the body's) or "dense"
 HEAD_FORMATS = ("int4", "int8", "bf16", "nearest", "dense")
-#: int4 weights are stored in torch's packed CPU layout (quant.int4.pack_int4), read without a repack
-INT4_PACKED = "cpu-int4pack-n64"
 PARTS = ("q", "k", "v", "o", "gate", "up", "down")
 NORMS = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
 #: files of a Hugging Face folder's tokenizer and template, copied as they are
@@ -73,65 +71,6 @@ def source_sha256(source: Source) -> str:
 
 
 # --- linears <-> stored tensors --------------------------------------------------------------------
-
-
-def linear_state(module: LinearFormat) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(tensors, metadata) of a format module as stored: `to_tensors()`, except int4 kinds keep their
-    packed kernel layout (metadata "packed") so loading them is a memory map."""
-    _, meta = module.to_tensors()
-    if isinstance(module, ConcatLinear):
-        tensors: dict[str, torch.Tensor] = {}
-        metas = []
-        for i, part in enumerate(module.parts):
-            t, m = linear_state(part)  # type: ignore[arg-type]
-            tensors.update({f"part{i}.{k}": v for k, v in t.items()})
-            metas.append(m)
-        return tensors, dict(meta, parts=metas)
-    if isinstance(module, Int4Linear):
-        tensors = {"qweight": module.qweight, "scales_zeros": module.scales_zeros}
-        if module.bias is not None:
-            tensors["bias"] = module.bias
-        return tensors, dict(meta, packed=INT4_PACKED)
-    return module.to_tensors()
-
-
-def _int4_packed(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> LinearFormat:
-    # The module's own buffers, as stored: no unpack/repack. Relies on Int4Linear's buffer names
-    # (qweight [N_pad, k_pad / 2] uint8, scales_zeros [groups, N_pad, 2] bf16) and its group attribute.
-    cls = format_class(str(meta["format"]))
-    if not issubclass(cls, Int4Linear):
-        raise FormatError(f"packed int4 tensors for a {cls.name} linear")
-    n, k, k_pad, group = int(meta["out_features"]), int(meta["in_features"]), int(meta["k_pad"]), int(meta["group"])
-    n_pad = round_up(n, 64)
-    qw, sz = tensors["qweight"], tensors["scales_zeros"]
-    if qw.dtype != torch.uint8 or tuple(qw.shape) != (n_pad, k_pad // 2) or sz.dtype != torch.bfloat16 \
-            or tuple(sz.shape) != (k_pad // group, n_pad, 2):
-        raise FormatError(f"packed int4 linear: tensors {tuple(qw.shape)}, {tuple(sz.shape)} do not fit {n}x{k_pad}")
-    _check_layout()  # the stored layout is torch's: fail loudly if a torch release changed it
-    rot = meta.get("rotation")
-    module = cls.__new__(cls)
-    LinearFormat.__init__(module, k, n, k_pad, tensors.get("bias"),
-                          None if rot is None else (int(rot["seed"]), int(rot["block"])), str(meta.get("note", "")))
-    module.group = group
-    module.register_buffer("qweight", qw)
-    module.register_buffer("scales_zeros", sz)
-    return module
-
-
-def linear_from_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> LinearFormat:
-    """The inverse of `linear_state` (FormatError when the tensors and metadata disagree)."""
-    try:
-        if meta.get("format") == "concat":
-            parts = []
-            for i, m in enumerate(meta["parts"]):
-                pre = f"part{i}."
-                parts.append(linear_from_state({k[len(pre):]: v for k, v in tensors.items() if k.startswith(pre)}, m))
-            return ConcatLinear(parts, str(meta.get("note", "")))
-        if meta.get("packed") == INT4_PACKED:
-            return _int4_packed(tensors, meta)
-    except (KeyError, TypeError, ValueError, InvalidArgument) as e:
-        raise FormatError(f"{meta.get('format')} linear: inconsistent tensors or metadata ({e!r})") from e
-    return load_linear(tensors, meta)
 
 
 def _bias_of(module: LinearFormat) -> torch.Tensor | None:
