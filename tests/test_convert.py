@@ -32,6 +32,7 @@ from superslm.kernels.attention import AttnMetadata
 from superslm.models.loader import open_source
 from superslm.quant import quantize_linears
 from tests.test_engine import prompts
+from tests.test_lora import make_adapter
 from tests.tiny_models import SingleSequence, build_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,13 +44,8 @@ def logits(model: superslm.Model, tokens: list[int] = TOKENS) -> torch.Tensor:
         return SingleSequence(model.net).step(tokens).float()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # tiny shapes: on a busy machine every 2-thread parallel region waits for a descheduled thread
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny shapes: on a busy machine every 2-thread parallel region waits for a descheduled thread
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -189,17 +185,7 @@ def test_layers_keep_hidden_states(tiny, tmp_path) -> None:
 
 
 def _make_adapter(hf, folder: Path) -> None:
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(3)
-    targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
-    pm = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False,
-                                       use_rslora=True))
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_" in n:
-                p.mul_(3.0)  # make the adapter matter
-    pm.save_pretrained(folder)
+    pm = make_adapter(hf, folder, 3, rslora=True, targets=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
     pm.unload()  # give the base model its own modules back
 
 

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from superslm.cache.kv import KVCache
+from superslm.cache.kv import KVCache, slot_mapping
 from superslm.kernels import cpu_decode
 from superslm.kernels.attention import AttnMetadata
 from superslm.models.loader import materialize, open_source
@@ -56,11 +56,11 @@ def _prefilled(net: Transformer, lengths: list[int], seed: int = 0):
         for table, n in zip(tables, lengths):
             toks = torch.randint(0, a.vocab, (n,), generator=g)
             pos = torch.arange(n)
-            slots = torch.tensor([table[p // PS] * PS + p % PS for p in range(n)])
+            slots = torch.tensor(slot_mapping(table, 0, n, PS))
             meta = AttnMetadata(pos, slots, (0, n), (n,), (table,), PS)
             net.run_layers(net.embed(toks), meta, kv.k, kv.v)
     pos = torch.tensor(lengths)
-    slots = torch.tensor([t[n // PS] * PS + n % PS for t, n in zip(tables, lengths)])
+    slots = torch.tensor([slot_mapping(t, n, n + 1, PS)[0] for t, n in zip(tables, lengths)])
     qs = tuple(range(len(lengths) + 1))
     meta = AttnMetadata(pos, slots, qs, tuple(n + 1 for n in lengths), tuple(tables), PS)
     toks = torch.randint(0, a.vocab, (len(lengths),), generator=g)

@@ -7,6 +7,7 @@ import torch
 
 import superslm
 from superslm import Request, Sampling
+from superslm.cache.kv import slot_mapping
 from superslm.kernels import attention_invariant
 from superslm.kernels.attention import AttnMetadata, paged_attention
 from superslm.kernels.attention_invariant import KEYS, ROWS, block_sum, paged_attention_invariant
@@ -113,8 +114,7 @@ def _paged(lens: list[int], rows: list[int], page_size: int, seed: int) -> tuple
     perm = torch.randperm(sum(pages) + 3, generator=g).tolist()
     tables = [tuple(perm[sum(pages[:i]) : sum(pages[: i + 1])]) for i in range(len(lens))]
     pos = [p for n, r in zip(lens, rows) for p in range(n - r, n)]
-    slots = [t[p // page_size] * page_size + p % page_size for n, r, t in zip(lens, rows, tables)
-             for p in range(n - r, n)]
+    slots = [s for n, r, t in zip(lens, rows, tables) for s in slot_mapping(t, n - r, n, page_size)]
     starts = [0]
     for r in rows:
         starts.append(starts[-1] + r)

@@ -29,13 +29,8 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 TOKENS = prompts(1, seed=80, lo=16, hi=16)[0]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # tiny shapes: on a busy machine every 2-thread parallel region waits for a descheduled thread
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny shapes: on a busy machine every 2-thread parallel region waits for a descheduled thread
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

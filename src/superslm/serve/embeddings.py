@@ -17,7 +17,6 @@ import asyncio
 import base64
 import concurrent.futures
 import logging
-import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 
 from superslm.errors import InternalError, QueueFull, SuperSLMError, UnsupportedModel
 from superslm.serve.protocol import EmbeddingRequest, RerankRequest, bad, parse
+from superslm.serve.worker import ServiceThread
 
 if TYPE_CHECKING:
     import torch
@@ -75,44 +75,18 @@ class _Job:
     future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
 
 
-class EncoderWorker:
-    """One thread that runs every encoder call; `submit` may be called from any event loop."""
+class EncoderWorker(ServiceThread):
+    """One thread that runs every encoder call; `submit` may be called from any event loop.
+    `drain` refuses new work while what is queued still runs; `stop` runs what is queued, then ends."""
+
+    thread_name = "superslm-encoder"
 
     def __init__(self, max_waiting: int, batch: int = BATCH) -> None:
+        super().__init__()
         self.capacity = max(1, max_waiting)
         self.batch = batch
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
         self._jobs: list[_Job] = []  # guarded by _lock
         self._running = 0  # jobs taken by the thread and not yet answered (guarded by _lock)
-        self._draining = self._stopping = False
-        self._thread: threading.Thread | None = None
-        #: what killed the worker thread, if anything did
-        self.error: BaseException | None = None
-
-    def start(self) -> None:
-        with self._lock:
-            if self._thread is not None:
-                return
-            self._thread = threading.Thread(target=self._loop, name="superslm-encoder", daemon=True)
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
-
-    def drain(self) -> None:
-        """Refuse new work from now on; what is queued still runs."""
-        with self._lock:
-            self._draining = True
-
-    def stop(self, timeout: float | None = 10.0) -> None:
-        """Run what is queued, then end the thread and wait for it."""
-        with self._lock:
-            self._draining = self._stopping = True
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
 
     async def submit(self, job: _Job) -> Any:
         """Queue `job` and wait for its result; QueueFull when full or draining."""
@@ -129,7 +103,7 @@ class EncoderWorker:
             self._wake.notify()
         return await asyncio.wrap_future(job.future)
 
-    def _loop(self) -> None:
+    def _run(self) -> None:
         jobs: list[_Job] = []
         try:
             while True:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 from superslm.engine import Progress, Request
 from superslm.engine.request import END_STOP
 from superslm.errors import InternalError, QueueFull, SuperSLMError, UnknownRequest
+from superslm.serve.worker import ServiceThread
 
 if TYPE_CHECKING:
     from superslm.engine import Engine
@@ -102,42 +102,26 @@ def sampled_tokens(p: Progress) -> int:
     return len(p.tokens) + (1 if p.end == END_STOP and isinstance(p.stop_reason, int) else 0)
 
 
-class EngineLoop:
-    """Runs `engine` in a thread of its own; `submit` and `cancel` may be called from any thread."""
+class EngineLoop(ServiceThread):
+    """Runs `engine` in a thread of its own; `submit` and `cancel` may be called from any thread.
+    `drain` refuses new submissions while those in flight go on; `stop` cancels what is in flight."""
+
+    thread_name = "superslm-engine"
 
     def __init__(self, engine: Engine, max_waiting: int, metrics: LoopMetrics) -> None:
+        super().__init__()
         self.engine = engine
         self.capacity = engine.slots + max_waiting
         self.metrics = metrics
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
         # guarded by _lock
         self._adds: list[Submission] = []
         self._cancels: list[Submission] = []
         self._admitted = 0
-        self._stopping = False
-        self._draining = False
         self._stats = EngineStats()
         # loop thread only: engine id -> (submission, choice index)
         self._live: dict[int, tuple[Submission, int]] = {}
-        self._thread: threading.Thread | None = None
-        #: what killed the loop thread, if anything did
-        self.error: BaseException | None = None
 
     # --- any thread -------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        """Start the loop thread (once)."""
-        with self._lock:
-            if self._thread is not None:
-                return
-            self._thread = threading.Thread(target=self._run, name="superslm-engine", daemon=True)
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        """True while the loop thread runs and has not failed."""
-        return self._thread is not None and self._thread.is_alive() and self.error is None
 
     @property
     def accepting(self) -> bool:
@@ -167,19 +151,6 @@ class EngineLoop:
         with self._lock:
             self._cancels.append(sub)
             self._wake.notify()
-
-    def drain(self) -> None:
-        """Refuse new submissions from now on; those in flight go on."""
-        with self._lock:
-            self._draining = True
-
-    def stop(self, timeout: float | None = 10.0) -> None:
-        """Cancel everything in flight, end the thread and wait for it."""
-        with self._lock:
-            self._draining = self._stopping = True
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
 
     def stats(self) -> EngineStats:
         """The latest snapshot (taken by the loop thread)."""
