@@ -261,3 +261,19 @@ def test_serve_imports_lazily() -> None:
             "bad = [m for m in ('fastapi', 'uvicorn', 'pydantic', 'starlette') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_sse_frames_survive_line_splitting_clients() -> None:
+    import json
+
+    # a tiny model's text can hold U+0085 / U+2028 / U+2029: httpx's iter_lines (str.splitlines) splits on them
+    from httpx._decoders import LineDecoder
+
+    from superslm.serve.generate import sse
+
+    obj = {"text": "a\u2028b\u2029c\x85d\u00e9\n\r\x1c"}
+    frame = sse(obj)
+    lines = LineDecoder().decode(frame) + LineDecoder().flush()
+    assert [x for x in lines if x] == [frame.strip()]
+    assert json.loads(frame[len("data: "):]) == obj
+    assert "\u00e9" in frame  # other non-ASCII text stays as it is

@@ -46,8 +46,13 @@ CLIENT_GONE = 499
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
 
+#: characters JSON leaves raw that str.splitlines() (httpx's iter_lines among others) takes for line ends
+_LINE_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
 def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    """One SSE frame; the JSON escapes every character a line-splitting client could cut a frame at."""
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 class EventStream(StreamingResponse):
