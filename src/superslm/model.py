@@ -127,7 +127,8 @@ class Model:
 
         names = self.source.recipe.layer_names(hf=True)
         adapter = load_peft(folder, self.arch, dict(names), self.fingerprint, self.dtype, self.device)
-        self.net.adapters.append(adapter)  # deterministic steps keep one arithmetic while it is mapped
+        # deterministic steps keep one arithmetic while it is mapped (unmapped ones are dropped here)
+        self.net.adapters = [a for a in self.net.adapters if not a.unmapped] + [adapter]
         return adapter
 
     def tool_calls(self, text: str, tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str | None, list]:

@@ -206,8 +206,7 @@ class Transformer(nn.Module):
         """Layers start..end-1 on the residual stream h [N, dim]; k_cache/v_cache are [layers, slots, kv, D]."""
         end = len(self.layers) if end is None else end
         positions = meta.positions
-        plan = self._plan_step(h, meta, k_cache)
-        if plan:
+        if self._plan_step(h, meta, k_cache):
             # all layers in one C++ call (kernels/cpu_decode.py): all-decode steps, or every step in
             # deterministic mode, where its per-row arithmetic makes each row batch-invariant
             tables = self._rope_tables(positions)
@@ -232,10 +231,8 @@ class Transformer(nn.Module):
             return False  # rows padded by a caller
         if not meta.deterministic and any(b - a != 1 for a, b in zip(meta.query_start, meta.query_start[1:])):
             return False  # some sequence computes a prompt chunk this step
-        if meta.deterministic:
-            self.adapters = [a for a in self.adapters if not a.unmapped]
-            if self.adapters:
-                return False
+        if meta.deterministic and any(not a.unmapped for a in self.adapters):
+            return False
         return cpu_decode.usable(self, h, k_cache)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
