@@ -1,11 +1,13 @@
 """Decode layers on the CPU in one call (kernels/cpu/decode_layers.cpp) and their torch reference.
 
-At batch 1 the packed int4/int8 kernels take ~3.4 ms of a SmolLM2 decode step; eager PyTorch spends
-~8 ms more on ~1,000 small calls between them. For steps where every row decodes one token, the C++
-plan runs a model's layers with the same linears (the same ATen kernels) and the glue in loops.
+At batch 1 the packed int4/int8 kernels take ~3.4 ms of a SmolLM2 decode step; eager PyTorch spent
+~8 ms more on ~1,000 small calls between them. The C++ plan runs a model's layers with the same linears
+and the glue in loops, one row at a time: for every all-decode step, and for every step in
+deterministic mode (its per-row arithmetic is batch-invariant; models/transformer.py decides).
 
-The extension is compiled once per machine with the compiler torch was built for (ninja, g++), into
-torch's extension cache; where that fails, or `SUPERSLM_CPU_KERNELS=0`, the torch reference runs.
+The extension is compiled once per machine with the system's C++ compiler and the ninja wheel, into
+torch's extension cache; where that fails, or with `SUPERSLM_CPU_KERNELS=0`, models take their generic
+torch path.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from superslm.kernels.rope import apply_rope
 
@@ -29,6 +30,8 @@ _SOURCES = [Path(__file__).parent / "cpu" / n for n in ("decode_layers.cpp", "ge
 _ext: Any = None
 _ext_tried = False
 _ACT = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
 
 
 def _cpu_flags() -> str:
@@ -50,8 +53,9 @@ def extension() -> Any:
     if os.environ.get("SUPERSLM_CPU_KERNELS", "1") == "0":
         return None
     src = b"".join(p.read_bytes() for p in _SOURCES)
-    # -march=native code must never be reused on another CPU: the name carries the CPU's flags
-    tag = hashlib.sha256(src + _cpu_flags().encode() + torch.__version__.encode() + b"omp").hexdigest()[:12]
+    # -march=native code must never be reused on another CPU: the name carries the CPU's and build's flags
+    build = " ".join([_cpu_flags(), torch.__version__, *_CFLAGS, *_LDFLAGS]).encode()
+    tag = hashlib.sha256(src + build).hexdigest()[:12]
     try:
         from torch.utils.cpp_extension import load
 
@@ -76,8 +80,8 @@ def extension() -> Any:
         _ext = load(
             name=name,
             sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS,
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, headers missing: the reference still runs
@@ -196,6 +200,8 @@ def decode_layers_reference(
     sequence; seq_lens [B] keys visible to each row; tables[kind] = (cos, sin) [B, rotary_dim]; caches
     [layers, slots, kv_heads, head_dim].
     """
+    from superslm.models.transformer import activation
+
     a = net.arch
     n = h.shape[0]
     qs, ks, g = a.heads * a.head_dim, a.kv_heads * a.head_dim, a.heads // a.kv_heads
@@ -228,7 +234,7 @@ def decode_layers_reference(
         h = h + o
         x = layer.norm(h, "ffn_norm")
         gate, up = layer.gate_up(x).chunk(2, dim=-1)
-        act = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}.get(a.act, F.gelu)(gate) * up
+        act = activation(a.act, gate) * up
         y = layer.down(act)
         if a.post_norms:
             y = layer.norm(y, "post_ffn_norm")

@@ -41,7 +41,8 @@ class DenseLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def _act(name: str, x: torch.Tensor) -> torch.Tensor:
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's gate activation by Arch name: silu, gelu_tanh, or gelu (erf)."""
     if name == "silu":
         return F.silu(x)
     if name == "gelu_tanh":
@@ -112,7 +113,7 @@ class Layer(nn.Module):
         if lora is not None:
             gu = lora.apply(self.index, "gate_up", x, gu)
         gate, up = gu.chunk(2, dim=-1)
-        act = _act(a.act, gate) * up
+        act = activation(a.act, gate) * up
         y = self.down(act)
         if lora is not None:
             y = lora.apply(self.index, "down", act, y)
