@@ -225,3 +225,30 @@ def test_plan_refuses_out_of_range_inputs(folders) -> None:
     for i, bad in ((4, lens + key_slots.shape[1]), (1, meta.slot_mapping + 10**6), (3, row_seq + 5)):
         with pytest.raises(RuntimeError):
             plan.run(*[bad if j == i else a for j, a in enumerate(args)])
+
+
+@pytest.mark.parametrize("n,k,group", [(64, 128, 32), (960, 576, 32), (192, 512, 64), (128, 256, 128), (64, 512, 256)])
+def test_vnni_int4_gemm_rows_equal_the_single_row_gemv(n: int, k: int, group: int) -> None:
+    """Each row of the multi-row kernel has the bits the one-row GEMV gives it alone (batch invariance);
+    a row with a NaN goes to torch's kernel alone and leaves the other rows untouched."""
+    from superslm.quant.int4 import Int4Linear
+
+    ext = cpu_decode.extension()
+    if not ext.vnni_available():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    g = torch.Generator().manual_seed(n + group)
+    m = Int4Linear.from_dense(torch.randn(n, k, generator=g), group=group)
+    sm = ext.int4_repack_scales(m.scales_zeros)
+    for rows in (2, 3, 16, 37):
+        x = (torch.randn(rows, m.k_pad, generator=g) * torch.rand(rows, m.k_pad, generator=g) ** 4).to(torch.bfloat16)
+        x[1, 5] = float("nan")
+        got = ext.int4_gemm(x, m.qweight, sm, m.scales_zeros, group)
+        for r in range(rows):
+            one = ext.int4_gemv(x[r : r + 1], m.qweight, sm, group)
+            if one is None:  # torch's kernel, as the GEMM sends that row
+                assert r == 1
+                one = torch.ops.aten._weight_int4pack_mm_for_cpu(x[r : r + 1], m.qweight, group, m.scales_zeros)
+            assert torch.equal(got[r : r + 1].view(torch.int16), one.view(torch.int16)), (rows, r)
+        want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, m.qweight, group, m.scales_zeros).float()
+        ok = torch.arange(rows) != 1
+        assert ((got[ok].float() - want[ok]).abs() <= 2**-7 * want[ok].abs() + 1e-3 * want[ok].abs().max()).all()

@@ -26,7 +26,8 @@ from superslm.kernels.rope import apply_rope
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "cpu" / n for n in ("decode_layers.cpp", "gemv.cpp")]
+_SOURCES = [Path(__file__).parent / "cpu" / n for n in ("decode_layers.cpp", "gemv.cpp", "gemm.cpp")]
+_HEADERS = [Path(__file__).parent / "cpu" / n for n in ("vnni.h", "rowops.h")]
 _ext: Any = None
 _ext_tried = False
 _ACT = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -52,7 +53,7 @@ def extension() -> Any:
     _ext_tried = True
     if os.environ.get("SUPERSLM_CPU_KERNELS", "1") == "0":
         return None
-    src = b"".join(p.read_bytes() for p in _SOURCES)
+    src = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     # -march=native code must never be reused on another CPU: the name carries the CPU's and build's flags
     build = " ".join([_cpu_flags(), torch.__version__, *_CFLAGS, *_LDFLAGS]).encode()
     tag = hashlib.sha256(src + build).hexdigest()[:12]

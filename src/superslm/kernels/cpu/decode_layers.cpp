@@ -13,6 +13,8 @@
 #include <cstring>
 #include <vector>
 
+#include "rowops.h"
+
 // gemv.cpp
 bool vnni_available();
 void set_vnni(bool on);
@@ -20,32 +22,12 @@ at::Tensor int8_rowsum(const at::Tensor& codes);
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& rowsum);
 at::Tensor int4_repack_scales(const at::Tensor& scales_zeros);
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sm, int64_t group);
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sm,
+                     const at::Tensor& scales_zeros, int64_t group);
 
 namespace {
 
-// ---- scalar helpers ------------------------------------------------------------------------------
-
-inline float bf16_round(float x) {
-  // round-to-nearest-even to bf16 and back, as a bf16 tensor op rounds its float result
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7f800000u) == 0x7f800000u) return x;  // inf / nan
-  u += 0x7fffu + ((u >> 16) & 1u);
-  u &= 0xffff0000u;
-  float r;
-  std::memcpy(&r, &u, 4);
-  return r;
-}
-
-template <typename T>
-inline float rnd(float x);
-template <>
-inline float rnd<float>(float x) { return x; }
-template <>
-inline float rnd<at::BFloat16>(float x) { return bf16_round(x); }
-
-template <typename T>
-inline float ld(const T* p) { return static_cast<float>(*p); }
+using namespace superslm_rows;
 
 // ---- one linear, as quant/base.py LinearFormat.forward and transformer.DenseLinear compute it ----
 
@@ -80,7 +62,8 @@ struct Lin {
     if (pad && kind != DENSE_FORMAT) h = h.narrow(0, 0, rows).contiguous();  // int kernels: row-invariant
     at::Tensor y;
     if (kind == INT4) {
-      if (!deterministic && h.size(0) == 1 && sm.defined()) y = int4_gemv(h, a, sm, group);
+      // the VNNI kernels give each row the same bits alone or in a batch (gemm.cpp): deterministic too
+      if (sm.defined()) y = h.size(0) == 1 ? int4_gemv(h, a, sm, group) : int4_gemm(h, a, sm, b, group);
       if (!y.defined()) y = at::_weight_int4pack_mm_for_cpu(h, a, group, b);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == INT8) {
@@ -142,49 +125,6 @@ void rope_rows(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, in
       }
     }
   }
-}
-
-// one query row against its keys key_slots[first:len]: scores, softmax and the value sum in float32
-template <typename T>
-void attend(const float* q, const T* kc, const T* vc, const int64_t* slots, int64_t first, int64_t len, int64_t kvh,
-            int64_t kv_heads, int64_t head_dim, float scale, float* scores, float* acc, T* out) {
-  const int64_t row = kv_heads * head_dim;
-  float mx = -INFINITY;
-  for (int64_t j = first; j < len; ++j) {
-    const T* k = kc + slots[j] * row + kvh * head_dim;
-    // 16 lanes summed in a fixed order: vectorizes without reassociating, the same bits every run
-    float lane[16] = {0.f};
-    int64_t d = 0;
-    for (; d + 16 <= head_dim; d += 16)
-      for (int i = 0; i < 16; ++i) lane[i] += q[d + i] * ld(k + d + i);
-    for (; d < head_dim; ++d) lane[d % 16] += q[d] * ld(k + d);
-    float s = 0.f;
-    for (int i = 0; i < 16; ++i) s += lane[i];
-    s *= scale;
-    scores[j - first] = s;
-    mx = s > mx ? s : mx;
-  }
-  float total = 0.f;
-  for (int64_t j = 0; j < len - first; ++j) {
-    scores[j] = std::exp(scores[j] - mx);
-    total += scores[j];
-  }
-  for (int64_t d = 0; d < head_dim; ++d) acc[d] = 0.f;
-  for (int64_t j = first; j < len; ++j) {
-    const T* v = vc + slots[j] * row + kvh * head_dim;
-    const float p = scores[j - first];
-    for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * ld(v + d);
-  }
-  for (int64_t d = 0; d < head_dim; ++d) out[d] = static_cast<T>(acc[d] / total);
-}
-
-inline float act_fn(int64_t act, float g) {
-  if (act == 0) return g / (1.f + std::exp(-g));
-  if (act == 1) {
-    const float k = 0.7978845608028654f;  // sqrt(2 / pi)
-    return 0.5f * g * (1.f + std::tanh(k * (g + 0.044715f * g * g * g)));
-  }
-  return 0.5f * g * (1.f + std::erf(g * 0.7071067811865476f));
 }
 
 }  // namespace
@@ -324,18 +264,23 @@ class DecodePlan {
       // split across threads only when there is enough work to pay for waking them
       const int64_t grain = (L * D * heads_ < 32768) ? work : 1;
       at::parallel_for(0, work, grain, [&](int64_t lo, int64_t hi) {
-        std::vector<float> scores(L), acc(D), qf(D);
+        std::vector<float> scores(L * groups), acc(D), qf(groups * D);
         for (int64_t w = lo; w < hi; ++w) {
           const int64_t b = w / kv_heads_, kvh = w % kv_heads_;
           const int64_t len = lens_p[b];
           const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-          for (int64_t g = 0; g < groups; ++g) {
-            const int64_t head = kvh * groups + g;
-            const T* qh = qkv_p + b * qkv_row + head * D;
-            for (int64_t d = 0; d < D; ++d) qf[d] = ld(qh + d);
-            attend<T>(qf.data(), kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale, scores.data(),
-                      acc.data(), attn_p + b * qs + head * D);
+          const T* qg = qkv_p + b * qkv_row + kvh * groups * D;  // this kv head's query heads [groups, D]
+          for (int64_t d = 0; d < groups * D; ++d) qf[d] = ld(qg + d);
+#ifdef SUPERSLM_AVX512
+          if (D % 16 == 0 && D <= 256) {
+            attend_group16<T>(qf.data(), groups, kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale,
+                              scores.data(), attn_p + b * qs + kvh * groups * D, D);
+            continue;
           }
+#endif
+          for (int64_t g = 0; g < groups; ++g)
+            attend<T>(qf.data() + g * D, kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale,
+                      scores.data(), acc.data(), attn_p + b * qs + (kvh * groups + g) * D);
         }
       });
       at::Tensor o = p.o(attn, det);  // [B, dim]
@@ -348,12 +293,7 @@ class DecodePlan {
       at::Tensor gu = p.gate_up(x, det);  // [B, 2 * inter]
       const int64_t inter = gu.size(1) / 2;
       at::Tensor act = at::empty({B, inter}, h.options());
-      T* gp = gu.data_ptr<T>();
-      T* ap = act.data_ptr<T>();
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t j = 0; j < inter; ++j)
-          ap[b * inter + j] = static_cast<T>(rnd<T>(act_fn(act_, ld(gp + b * 2 * inter + j))) *
-                                             ld(gp + b * 2 * inter + inter + j));
+      act_rows<T>(gu.data_ptr<T>(), act.data_ptr<T>(), B, inter, act_);
       at::Tensor y = p.down(act, det);  // [B, dim]
       T* yp = y.data_ptr<T>();
       if (p.post_ffn_norm.defined())
@@ -383,4 +323,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_repack_scales", &int4_repack_scales);
   m.def("int4_gemv", &int4_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int4_gemm", &int4_gemm, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -9,15 +9,12 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
-#define SUPERSLM_VNNI 1
-#endif
+#include "vnni.h"
+
+using superslm_vnni::split_int8;
 
 static bool g_vnni = true;
 
@@ -30,35 +27,6 @@ bool vnni_available() {
 #else
   return false;
 #endif
-}
-
-// The two int8 parts of x[0:n): x ~= sh * hi + sl * lo with sh = max|x| / 127, sl = sh / 254. False when
-// the split would not be within bf16 rounding of every element that matters: a NaN or inf, all zeros
-// (callers answer those with torch's kernel), a denormal scale, or one element over 64x the others' rms
-// (the parts' error is relative to the largest element, so small elements would lose bits).
-static bool split_int8(const float* x, int64_t n, int8_t* hi, int8_t* lo, float* sh_out, float* sl_out) {
-  float amax = 0.f;
-  double ss = 0.0;
-  bool finite = true;
-  for (int64_t k = 0; k < n; ++k) {
-    finite = finite && std::isfinite(x[k]);
-    amax = std::max(amax, std::fabs(x[k]));
-    ss += static_cast<double>(x[k]) * x[k];
-  }
-  if (!finite || amax < 1e-30f) return false;
-  // the other elements' rms: one outlier among n cannot hide in an rms that includes it
-  const double rest = n > 1 ? std::max(0.0, ss - static_cast<double>(amax) * amax) / static_cast<double>(n - 1) : ss;
-  if (static_cast<double>(amax) * amax > 4096.0 * rest) return false;
-  const float sh = amax / 127.f, sl = sh / 254.f;
-  for (int64_t k = 0; k < n; ++k) {
-    const float qh = std::max(-127.f, std::min(127.f, std::nearbyint(x[k] / sh)));
-    const float ql = std::max(-127.f, std::min(127.f, std::nearbyint((x[k] - qh * sh) / sl)));
-    hi[k] = static_cast<int8_t>(qh);
-    lo[k] = static_cast<int8_t>(ql);
-  }
-  *sh_out = sh;
-  *sl_out = sl;
-  return true;
 }
 
 // codes int8 [N, K] -> sum over k of each row (int32 [N]): the correction for the +128 offset
@@ -172,22 +140,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // unsigned) by the int8 parts of x. Per group: y += s * (sum c x - 8 sum x) + z * sum x, with s and
 // z repacked once per linear into the lanes' row order (`int4_repack_scales`).
 
-namespace {
-#ifdef SUPERSLM_VNNI
-// 16 bf16 -> 16 float32 (a bf16 is the top half of a float)
-inline __m512 bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-#endif
-
-// the row (within a block of 64) held by lane i of the four accumulators (lo nibbles q01, q23; hi q01, q23)
-int lane_row(int acc, int lane) {
-  static const int base01[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
-  const int r = base01[lane] + ((acc & 1) ? 8 : 0);
-  return r + ((acc & 2) ? 32 : 0);
-}
-}  // namespace
+using superslm_vnni::lane_row;
 
 // scales_zeros [G, N, 2] bf16 (N % 64 == 0) -> bf16 [N / 64, G, 2, 64]: s and z in the lanes' row order
 // (bf16 as given: the kernel reads as many scale bytes as torch's does, and rounds nothing new)
@@ -225,28 +178,14 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
   // each group has its own two int8 parts (its accumulators restart per group anyway), so an outlier
   // only coarsens its own group; a group that cannot be split sends the whole row to torch's kernel
   std::vector<int8_t> hi(K), lo(K);
-  std::vector<float> gsum(G, 0.f), gsh(G), gsl(G);
-  for (int64_t g = 0; g < G; ++g) {
-    const float* xg = xp + g * group;
-    bool zero = true;
-    for (int64_t k = 0; k < group; ++k) {
-      gsum[g] += xg[k];
-      zero = zero && xg[k] == 0.f;
-    }
-    if (zero) {
-      std::fill(hi.begin() + g * group, hi.begin() + (g + 1) * group, 0);
-      std::fill(lo.begin() + g * group, lo.begin() + (g + 1) * group, 0);
-      gsh[g] = gsl[g] = 0.f;
-    } else if (!split_int8(xg, group, hi.data() + g * group, lo.data() + g * group, &gsh[g], &gsl[g])) {
-      return at::Tensor();
-    }
-  }
+  std::vector<float> gsum(G), gsh(G), gsl(G);
+  if (!superslm_vnni::split_groups(xp, K, group, hi.data(), lo.data(), gsum.data(), gsh.data(), gsl.data()))
+    return at::Tensor();
   at::Tensor out = at::empty({1, N}, x.options().dtype(at::kBFloat16));
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   TORCH_CHECK(sm.scalar_type() == at::kBFloat16, "int4_gemv: repacked scales are bf16");
   const uint16_t* smp = reinterpret_cast<const uint16_t*>(sm.data_ptr<at::BFloat16>());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const __m512i nib = _mm512_set1_epi8(0x0f);
   at::parallel_for(0, N / 64, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* blk = wp + b * K * 32;  // [K][32] bytes of this block
@@ -255,19 +194,8 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
         __m512i ah[4], al[4];
         for (int a = 0; a < 4; ++a) ah[a] = al[a] = _mm512_setzero_si512();
         for (int64_t k = g * group; k < (g + 1) * group; k += 4) {
-          const __m256i B0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + k * 32));
-          const __m256i B1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (k + 1) * 32));
-          const __m256i B2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (k + 2) * 32));
-          const __m256i B3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (k + 3) * 32));
-          const __m256i t01l = _mm256_unpacklo_epi8(B0, B1), t01h = _mm256_unpackhi_epi8(B0, B1);
-          const __m256i t23l = _mm256_unpacklo_epi8(B2, B3), t23h = _mm256_unpackhi_epi8(B2, B3);
-          const __m512i q01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(t01l, t23l)),
-                                                 _mm256_unpackhi_epi16(t01l, t23l), 1);
-          const __m512i q23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(t01h, t23h)),
-                                                 _mm256_unpackhi_epi16(t01h, t23h), 1);
-          const __m512i c[4] = {_mm512_and_si512(q01, nib), _mm512_and_si512(q23, nib),
-                                _mm512_and_si512(_mm512_srli_epi16(q01, 4), nib),
-                                _mm512_and_si512(_mm512_srli_epi16(q23, 4), nib)};
+          __m512i c[4];
+          superslm_vnni::unpack_quad(blk + k * 32, c);
           int32_t h4, l4;  // four activation bytes, broadcast to every lane
           std::memcpy(&h4, hi.data() + k, 4);
           std::memcpy(&l4, lo.data() + k, 4);
@@ -277,15 +205,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
             al[a] = _mm512_dpbusd_epi32(al[a], c[a], xl);
           }
         }
-        const uint16_t* s = smp + ((b * G + g) * 2) * 64;
-        const __m512 gs = _mm512_set1_ps(gsum[g]), g8 = _mm512_set1_ps(8.f * gsum[g]);
-        for (int a = 0; a < 4; ++a) {
-          // sum (c - 8) x = sum c x - 8 sum x; then y += s * that + z * sum x
-          const __m512 d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ah[a]), _mm512_set1_ps(gsh[g]),
-                                           _mm512_mul_ps(_mm512_cvtepi32_ps(al[a]), _mm512_set1_ps(gsl[g])));
-          y[a] = _mm512_fmadd_ps(bf16x16(s + a * 16), _mm512_sub_ps(d, g8), y[a]);
-          y[a] = _mm512_fmadd_ps(bf16x16(s + 64 + a * 16), gs, y[a]);
-        }
+        superslm_vnni::group_epilogue(ah, al, smp + ((b * G + g) * 2) * 64, gsum[g], gsh[g], gsl[g], y);
       }
       for (int a = 0; a < 4; ++a) {
         alignas(64) float v[16];

@@ -1,0 +1,161 @@
+// int4-weight GEMM for several activation rows with AVX-512 VNNI, each row computed exactly as the
+// single-row GEMV (gemv.cpp) computes it, so a row's bits do not depend on the rows beside it.
+//
+// torch's `_weight_int4pack_mm_for_cpu` turns every code into a float and multiplies in bf16/fp32 FMAs:
+// at 16 decode rows it is compute-bound. Here a block of 64 output rows x one group of k is unpacked
+// to bytes once (into L1), then every activation row multiplies it with VNNI (64 byte products per
+// instruction, two int8 parts per row as in gemv.cpp), two rows at a time to reuse each code load.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <vector>
+
+#include "vnni.h"
+
+bool vnni_available();
+
+namespace {
+
+#ifdef SUPERSLM_VNNI
+struct RowParts {
+  std::vector<int8_t> hi, lo;      // [M, K]
+  std::vector<float> gsum, gsh, gsl;  // [M, G]
+};
+
+// rows r0, r1 (r1 may equal r0: one row) of one group against the unpacked codes cg[group / 4][4]
+template <bool TWO>
+inline void rows_group(const __m512i* cg, int64_t group, const int8_t* h0, const int8_t* l0, const int8_t* h1,
+                       const int8_t* l1, __m512i ah0[4], __m512i al0[4], __m512i ah1[4], __m512i al1[4]) {
+  for (int a = 0; a < 4; ++a) ah0[a] = al0[a] = ah1[a] = al1[a] = _mm512_setzero_si512();
+  for (int64_t q = 0; q < group / 4; ++q) {
+    const __m512i* c = cg + q * 4;
+    int32_t v;  // four activation bytes, broadcast to every lane
+    std::memcpy(&v, h0 + q * 4, 4);
+    const __m512i xh0 = _mm512_set1_epi32(v);
+    std::memcpy(&v, l0 + q * 4, 4);
+    const __m512i xl0 = _mm512_set1_epi32(v);
+    for (int a = 0; a < 4; ++a) {
+      const __m512i ca = _mm512_load_si512(c + a);
+      ah0[a] = _mm512_dpbusd_epi32(ah0[a], ca, xh0);
+      al0[a] = _mm512_dpbusd_epi32(al0[a], ca, xl0);
+    }
+    if (TWO) {
+      std::memcpy(&v, h1 + q * 4, 4);
+      const __m512i xh1 = _mm512_set1_epi32(v);
+      std::memcpy(&v, l1 + q * 4, 4);
+      const __m512i xl1 = _mm512_set1_epi32(v);
+      for (int a = 0; a < 4; ++a) {
+        const __m512i ca = _mm512_load_si512(c + a);
+        ah1[a] = _mm512_dpbusd_epi32(ah1[a], ca, xh1);
+        al1[a] = _mm512_dpbusd_epi32(al1[a], ca, xl1);
+      }
+    }
+  }
+}
+
+// output block b (64 rows of N) for activation rows [m0, m1): the unpacked group is reused by every row
+void block_rows(const uint8_t* wp, const uint16_t* smp, const RowParts& xp, const std::vector<int64_t>& rows,
+                int64_t K, int64_t G, int64_t group, int64_t N, int64_t b, int64_t m0, int64_t m1, at::BFloat16* op) {
+  constexpr int64_t kMaxRows = 32;
+  alignas(64) __m512i cg[256];  // one group's codes, [group / 4][4] vectors (group <= 256)
+  alignas(64) float y[kMaxRows][64];
+  __m512 acc[4];
+  const uint8_t* blk = wp + b * K * 32;  // [K][32] bytes of this block
+  for (int64_t t0 = m0; t0 < m1; t0 += kMaxRows) {
+    const int64_t t1 = std::min(m1, t0 + kMaxRows);
+    for (int64_t m = t0; m < t1; ++m) std::memset(y[m - t0], 0, sizeof(y[0]));
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t q = 0; q < group / 4; ++q) superslm_vnni::unpack_quad(blk + (g * group + q * 4) * 32, cg + q * 4);
+      const uint16_t* s = smp + ((b * G + g) * 2) * 64;
+      int64_t m = t0;
+      __m512i ah0[4], al0[4], ah1[4], al1[4];
+      for (; m + 2 <= t1; m += 2) {
+        const int64_t r0 = rows[m] * K + g * group, r1 = rows[m + 1] * K + g * group;
+        rows_group<true>(cg, group, xp.hi.data() + r0, xp.lo.data() + r0, xp.hi.data() + r1, xp.lo.data() + r1, ah0,
+                         al0, ah1, al1);
+        for (int j = 0; j < 2; ++j) {
+          const int64_t i = rows[m + j] * G + g;
+          for (int a = 0; a < 4; ++a) acc[a] = _mm512_load_ps(y[m + j - t0] + a * 16);
+          superslm_vnni::group_epilogue(j ? ah1 : ah0, j ? al1 : al0, s, xp.gsum[i], xp.gsh[i], xp.gsl[i], acc);
+          for (int a = 0; a < 4; ++a) _mm512_store_ps(y[m + j - t0] + a * 16, acc[a]);
+        }
+      }
+      if (m < t1) {
+        const int64_t r0 = rows[m] * K + g * group;
+        rows_group<false>(cg, group, xp.hi.data() + r0, xp.lo.data() + r0, nullptr, nullptr, ah0, al0, ah1, al1);
+        const int64_t i = rows[m] * G + g;
+        for (int a = 0; a < 4; ++a) acc[a] = _mm512_load_ps(y[m - t0] + a * 16);
+        superslm_vnni::group_epilogue(ah0, al0, s, xp.gsum[i], xp.gsh[i], xp.gsl[i], acc);
+        for (int a = 0; a < 4; ++a) _mm512_store_ps(y[m - t0] + a * 16, acc[a]);
+      }
+    }
+    for (int64_t m = t0; m < t1; ++m)
+      for (int a = 0; a < 4; ++a)
+        for (int lane = 0; lane < 16; ++lane)
+          op[rows[m] * N + b * 64 + superslm_vnni::lane_row(a, lane)] = static_cast<at::BFloat16>(y[m - t0][a * 16 + lane]);
+  }
+}
+#endif
+
+}  // namespace
+
+// x [M, K] -> [M, N] bf16 for int4 weights in torch's packed layout: each row as `int4_gemv` computes it
+// alone; rows whose parts cannot be split (NaN, inf, an outlier) go to torch's kernel, which is
+// row-invariant too. scales_zeros: torch's [G, N, 2] (for those rows); sm: `int4_repack_scales` of it.
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sm,
+                     const at::Tensor& scales_zeros, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && qweight.size(1) * 2 == x.size(1),
+              "int4_gemm: rows of K against packed codes [N, K / 2]");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(group >= 4 && group <= 256 && group % 4 == 0 && K % group == 0 && N % 64 == 0,
+              "int4_gemm: K a multiple of the group (4..256), N of 64");
+  const int64_t G = K / group;
+  TORCH_CHECK(sm.scalar_type() == at::kBFloat16 && sm.dim() == 4 && sm.size(0) == N / 64 && sm.size(1) == G,
+              "int4_gemm: shapes of the packed codes and repacked scales do not match");
+  at::Tensor xb = x.to(at::kBFloat16);
+  if (!vnni_available() || M == 0) return at::_weight_int4pack_mm_for_cpu(xb, qweight, group, scales_zeros);
+#ifdef SUPERSLM_VNNI
+  // the kernel's input is x in bf16, as torch's kernel sees it
+  at::Tensor xf = xb.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  RowParts parts;
+  parts.hi.resize(M * K);
+  parts.lo.resize(M * K);
+  parts.gsum.resize(M * G);
+  parts.gsh.resize(M * G);
+  parts.gsl.resize(M * G);
+  std::vector<char> ok(M);
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      ok[r] = superslm_vnni::split_groups(xp + r * K, K, group, parts.hi.data() + r * K, parts.lo.data() + r * K,
+                                          parts.gsum.data() + r * G, parts.gsh.data() + r * G, parts.gsl.data() + r * G);
+  });
+  std::vector<int64_t> rows, bad;
+  for (int64_t r = 0; r < M; ++r) (ok[r] ? rows : bad).push_back(r);
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kBFloat16));
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const uint16_t* smp = reinterpret_cast<const uint16_t*>(sm.data_ptr<at::BFloat16>());
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t R = static_cast<int64_t>(rows.size()), blocks = N / 64;
+  // tasks: (block, a tile of rows); smaller tiles when there are too few blocks to keep the threads busy
+  int64_t tile = 32;
+  while (tile > 2 && blocks * ((R + tile - 1) / tile) < 4 * at::get_num_threads()) tile /= 2;
+  const int64_t tiles = (R + tile - 1) / tile;
+  if (R > 0) {
+    at::parallel_for(0, blocks * tiles, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t b = t / tiles, m0 = (t % tiles) * tile;
+        block_rows(wp, smp, parts, rows, K, G, group, N, b, m0, std::min(R, m0 + tile), op);
+      }
+    });
+  }
+  if (!bad.empty()) {
+    at::Tensor idx = at::tensor(bad, at::kLong);
+    out.index_copy_(0, idx, at::_weight_int4pack_mm_for_cpu(xb.index_select(0, idx), qweight, group, scales_zeros));
+  }
+  return out;
+#else
+  return at::_weight_int4pack_mm_for_cpu(xb, qweight, group, scales_zeros);
+#endif
+}

@@ -1,0 +1,224 @@
+// Per-row pieces of the decode layers (decode_layers.cpp): rounding helpers, the attention of one query
+// group over its keys, and the gated activation; each in plain C++ and, where the CPU has AVX-512, in
+// 16-lane vectors. Every row is computed alone, in an order fixed by its own length, so a row's bits
+// never depend on the rows beside it (deterministic mode relies on that).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define SUPERSLM_AVX512 1
+#endif
+
+namespace superslm_rows {
+
+// ---- scalar helpers ----
+
+inline float bf16_round(float x) {
+  // round-to-nearest-even to bf16 and back, as a bf16 tensor op rounds its float result
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7f800000u) == 0x7f800000u) return x;  // inf / nan
+  u += 0x7fffu + ((u >> 16) & 1u);
+  u &= 0xffff0000u;
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+
+template <typename T>
+inline float rnd(float x);
+template <>
+inline float rnd<float>(float x) { return x; }
+template <>
+inline float rnd<at::BFloat16>(float x) { return bf16_round(x); }
+
+template <typename T>
+inline float ld(const T* p) { return static_cast<float>(*p); }
+
+// one query row against its keys key_slots[first:len]: scores, softmax and the value sum in float32
+template <typename T>
+void attend(const float* q, const T* kc, const T* vc, const int64_t* slots, int64_t first, int64_t len, int64_t kvh,
+            int64_t kv_heads, int64_t head_dim, float scale, float* scores, float* acc, T* out) {
+  const int64_t row = kv_heads * head_dim;
+  float mx = -INFINITY;
+  for (int64_t j = first; j < len; ++j) {
+    const T* k = kc + slots[j] * row + kvh * head_dim;
+    // 16 lanes summed in a fixed order: vectorizes without reassociating, the same bits every run
+    float lane[16] = {0.f};
+    int64_t d = 0;
+    for (; d + 16 <= head_dim; d += 16)
+      for (int i = 0; i < 16; ++i) lane[i] += q[d + i] * ld(k + d + i);
+    for (; d < head_dim; ++d) lane[d % 16] += q[d] * ld(k + d);
+    float s = 0.f;
+    for (int i = 0; i < 16; ++i) s += lane[i];
+    s *= scale;
+    scores[j - first] = s;
+    mx = s > mx ? s : mx;
+  }
+  float total = 0.f;
+  for (int64_t j = 0; j < len - first; ++j) {
+    scores[j] = std::exp(scores[j] - mx);
+    total += scores[j];
+  }
+  for (int64_t d = 0; d < head_dim; ++d) acc[d] = 0.f;
+  for (int64_t j = first; j < len; ++j) {
+    const T* v = vc + slots[j] * row + kvh * head_dim;
+    const float p = scores[j - first];
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * ld(v + d);
+  }
+  for (int64_t d = 0; d < head_dim; ++d) out[d] = static_cast<T>(acc[d] / total);
+}
+
+inline float act_fn(int64_t act, float g) {
+  if (act == 0) return g / (1.f + std::exp(-g));
+  if (act == 1) {
+    const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * g * (1.f + std::tanh(k * (g + 0.044715f * g * g * g)));
+  }
+  return 0.5f * g * (1.f + std::erf(g * 0.7071067811865476f));
+}
+
+#ifdef SUPERSLM_AVX512
+// ---- 16-lane versions -------------------------------------------------------------------------------
+
+template <typename T>
+inline __m512 load16(const T* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// round to bf16 (nearest even, NaN kept a NaN) and back, as bf16_round does for one value
+inline __m512 bf16_round16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __mmask16 special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7f800000)),
+                                                    _mm512_set1_epi32(0x7f800000));
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, special, u));
+}
+
+template <typename T>
+inline __m512 rnd16(__m512 x);
+template <>
+inline __m512 rnd16<float>(__m512 x) { return x; }
+template <>
+inline __m512 rnd16<at::BFloat16>(__m512 x) { return bf16_round16(x); }
+
+template <typename T>
+inline void store16(T* p, __m512 x);
+template <>
+inline void store16<float>(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+template <>
+inline void store16<at::BFloat16>(at::BFloat16* p, __m512 x) {
+  const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(bf16_round16(x)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+// e^x (Cephes expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n), within ~2 ulp of expf
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// act(g) for act 0 (silu) and 1 (gelu_tanh); 2 (erf gelu) has no vector form here
+inline __m512 act16(int64_t act, __m512 g) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  if (act == 0) return _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  // tanh(u) = 1 - 2 / (e^(2u) + 1)
+  const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+  const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
+  const __m512 e = exp16(_mm512_add_ps(u, u));
+  const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, t));
+}
+
+// the query heads q [G, D] (float) of one kv head against its keys key_slots[first:len], D % 16 == 0 and
+// D <= 256: each key and value row is loaded once for the whole group. scores: G * (len - first) floats.
+template <typename T>
+void attend_group16(const float* q, int64_t G, const T* kc, const T* vc, const int64_t* slots, int64_t first,
+                    int64_t len, int64_t kvh, int64_t kv_heads, int64_t D, float scale, float* scores, T* out,
+                    int64_t out_stride) {
+  const int64_t row = kv_heads * D, n = len - first, V = D / 16;
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int64_t gn = std::min<int64_t>(4, G - g0);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* k = kc + slots[first + j] * row + kvh * D;
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t v = 0; v < V; ++v) {
+        const __m512 kv = load16<T>(k + v * 16);
+        for (int64_t g = 0; g < gn; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (g0 + g) * D + v * 16), kv, acc[g]);
+      }
+      for (int64_t g = 0; g < gn; ++g) scores[(g0 + g) * n + j] = _mm512_reduce_add_ps(acc[g]) * scale;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sc = scores + g * n;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) mx = sc[j] > mx ? sc[j] : mx;
+    __m512 tot = _mm512_setzero_ps();
+    const __m512 m = _mm512_set1_ps(mx);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), m));
+      _mm512_storeu_ps(sc + j, e);
+      tot = _mm512_add_ps(tot, e);
+    }
+    if (j < n) {
+      const __mmask16 mk = static_cast<__mmask16>((1u << (n - j)) - 1u);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc + j), m));
+      _mm512_mask_storeu_ps(sc + j, mk, e);
+      tot = _mm512_add_ps(tot, _mm512_maskz_mov_ps(mk, e));
+    }
+    const float total = _mm512_reduce_add_ps(tot);
+    __m512 acc[16];
+    for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const T* vr = vc + slots[first + i] * row + kvh * D;
+      const __m512 p = _mm512_set1_ps(sc[i]);
+      for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(p, load16<T>(vr + v * 16), acc[v]);
+    }
+    const __m512 inv = _mm512_set1_ps(total);
+    for (int64_t v = 0; v < V; ++v) store16<T>(out + g * out_stride + v * 16, _mm512_div_ps(acc[v], inv));
+  }
+}
+#endif
+
+// out[b, j] = rnd(act(gate[b, j])) * up[b, j] for gu [B, 2 * inter] = [gate | up]
+template <typename T>
+void act_rows(const T* gu, T* out, int64_t B, int64_t inter, int64_t act) {
+  for (int64_t b = 0; b < B; ++b) {
+    const T* gp = gu + b * 2 * inter;
+    T* ap = out + b * inter;
+    int64_t j = 0;
+#ifdef SUPERSLM_AVX512
+    if (act != 2)
+      for (; j + 16 <= inter; j += 16)
+        store16<T>(ap + j, _mm512_mul_ps(rnd16<T>(act16(act, load16<T>(gp + j))), load16<T>(gp + inter + j)));
+#endif
+    for (; j < inter; ++j) ap[j] = static_cast<T>(rnd<T>(act_fn(act, ld(gp + j))) * ld(gp + inter + j));
+  }
+}
+
+}  // namespace superslm_rows

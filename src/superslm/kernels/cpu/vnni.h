@@ -1,0 +1,117 @@
+// Pieces shared by the VNNI GEMV (gemv.cpp) and GEMM (gemm.cpp) kernels: the two-part int8 split of an
+// activation row, bf16 loads, and the row order of torch's packed int4 lanes.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define SUPERSLM_VNNI 1
+#endif
+
+namespace superslm_vnni {
+
+// The two int8 parts of x[0:n): x ~= sh * hi + sl * lo with sh = max|x| / 127, sl = sh / 254. False when
+// the split would not be within bf16 rounding of every element that matters: a NaN or inf, all zeros
+// (callers answer those with torch's kernel), a denormal scale, or one element over 64x the others' rms
+// (the parts' error is relative to the largest element, so small elements would lose bits).
+inline bool split_int8(const float* x, int64_t n, int8_t* hi, int8_t* lo, float* sh_out, float* sl_out) {
+  float amax = 0.f;
+  double ss = 0.0;
+  bool finite = true;
+  for (int64_t k = 0; k < n; ++k) {
+    finite = finite && std::isfinite(x[k]);
+    amax = std::max(amax, std::fabs(x[k]));
+    ss += static_cast<double>(x[k]) * x[k];
+  }
+  if (!finite || amax < 1e-30f) return false;
+  // the other elements' rms: one outlier among n cannot hide in an rms that includes it
+  const double rest = n > 1 ? std::max(0.0, ss - static_cast<double>(amax) * amax) / static_cast<double>(n - 1) : ss;
+  if (static_cast<double>(amax) * amax > 4096.0 * rest) return false;
+  const float sh = amax / 127.f, sl = sh / 254.f;
+  for (int64_t k = 0; k < n; ++k) {
+    const float qh = std::max(-127.f, std::min(127.f, std::nearbyint(x[k] / sh)));
+    const float ql = std::max(-127.f, std::min(127.f, std::nearbyint((x[k] - qh * sh) / sl)));
+    hi[k] = static_cast<int8_t>(qh);
+    lo[k] = static_cast<int8_t>(ql);
+  }
+  *sh_out = sh;
+  *sl_out = sl;
+  return true;
+}
+
+// One row's int4 activation parts, per group: an all-zero group gets zero parts and scales; false when
+// a group cannot be split (the row then goes to torch's kernel).
+inline bool split_groups(const float* x, int64_t K, int64_t group, int8_t* hi, int8_t* lo, float* gsum, float* gsh,
+                         float* gsl) {
+  for (int64_t g = 0; g < K / group; ++g) {
+    const float* xg = x + g * group;
+    bool zero = true;
+    gsum[g] = 0.f;
+    for (int64_t k = 0; k < group; ++k) {
+      gsum[g] += xg[k];
+      zero = zero && xg[k] == 0.f;
+    }
+    if (zero) {
+      std::fill(hi + g * group, hi + (g + 1) * group, int8_t(0));
+      std::fill(lo + g * group, lo + (g + 1) * group, int8_t(0));
+      gsh[g] = gsl[g] = 0.f;
+    } else if (!split_int8(xg, group, hi + g * group, lo + g * group, &gsh[g], &gsl[g])) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// the row (within a block of 64) held by lane i of the four accumulators (lo nibbles q01, q23; hi q01, q23)
+inline int lane_row(int acc, int lane) {
+  static const int base01[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  const int r = base01[lane] + ((acc & 1) ? 8 : 0);
+  return r + ((acc & 2) ? 32 : 0);
+}
+
+#ifdef SUPERSLM_VNNI
+// 16 bf16 -> 16 float32 (a bf16 is the top half of a float)
+inline __m512 bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// four k of torch's packed int4 block (32 bytes each, at p) -> the four accumulators' code vectors:
+// 16 rows x 4 k per vector, codes 0..15 as unsigned bytes
+inline void unpack_quad(const uint8_t* p, __m512i c[4]) {
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+  const __m256i B0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i B1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+  const __m256i B2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64));
+  const __m256i B3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 96));
+  const __m256i t01l = _mm256_unpacklo_epi8(B0, B1), t01h = _mm256_unpackhi_epi8(B0, B1);
+  const __m256i t23l = _mm256_unpacklo_epi8(B2, B3), t23h = _mm256_unpackhi_epi8(B2, B3);
+  const __m512i q01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(t01l, t23l)),
+                                         _mm256_unpackhi_epi16(t01l, t23l), 1);
+  const __m512i q23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(t01h, t23h)),
+                                         _mm256_unpackhi_epi16(t01h, t23h), 1);
+  c[0] = _mm512_and_si512(q01, nib);
+  c[1] = _mm512_and_si512(q23, nib);
+  c[2] = _mm512_and_si512(_mm512_srli_epi16(q01, 4), nib);
+  c[3] = _mm512_and_si512(_mm512_srli_epi16(q23, 4), nib);
+}
+
+// y[a] += one group's contribution, from the integer sums of its two parts (the GEMV and the GEMM run
+// these same float operations in this order, so a row's result does not depend on its batch)
+inline void group_epilogue(const __m512i ah[4], const __m512i al[4], const uint16_t* s, float gsum, float gsh,
+                           float gsl, __m512 y[4]) {
+  const __m512 gs = _mm512_set1_ps(gsum), g8 = _mm512_set1_ps(8.f * gsum);
+  for (int a = 0; a < 4; ++a) {
+    // sum (c - 8) x = sum c x - 8 sum x; then y += s * that + z * sum x
+    const __m512 d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ah[a]), _mm512_set1_ps(gsh),
+                                     _mm512_mul_ps(_mm512_cvtepi32_ps(al[a]), _mm512_set1_ps(gsl)));
+    y[a] = _mm512_fmadd_ps(bf16x16(s + a * 16), _mm512_sub_ps(d, g8), y[a]);
+    y[a] = _mm512_fmadd_ps(bf16x16(s + 64 + a * 16), gs, y[a]);
+  }
+}
+#endif
+
+}  // namespace superslm_vnni
