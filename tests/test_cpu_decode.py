@@ -147,7 +147,7 @@ def test_vnni_int8_gemv_equals_torch_kernel(shape) -> None:
     m = Int8Linear.from_dense(torch.randn(n, k, generator=g))
     x = (torch.randn(1, k, generator=g) * torch.rand(1, k, generator=g) ** 4).to(torch.bfloat16)  # wide range
     want = m(x).float()
-    got = cpu_decode.single_row_linear(m, x)
+    got = cpu_decode.vnni_linear(m, x)
     ext = cpu_decode.extension()
     if not ext.vnni_available() or m.k_pad % 64 or m.k_pad != k:
         assert got is None
@@ -156,8 +156,8 @@ def test_vnni_int8_gemv_equals_torch_kernel(shape) -> None:
     assert torch.equal(ext.int8_rowsum(m.codes), m.codes.sum(1, dtype=torch.int32))
     # two int8 parts carry x to ~1/64516 of its largest element: the result is within bf16 rounding
     assert ((got.float() - want).abs() <= 2**-7 * want.abs() + 1e-3 * want.abs().max()).all()
-    assert torch.equal(cpu_decode.single_row_linear(m, torch.zeros_like(x)).float(), torch.zeros(1, n))
-    assert cpu_decode.single_row_linear(m, x.repeat(2, 1)) is None
+    assert torch.equal(cpu_decode.vnni_linear(m, torch.zeros_like(x)).float(), torch.zeros(1, n))
+    assert cpu_decode.vnni_linear(m, x.repeat(2, 1)) is None
 
 
 @pytest.mark.parametrize("n,k,group", [(64, 128, 32), (960, 576, 32), (192, 512, 64), (128, 256, 128), (64, 512, 256)])
@@ -194,10 +194,10 @@ def test_vnni_int8_falls_back_on_nan_and_outliers() -> None:
     m = Int8Linear.from_dense(torch.randn(256, 512, generator=g))
     x = (torch.randn(1, 512, generator=g) * 0.05).to(torch.bfloat16)
     x[0, 7] = 2000.0  # one massive activation: the split's error would swamp the small ones
-    assert torch.equal(cpu_decode.single_row_linear(m, x).float(), m(x).float())  # torch's kernel, bit for bit
+    assert torch.equal(cpu_decode.vnni_linear(m, x).float(), m(x).float())  # torch's kernel, bit for bit
     nan = x.clone()
     nan[0, 1:] = float("nan")
-    assert torch.isnan(cpu_decode.single_row_linear(m, nan)).all()
+    assert torch.isnan(cpu_decode.vnni_linear(m, nan)).all()
 
 
 def test_plan_only_for_bf16_and_fp32_and_rebuilt_after_to(folders) -> None:
@@ -252,3 +252,34 @@ def test_vnni_int4_gemm_rows_equal_the_single_row_gemv(n: int, k: int, group: in
         want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, m.qweight, group, m.scales_zeros).float()
         ok = torch.arange(rows) != 1
         assert ((got[ok].float() - want[ok]).abs() <= 2**-7 * want[ok].abs() + 1e-3 * want[ok].abs().max()).all()
+    # no row that can be split: all of them go to torch's kernel
+    bad = torch.full((3, m.k_pad), float("nan"), dtype=torch.bfloat16)
+    assert torch.isnan(ext.int4_gemm(bad, m.qweight, sm, m.scales_zeros, group)).all()
+
+
+@pytest.mark.parametrize("shape", [(300, 64), (4099, 576), (1001, 640)])
+def test_vnni_int8_gemm_rows_equal_the_single_row_gemv(shape) -> None:
+    """Deterministic rows of the int8 head: each row of the multi-row kernel has the one-row GEMV's bits;
+    a NaN row goes to torch's kernel alone."""
+    from superslm.quant.dense import Int8Linear
+
+    ext = cpu_decode.extension()
+    if not ext.vnni_available():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    n, k = shape
+    g = torch.Generator().manual_seed(n)
+    m = Int8Linear.from_dense(torch.randn(n, k, generator=g))
+    for rows in (2, 3, 16, 37):
+        x = (torch.randn(rows, k, generator=g) * torch.rand(rows, k, generator=g) ** 4).to(torch.bfloat16)
+        x[1, 5] = float("nan")
+        got = cpu_decode.vnni_linear(m, x, deterministic=True)
+        assert cpu_decode.vnni_linear(m, x) is None  # several rows, default mode: torch's kernel
+        for r in range(rows):
+            one = cpu_decode.vnni_linear(m, x[r : r + 1])
+            assert torch.equal(got[r : r + 1].view(torch.int16), one.view(torch.int16)), (rows, r)
+        want = m(x).float()
+        ok = torch.arange(rows) != 1
+        assert ((got[ok].float() - want[ok]).abs() <= 2**-7 * want[ok].abs() + 1e-3 * want[ok].abs().max()).all()
+        assert torch.isnan(got[1]).all()
+    bad = torch.full((3, k), float("nan"), dtype=torch.bfloat16)
+    assert torch.isnan(cpu_decode.vnni_linear(m, bad, deterministic=True)).all()

@@ -288,12 +288,16 @@ def int8_gemv_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tenso
     return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), codes, scale)
 
 
-def single_row_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """module(x) for one row through the VNNI int8 GEMV (a decode step's head), or None where it does not
-    apply (another format, a rotation, several rows, a CPU or build without AVX-512 VNNI)."""
+def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor | None:
+    """module(x) through the VNNI int8 kernels (kernels/cpu/gemv.cpp, gemm.cpp), or None where they do not
+    apply (another format, a rotation, a CPU or build without AVX-512 VNNI), or where torch's kernel is
+    as fast: several rows outside deterministic mode. A row gets the same bits alone or in a batch."""
     from superslm.quant.dense import Int8Linear
 
-    if x.shape[0] != 1 or x.device.type != "cpu" or type(module) is not Int8Linear or module.rotation is not None:
+    rows = x.shape[0]
+    if rows == 0 or (rows > 1 and not deterministic):
+        return None
+    if x.device.type != "cpu" or type(module) is not Int8Linear or module.rotation is not None:
         return None
     ext = extension()
     if ext is None or not ext.vnni_available() or module.k_pad != module.in_features or module.k_pad % 64:
@@ -301,7 +305,8 @@ def single_row_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor 
     rowsum = getattr(module, "_rowsum", None)
     if rowsum is None or rowsum.shape[0] != module.codes.shape[0]:
         rowsum = module._rowsum = ext.int8_rowsum(module.codes)
-    y = ext.int8_gemv(x, module.codes, module.scale, rowsum)
+    kernel = ext.int8_gemv if rows == 1 else ext.int8_gemm
+    y = kernel(x, module.codes, module.scale, rowsum)
     if module.bias is not None:
         y = y.float() + module.bias
     return y.to(x.dtype)

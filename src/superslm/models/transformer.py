@@ -253,11 +253,11 @@ class Transformer(nn.Module):
         if deterministic and self.row_multiple > 1:
             h = pad_rows(h, BLOCK)
         x = self.final_norm(h)
-        if not deterministic:
-            # one row: the VNNI int8 GEMV reads the head at memory speed (kernels/cpu/gemv.cpp)
-            y = cpu_decode.single_row_linear(self.head, x)
-            if y is not None:
-                return y.float()
+        # the VNNI int8 kernels: one row at memory speed; in deterministic mode every row count, so a
+        # row's logits do not depend on its batch (kernels/cpu/gemm.cpp)
+        y = cpu_decode.vnni_linear(self.head, x[:n], deterministic)
+        if y is not None:
+            return y.float()
         return self.head(x)[:n].float()
 
 

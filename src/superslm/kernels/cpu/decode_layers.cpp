@@ -22,6 +22,7 @@ at::Tensor int8_rowsum(const at::Tensor& codes);
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& rowsum);
 at::Tensor int4_repack_scales(const at::Tensor& scales_zeros);
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sm, int64_t group);
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& rowsum);
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sm,
                      const at::Tensor& scales_zeros, int64_t group);
 
@@ -62,13 +63,19 @@ struct Lin {
     if (pad && kind != DENSE_FORMAT) h = h.narrow(0, 0, rows).contiguous();  // int kernels: row-invariant
     at::Tensor y;
     if (kind == INT4) {
-      // the VNNI kernels give each row the same bits alone or in a batch (gemm.cpp): deterministic too
-      if (sm.defined()) y = h.size(0) == 1 ? int4_gemv(h, a, sm, group) : int4_gemm(h, a, sm, b, group);
+      // the VNNI kernels give a row the same bits alone or in a batch (gemm.cpp), so deterministic steps
+      // use them at every row count; otherwise 2..31 rows take torch's kernel, as fast or faster there
+      const int64_t rows_h = h.size(0);
+      if (sm.defined() && rows_h == 1) y = int4_gemv(h, a, sm, group);
+      else if (sm.defined() && (deterministic || rows_h >= 32)) y = int4_gemm(h, a, sm, b, group);
       if (!y.defined()) y = at::_weight_int4pack_mm_for_cpu(h, a, group, b);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == INT8) {
-      const bool vnni = !deterministic && h.size(0) == 1 && kpad % 64 == 0 && rowsum.defined() && vnni_available();
-      y = vnni ? int8_gemv(h, a, b, rowsum) : at::_weight_int8pack_mm(h, a, b);
+      // as int4: the VNNI kernels for one row, and for every row count in deterministic steps
+      const bool vnni = kpad % 64 == 0 && rowsum.defined() && vnni_available();
+      if (vnni && h.size(0) == 1) y = int8_gemv(h, a, b, rowsum);
+      else if (vnni && deterministic) y = int8_gemm(h, a, b, rowsum);
+      else y = at::_weight_int8pack_mm(h, a, b);
     } else {
       y = at::linear(h, a);
       if (pad) y = y.narrow(0, 0, rows);
@@ -323,5 +330,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_repack_scales", &int4_repack_scales);
   m.def("int4_gemv", &int4_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int8_gemm", &int8_gemm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_gemm", &int4_gemm, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

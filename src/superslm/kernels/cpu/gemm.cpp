@@ -67,7 +67,8 @@ void block_rows(const uint8_t* wp, const uint16_t* smp, const RowParts& xp, cons
     for (int64_t m = t0; m < t1; ++m) std::memset(y[m - t0], 0, sizeof(y[0]));
     for (int64_t g = 0; g < G; ++g) {
       for (int64_t q = 0; q < group / 4; ++q) superslm_vnni::unpack_quad(blk + (g * group + q * 4) * 32, cg + q * 4);
-      const uint16_t* s = smp + ((b * G + g) * 2) * 64;
+      __m512 sf[4], zf[4];
+      superslm_vnni::group_scales(smp + ((b * G + g) * 2) * 64, sf, zf);
       int64_t m = t0;
       __m512i ah0[4], al0[4], ah1[4], al1[4];
       for (; m + 2 <= t1; m += 2) {
@@ -77,7 +78,7 @@ void block_rows(const uint8_t* wp, const uint16_t* smp, const RowParts& xp, cons
         for (int j = 0; j < 2; ++j) {
           const int64_t i = rows[m + j] * G + g;
           for (int a = 0; a < 4; ++a) acc[a] = _mm512_load_ps(y[m + j - t0] + a * 16);
-          superslm_vnni::group_epilogue(j ? ah1 : ah0, j ? al1 : al0, s, xp.gsum[i], xp.gsh[i], xp.gsl[i], acc);
+          superslm_vnni::group_epilogue(j ? ah1 : ah0, j ? al1 : al0, sf, zf, xp.gsum[i], xp.gsl[i], acc);
           for (int a = 0; a < 4; ++a) _mm512_store_ps(y[m + j - t0] + a * 16, acc[a]);
         }
       }
@@ -86,7 +87,7 @@ void block_rows(const uint8_t* wp, const uint16_t* smp, const RowParts& xp, cons
         rows_group<false>(cg, group, xp.hi.data() + r0, xp.lo.data() + r0, nullptr, nullptr, ah0, al0, ah1, al1);
         const int64_t i = rows[m] * G + g;
         for (int a = 0; a < 4; ++a) acc[a] = _mm512_load_ps(y[m - t0] + a * 16);
-        superslm_vnni::group_epilogue(ah0, al0, s, xp.gsum[i], xp.gsh[i], xp.gsl[i], acc);
+        superslm_vnni::group_epilogue(ah0, al0, sf, zf, xp.gsum[i], xp.gsl[i], acc);
         for (int a = 0; a < 4; ++a) _mm512_store_ps(y[m - t0] + a * 16, acc[a]);
       }
     }
@@ -94,6 +95,59 @@ void block_rows(const uint8_t* wp, const uint16_t* smp, const RowParts& xp, cons
       for (int a = 0; a < 4; ++a)
         for (int lane = 0; lane < 16; ++lane)
           op[rows[m] * N + b * 64 + superslm_vnni::lane_row(a, lane)] = static_cast<at::BFloat16>(y[m - t0][a * 16 + lane]);
+  }
+}
+
+// the 16 lane sums of v[0..15] in one vector (integer sums: exact in any order); lane 4q + r holds the
+// sum of v[4r + q]
+inline __m512i reduce16(const __m512i v[16]) {
+  __m512i w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: 8 partials of v[2i], 8-15: of v[2i + 1]
+    w[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // quarter q: 4 partials of v[4i + q]
+    x[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // quarter q, lanes (0, 2): v[8i + q], lanes (1, 3): v[8i + 4 + q], 2 partials each
+    y[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(y[0], y[1]), _mm512_unpackhi_epi64(y[0], y[1]));
+}
+
+// output rows [n0, n1) for every activation row: 4 output rows x 2 activation rows x 2 parts per pass,
+// the 4 weight rows (4 K bytes) staying in L1 while the activation rows stream past them
+void int8_rows(const uint8_t* hi, const uint8_t* lo, const std::vector<int64_t>& rows, const float* sh,
+               const float* sl, const int8_t* codes, const int32_t* rowsum, const at::BFloat16* scale, int64_t K,
+               int64_t N, int64_t n0, int64_t n1, at::BFloat16* out) {
+  const int64_t R = static_cast<int64_t>(rows.size());
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int64_t nn = std::min<int64_t>(4, n1 - n);
+    const int8_t* w[4];
+    for (int i = 0; i < 4; ++i) w[i] = codes + (n + std::min<int64_t>(i, nn - 1)) * K;  // a short tile repeats its last row
+    for (int64_t m = 0; m < R; m += 2) {
+      const int64_t m1 = std::min(m + 1, R - 1);  // an odd last row pairs with itself
+      const uint8_t* x[4] = {hi + rows[m] * K, lo + rows[m] * K, hi + rows[m1] * K, lo + rows[m1] * K};
+      __m512i acc[16];  // [n][m][part]
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
+      for (int64_t k = 0; k < K; k += 64) {
+        __m512i xv[4], wv[4];
+        for (int i = 0; i < 4; ++i) xv[i] = _mm512_loadu_si512(x[i] + k);
+        for (int i = 0; i < 4; ++i) wv[i] = _mm512_loadu_si512(w[i] + k);
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < 4; ++j) acc[i * 4 + j] = _mm512_dpbusd_epi32(acc[i * 4 + j], xv[j], wv[i]);
+      }
+      alignas(64) int32_t sum[16];
+      _mm512_store_si512(sum, reduce16(acc));
+      // acc index 4i + j sits in lane 4j + i (reduce16): j = 2 * (row pair index) + part
+      for (int i = 0; i < nn; ++i) {
+        const int64_t off = 128LL * rowsum[n + i];
+        const float s = static_cast<float>(scale[n + i]);
+        for (int r = 0; r < (m1 > m ? 2 : 1); ++r) {
+          const int64_t row = rows[m + r];
+          const int64_t h = sum[4 * (2 * r) + i] - off, l = sum[4 * (2 * r + 1) + i] - off;
+          out[row * N + n + i] = static_cast<at::BFloat16>(superslm_vnni::int8_out(s, sh[row], sl[row], h, l));
+        }
+      }
+    }
   }
 }
 #endif
@@ -138,11 +192,13 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::T
   const uint16_t* smp = reinterpret_cast<const uint16_t*>(sm.data_ptr<at::BFloat16>());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t R = static_cast<int64_t>(rows.size()), blocks = N / 64;
-  // tasks: (block, a tile of rows); smaller tiles when there are too few blocks to keep the threads busy
-  int64_t tile = 32;
-  while (tile > 2 && blocks * ((R + tile - 1) / tile) < 4 * at::get_num_threads()) tile /= 2;
-  const int64_t tiles = (R + tile - 1) / tile;
+  // tasks: (block, a tile of rows); when the blocks do not divide evenly among the threads, the rows are
+  // split too, so no thread waits a whole block for another (9 blocks on 2 threads: 18 tasks, not 5 + 4)
   if (R > 0) {
+    const int64_t threads = at::get_num_threads();
+    int64_t tiles = (R + 31) / 32;
+    if ((blocks * tiles) % threads != 0 && R >= 2 * threads) tiles = std::max(tiles, threads);
+    const int64_t tile = (R + tiles - 1) / tiles;
     at::parallel_for(0, blocks * tiles, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t b = t / tiles, m0 = (t % tiles) * tile;
@@ -157,5 +213,59 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::T
   return out;
 #else
   return at::_weight_int4pack_mm_for_cpu(xb, qweight, group, scales_zeros);
+#endif
+}
+
+// x [M, K] (K % 64 == 0) -> [M, N] bf16 for int8 codes [N, K] with per-row scales: each row as `int8_gemv`
+// computes it alone; rows that cannot be split go to torch's kernel (row-invariant too)
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& rowsum) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1) && codes.scalar_type() == at::kChar &&
+                  codes.is_contiguous() && scale.scalar_type() == at::kBFloat16 && rowsum.scalar_type() == at::kInt &&
+                  scale.numel() == codes.size(0) && rowsum.numel() == codes.size(0),
+              "int8_gemm: rows of K against codes int8 [N, K], scale bf16 [N], rowsum int32 [N]");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(K % 64 == 0, "int8_gemm: K must be a multiple of 64");
+  at::Tensor xb = x.to(at::kBFloat16);
+  if (!vnni_available() || M == 0) return at::_weight_int8pack_mm(xb, codes, scale);
+#ifdef SUPERSLM_VNNI
+  at::Tensor xf = xb.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  std::vector<int8_t> hs(M * K), ls(M * K);
+  std::vector<uint8_t> hi(M * K), lo(M * K);
+  std::vector<float> sh(M), sl(M);
+  std::vector<char> ok(M);
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      ok[r] = superslm_vnni::split_int8(xp + r * K, K, hs.data() + r * K, ls.data() + r * K, &sh[r], &sl[r]);
+      // VNNI multiplies unsigned by signed bytes: the activation parts go in with +128
+      for (int64_t k = r * K; k < (r + 1) * K; ++k) {
+        hi[k] = static_cast<uint8_t>(hs[k] + 128);
+        lo[k] = static_cast<uint8_t>(ls[k] + 128);
+      }
+    }
+  });
+  std::vector<int64_t> rows, bad;
+  for (int64_t r = 0; r < M; ++r) (ok[r] ? rows : bad).push_back(r);
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kBFloat16));
+  at::Tensor sc = scale.contiguous(), rs = rowsum.contiguous();
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const int32_t* rp = rs.data_ptr<int32_t>();
+  const at::BFloat16* sp = sc.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  if (!rows.empty()) {
+    // tasks of 4 output rows, ~64 KiB of weights each
+    const int64_t grain = std::max<int64_t>(1, 65536 / (4 * K));
+    at::parallel_for(0, (N + 3) / 4, grain, [&](int64_t t0, int64_t t1) {
+      int8_rows(hi.data(), lo.data(), rows, sh.data(), sl.data(), cp, rp, sp, K, N, t0 * 4, std::min(N, t1 * 4), op);
+    });
+  }
+  if (!bad.empty()) {
+    at::Tensor idx = at::tensor(bad, at::kLong);
+    out.index_copy_(0, idx, at::_weight_int8pack_mm(xb.index_select(0, idx), codes, scale));
+  }
+  return out;
+#else
+  (void)rowsum;
+  return at::_weight_int8pack_mm(xb, codes, scale);
 #endif
 }

@@ -73,8 +73,8 @@ void rows_vnni(const uint8_t* hi, const uint8_t* lo, const int8_t* codes, const 
     const __m512i hs[4] = {h0, h1, h2, h3}, ls[4] = {l0, l1, l2, l3};
     for (int r = 0; r < 4; ++r) {
       const int64_t off = 128LL * rowsum[n + r];
-      const double dh = static_cast<double>(hsum(hs[r]) - off), dl = static_cast<double>(hsum(ls[r]) - off);
-      out[n + r] = static_cast<at::BFloat16>(static_cast<float>(scale[n + r]) * static_cast<float>(sh * dh + sl * dl));
+      out[n + r] = static_cast<at::BFloat16>(
+          superslm_vnni::int8_out(static_cast<float>(scale[n + r]), sh, sl, hsum(hs[r]) - off, hsum(ls[r]) - off));
     }
   }
   for (; n < n1; ++n) {
@@ -86,8 +86,8 @@ void rows_vnni(const uint8_t* hi, const uint8_t* lo, const int8_t* codes, const 
       l = _mm512_dpbusd_epi32(l, _mm512_loadu_si512(lo + k), w);
     }
     const int64_t off = 128LL * rowsum[n];
-    const double dh = static_cast<double>(hsum(h) - off), dl = static_cast<double>(hsum(l) - off);
-    out[n] = static_cast<at::BFloat16>(static_cast<float>(scale[n]) * static_cast<float>(sh * dh + sl * dl));
+    out[n] = static_cast<at::BFloat16>(
+        superslm_vnni::int8_out(static_cast<float>(scale[n]), sh, sl, hsum(h) - off, hsum(l) - off));
   }
 }
 
@@ -205,7 +205,9 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
             al[a] = _mm512_dpbusd_epi32(al[a], c[a], xl);
           }
         }
-        superslm_vnni::group_epilogue(ah, al, smp + ((b * G + g) * 2) * 64, gsum[g], gsh[g], gsl[g], y);
+        __m512 sf[4], zf[4];
+        superslm_vnni::group_scales(smp + ((b * G + g) * 2) * 64, sf, zf);
+        superslm_vnni::group_epilogue(ah, al, sf, zf, gsum[g], gsl[g], y);
       }
       for (int a = 0; a < 4; ++a) {
         alignas(64) float v[16];

@@ -65,6 +65,12 @@ inline bool split_groups(const float* x, int64_t K, int64_t group, int8_t* hi, i
   return true;
 }
 
+// one int8 output, scale * (sh * H + sl * L) from the exact integer sums H and L of the codes times each
+// part (the GEMV and the GEMM both call this, so a row's bits do not depend on its batch)
+inline float int8_out(float scale, float sh, float sl, int64_t h, int64_t l) {
+  return scale * std::fma(sh, static_cast<float>(h), sl * static_cast<float>(l));
+}
+
 // the row (within a block of 64) held by lane i of the four accumulators (lo nibbles q01, q23; hi q01, q23)
 inline int lane_row(int acc, int lane) {
   static const int base01[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
@@ -99,17 +105,26 @@ inline void unpack_quad(const uint8_t* p, __m512i c[4]) {
   c[3] = _mm512_and_si512(_mm512_srli_epi16(q23, 4), nib);
 }
 
-// y[a] += one group's contribution, from the integer sums of its two parts (the GEMV and the GEMM run
-// these same float operations in this order, so a row's result does not depend on its batch)
-inline void group_epilogue(const __m512i ah[4], const __m512i al[4], const uint16_t* s, float gsum, float gsh,
-                           float gsl, __m512 y[4]) {
-  const __m512 gs = _mm512_set1_ps(gsum), g8 = _mm512_set1_ps(8.f * gsum);
+// a group's scales and zeros, bf16 in the lanes' row order (int4_repack_scales) -> float32 vectors
+inline void group_scales(const uint16_t* s, __m512 sf[4], __m512 zf[4]) {
   for (int a = 0; a < 4; ++a) {
+    sf[a] = bf16x16(s + a * 16);
+    zf[a] = bf16x16(s + 64 + a * 16);
+  }
+}
+
+// y[a] += one group's contribution, from the integer sums of its two parts (the GEMV and the GEMM run
+// these same operations in this order, so a row's result does not depend on its batch).
+// sum c x = sl * sum c (254 hi + lo): one exact integer (< 2^24 for groups <= 32) and one conversion.
+inline void group_epilogue(const __m512i ah[4], const __m512i al[4], const __m512 sf[4], const __m512 zf[4],
+                           float gsum, float gsl, __m512 y[4]) {
+  const __m512 gs = _mm512_set1_ps(gsum), g8 = _mm512_set1_ps(8.f * gsum), sl = _mm512_set1_ps(gsl);
+  for (int a = 0; a < 4; ++a) {
+    const __m512i comb = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(ah[a], 8), _mm512_slli_epi32(ah[a], 1)), al[a]);
     // sum (c - 8) x = sum c x - 8 sum x; then y += s * that + z * sum x
-    const __m512 d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ah[a]), _mm512_set1_ps(gsh),
-                                     _mm512_mul_ps(_mm512_cvtepi32_ps(al[a]), _mm512_set1_ps(gsl)));
-    y[a] = _mm512_fmadd_ps(bf16x16(s + a * 16), _mm512_sub_ps(d, g8), y[a]);
-    y[a] = _mm512_fmadd_ps(bf16x16(s + 64 + a * 16), gs, y[a]);
+    const __m512 d = _mm512_fmsub_ps(_mm512_cvtepi32_ps(comb), sl, g8);
+    y[a] = _mm512_fmadd_ps(sf[a], d, y[a]);
+    y[a] = _mm512_fmadd_ps(zf[a], gs, y[a]);
   }
 }
 #endif
