@@ -169,19 +169,19 @@ def test_vnni_int4_gemv_equals_torch_kernel(n: int, k: int, group: int) -> None:
     m = Int4Linear.from_dense(torch.randn(n, k, generator=g), group=group)
     x = (torch.randn(1, m.k_pad, generator=g) * torch.rand(1, m.k_pad, generator=g) ** 4).to(torch.bfloat16)
     want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, m.qweight, group, m.scales_zeros).float()
-    got = ext.int4_gemv(x, m.qweight, ext.int4_repack_scales(m.scales_zeros), group)
+    got = ext.int4_gemv(x, m.qweight, m.scales_zeros, group)
     if not ext.vnni_available():
         assert got is None
         return
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     # every row of the 64-row blocks lands where torch puts it, within bf16 rounding
     assert ((got.float() - want).abs() <= 2**-7 * want.abs() + 1e-3 * want.abs().max()).all()
-    zero = ext.int4_gemv(torch.zeros_like(x), m.qweight, ext.int4_repack_scales(m.scales_zeros), group)
+    zero = ext.int4_gemv(torch.zeros_like(x), m.qweight, m.scales_zeros, group)
     assert torch.equal(zero.float(), torch.zeros_like(want))
     # a NaN anywhere goes to torch's kernel (None here), never into the integer parts
     bad = x.clone()
     bad[0, 3] = float("nan")
-    assert ext.int4_gemv(bad, m.qweight, ext.int4_repack_scales(m.scales_zeros), group) is None
+    assert ext.int4_gemv(bad, m.qweight, m.scales_zeros, group) is None
 
 
 def test_vnni_int8_falls_back_on_nan_and_outliers() -> None:
@@ -238,13 +238,12 @@ def test_vnni_int4_gemm_rows_equal_the_single_row_gemv(n: int, k: int, group: in
         pytest.skip("this CPU has no AVX-512 VNNI")
     g = torch.Generator().manual_seed(n + group)
     m = Int4Linear.from_dense(torch.randn(n, k, generator=g), group=group)
-    sm = ext.int4_repack_scales(m.scales_zeros)
     for rows in (2, 3, 16, 37):
         x = (torch.randn(rows, m.k_pad, generator=g) * torch.rand(rows, m.k_pad, generator=g) ** 4).to(torch.bfloat16)
         x[1, 5] = float("nan")
-        got = ext.int4_gemm(x, m.qweight, sm, m.scales_zeros, group)
+        got = ext.int4_gemm(x, m.qweight, m.scales_zeros, group)
         for r in range(rows):
-            one = ext.int4_gemv(x[r : r + 1], m.qweight, sm, group)
+            one = ext.int4_gemv(x[r : r + 1], m.qweight, m.scales_zeros, group)
             if one is None:  # torch's kernel, as the GEMM sends that row
                 assert r == 1
                 one = torch.ops.aten._weight_int4pack_mm_for_cpu(x[r : r + 1], m.qweight, group, m.scales_zeros)
@@ -254,7 +253,7 @@ def test_vnni_int4_gemm_rows_equal_the_single_row_gemv(n: int, k: int, group: in
         assert ((got[ok].float() - want[ok]).abs() <= 2**-7 * want[ok].abs() + 1e-3 * want[ok].abs().max()).all()
     # no row that can be split: all of them go to torch's kernel
     bad = torch.full((3, m.k_pad), float("nan"), dtype=torch.bfloat16)
-    assert torch.isnan(ext.int4_gemm(bad, m.qweight, sm, m.scales_zeros, group)).all()
+    assert torch.isnan(ext.int4_gemm(bad, m.qweight, m.scales_zeros, group)).all()
 
 
 @pytest.mark.parametrize("shape", [(300, 64), (4099, 576), (1001, 640)])

@@ -271,6 +271,8 @@ def load(
 
         quantize_from_source(net, source)
         _release_freed_memory()
+        if source.format == "gguf":
+            source.gguf.release_pages()  # the linears hold their own packed copies now
     elif quant in ("int4", "int8", "bf16"):
         from superslm.quant import quantize_linears
 

@@ -374,6 +374,16 @@ class GGUFFile:
         t = torch.from_numpy(values)
         return t if dtype == torch.float32 else t.to(dtype)
 
+    def release_pages(self) -> None:
+        """Drop the pages of the map this process has touched from its resident set (MADV_DONTNEED on a
+        read-only file map loses nothing: a later read faults the page back in from the page cache).
+        After a load has copied what it needs, the file no longer counts twice in RSS."""
+        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                self._map.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):
+                pass  # only a memory-use hint
+
     def close(self) -> None:
         """Drop the memory map; views handed out by `raw()` keep their pages alive."""
         self._data = None

@@ -145,6 +145,16 @@ def paged_attention(
         a, b = meta.query_start[s], meta.query_start[s + 1]
         if a == b or a in single:
             continue
+        if b - a == meta.seq_lens[s] and (window is None or window >= b - a):
+            # a whole prompt from position 0: SDPA's own causal mask takes its fused kernel, which never
+            # holds the [heads, rows, keys] scores (9 MB a layer at 512 tokens) nor repeats kv heads
+            slots = meta.key_slots(s)
+            k = k_cache[slots].to(q.dtype).transpose(0, 1)[None]  # [1, kv_heads, L, D]
+            v = v_cache[slots].to(q.dtype).transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k, v, is_causal=True, scale=scale,
+                                               enable_gqa=groups > 1)
+            out[a:b] = o[0].transpose(0, 1)
+            continue
         first, mask = meta.mask(s, window)
         slots = meta.key_slots(s)[first:]
         k = k_cache[slots].to(q.dtype).transpose(0, 1)  # [kv_heads, L, D]

@@ -20,11 +20,9 @@ bool vnni_available();
 void set_vnni(bool on);
 at::Tensor int8_rowsum(const at::Tensor& codes);
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& rowsum);
-at::Tensor int4_repack_scales(const at::Tensor& scales_zeros);
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sm, int64_t group);
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group);
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& rowsum);
-at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sm,
-                     const at::Tensor& scales_zeros, int64_t group);
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros, int64_t group);
 
 namespace {
 
@@ -41,8 +39,8 @@ struct Lin {
   at::Tensor signs, hadamard;
   // int8: sum of each output row's codes, for the VNNI GEMV's offset correction
   at::Tensor rowsum;
-  // int4: scales and zeros in the VNNI GEMV's lane order (bf16 [N / 64, groups, 2, 64])
-  at::Tensor sm;
+  // int4: the VNNI kernels apply (AVX-512 VNNI here, groups a multiple of 4, N of 64)
+  bool vnni4 = false;
 
   // deterministic: every row gets the same bits whatever the other rows (dense GEMMs and the rotation
   // see a multiple of 16 rows, as models/transformer.py pads them; no single-row-only kernel)
@@ -66,8 +64,8 @@ struct Lin {
       // the VNNI kernels give a row the same bits alone or in a batch (gemm.cpp), so deterministic steps
       // use them at every row count; otherwise 2..31 rows take torch's kernel, as fast or faster there
       const int64_t rows_h = h.size(0);
-      if (sm.defined() && rows_h == 1) y = int4_gemv(h, a, sm, group);
-      else if (sm.defined() && (deterministic || rows_h >= 32)) y = int4_gemm(h, a, sm, b, group);
+      if (vnni4 && rows_h == 1) y = int4_gemv(h, a, b, group);
+      else if (vnni4 && (deterministic || rows_h >= 32)) y = int4_gemm(h, a, b, group);
       if (!y.defined()) y = at::_weight_int4pack_mm_for_cpu(h, a, group, b);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == INT8) {
@@ -165,7 +163,7 @@ class DecodePlan {
       l.in = ints[5 * i + 3];
       l.kpad = ints[5 * i + 4];
       if (l.kind == INT8) l.rowsum = int8_rowsum(l.a);
-      if (l.kind == INT4 && l.group % 4 == 0 && vnni_available()) l.sm = int4_repack_scales(l.b);
+      l.vnni4 = l.kind == INT4 && l.group % 4 == 0 && l.a.size(0) % 64 == 0 && l.b.is_contiguous() && vnni_available();
     }
     p.attn_norm = get(20);
     p.ffn_norm = get(21);
@@ -328,7 +326,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_vnni", &set_vnni);
   m.def("int8_rowsum", &int8_rowsum);
   m.def("int8_gemv", &int8_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("int4_repack_scales", &int4_repack_scales);
   m.def("int4_gemv", &int4_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int8_gemm", &int8_gemm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_gemm", &int4_gemm, pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -55,7 +55,7 @@ inline void rows_group(const __m512i* cg, int64_t group, const int8_t* h0, const
 }
 
 // output block b (64 rows of N) for activation rows [m0, m1): the unpacked group is reused by every row
-void block_rows(const uint8_t* wp, const uint16_t* smp, const RowParts& xp, const std::vector<int64_t>& rows,
+void block_rows(const uint8_t* wp, const uint32_t* szp, const RowParts& xp, const std::vector<int64_t>& rows,
                 int64_t K, int64_t G, int64_t group, int64_t N, int64_t b, int64_t m0, int64_t m1, at::BFloat16* op) {
   constexpr int64_t kMaxRows = 32;
   alignas(64) __m512i cg[256];  // one group's codes, [group / 4][4] vectors (group <= 256)
@@ -68,7 +68,7 @@ void block_rows(const uint8_t* wp, const uint16_t* smp, const RowParts& xp, cons
     for (int64_t g = 0; g < G; ++g) {
       for (int64_t q = 0; q < group / 4; ++q) superslm_vnni::unpack_quad(blk + (g * group + q * 4) * 32, cg + q * 4);
       __m512 sf[4], zf[4];
-      superslm_vnni::group_scales(smp + ((b * G + g) * 2) * 64, sf, zf);
+      superslm_vnni::group_scales(szp + g * N + b * 64, sf, zf);
       int64_t m = t0;
       __m512i ah0[4], al0[4], ah1[4], al1[4];
       for (; m + 2 <= t1; m += 2) {
@@ -156,17 +156,17 @@ void int8_rows(const uint8_t* hi, const uint8_t* lo, const std::vector<int64_t>&
 
 // x [M, K] -> [M, N] bf16 for int4 weights in torch's packed layout: each row as `int4_gemv` computes it
 // alone; rows whose parts cannot be split (NaN, inf, an outlier) go to torch's kernel, which is
-// row-invariant too. scales_zeros: torch's [G, N, 2] (for those rows); sm: `int4_repack_scales` of it.
-at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sm,
-                     const at::Tensor& scales_zeros, int64_t group) {
+// row-invariant too. scales_zeros: torch's [G, N, 2] bf16, read by both.
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && qweight.size(1) * 2 == x.size(1),
               "int4_gemm: rows of K against packed codes [N, K / 2]");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
   TORCH_CHECK(group >= 4 && group <= 256 && group % 4 == 0 && K % group == 0 && N % 64 == 0,
               "int4_gemm: K a multiple of the group (4..256), N of 64");
   const int64_t G = K / group;
-  TORCH_CHECK(sm.scalar_type() == at::kBFloat16 && sm.dim() == 4 && sm.size(0) == N / 64 && sm.size(1) == G,
-              "int4_gemm: shapes of the packed codes and repacked scales do not match");
+  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.dim() == 3 && scales_zeros.size(0) == G &&
+                  scales_zeros.size(1) == N && scales_zeros.size(2) == 2 && scales_zeros.is_contiguous(),
+              "int4_gemm: packed codes [N, K / 2] and scales_zeros bf16 [K / group, N, 2] do not match");
   at::Tensor xb = x.to(at::kBFloat16);
   if (!vnni_available() || M == 0) return at::_weight_int4pack_mm_for_cpu(xb, qweight, group, scales_zeros);
 #ifdef SUPERSLM_VNNI
@@ -189,7 +189,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::T
   for (int64_t r = 0; r < M; ++r) (ok[r] ? rows : bad).push_back(r);
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kBFloat16));
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
-  const uint16_t* smp = reinterpret_cast<const uint16_t*>(sm.data_ptr<at::BFloat16>());
+  const uint32_t* szp = reinterpret_cast<const uint32_t*>(scales_zeros.data_ptr<at::BFloat16>());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t R = static_cast<int64_t>(rows.size()), blocks = N / 64;
   // tasks: (block, a tile of rows); when the blocks do not divide evenly among the threads, the rows are
@@ -202,7 +202,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::T
     at::parallel_for(0, blocks * tiles, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t b = t / tiles, m0 = (t % tiles) * tile;
-        block_rows(wp, smp, parts, rows, K, G, group, N, b, m0, std::min(R, m0 + tile), op);
+        block_rows(wp, szp, parts, rows, K, G, group, N, b, m0, std::min(R, m0 + tile), op);
       }
     });
   }

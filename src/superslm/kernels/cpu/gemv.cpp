@@ -138,39 +138,18 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // k, 32 bytes; byte j holds row j (low nibble) and row j + 32 (high). Four k of one row become one
 // 32-bit VNNI lane by byte/word unpacks, so each dpbusd multiplies 16 rows x 4 k of codes (0..15,
 // unsigned) by the int8 parts of x. Per group: y += s * (sum c x - 8 sum x) + z * sum x, with s and
-// z repacked once per linear into the lanes' row order (`int4_repack_scales`).
+// z permuted from torch's own [groups, N, 2] into the lanes' row order (vnni.h group_scales).
 
 using superslm_vnni::lane_row;
 
-// scales_zeros [G, N, 2] bf16 (N % 64 == 0) -> bf16 [N / 64, G, 2, 64]: s and z in the lanes' row order
-// (bf16 as given: the kernel reads as many scale bytes as torch's does, and rounds nothing new)
-at::Tensor int4_repack_scales(const at::Tensor& scales_zeros) {
-  TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.size(2) == 2 && scales_zeros.size(1) % 64 == 0 &&
-                  scales_zeros.scalar_type() == at::kBFloat16, "int4_repack_scales: bf16 [groups, N, 2], N % 64 == 0");
-  at::Tensor sz = scales_zeros.contiguous();
-  const int64_t G = sz.size(0), N = sz.size(1);
-  at::Tensor out = at::empty({N / 64, G, 2, 64}, sz.options());
-  const at::BFloat16* sp = sz.data_ptr<at::BFloat16>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  for (int64_t b = 0; b < N / 64; ++b)
-    for (int64_t g = 0; g < G; ++g)
-      for (int acc = 0; acc < 4; ++acc)
-        for (int lane = 0; lane < 16; ++lane) {
-          const int64_t n = b * 64 + lane_row(acc, lane);
-          at::BFloat16* dst = op + ((b * G + g) * 2) * 64 + acc * 16 + lane;
-          dst[0] = sp[(g * N + n) * 2];
-          dst[64] = sp[(g * N + n) * 2 + 1];
-        }
-  return out;
-}
-
 // x [1, K] -> [1, N] bf16 for int4 weights in torch's packed layout (K % group == 0, group % 4 == 0)
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sm, int64_t group) {
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && qweight.dim() == 2 && qweight.size(1) * 2 == x.size(1),
               "int4_gemv: one row of K against packed codes [N, K / 2]");
   const int64_t K = x.size(1), N = qweight.size(0), G = K / group;
-  TORCH_CHECK(N % 64 == 0 && K % group == 0 && group % 4 == 0 && sm.size(0) == N / 64 && sm.size(1) == G,
-              "int4_gemv: shapes of the packed codes and repacked scales do not match");
+  TORCH_CHECK(N % 64 == 0 && K % group == 0 && group % 4 == 0 && sz.dim() == 3 && sz.size(0) == G &&
+                  sz.size(1) == N && sz.size(2) == 2 && sz.is_contiguous() && sz.scalar_type() == at::kBFloat16,
+              "int4_gemv: packed codes [N, K / 2] and scales_zeros bf16 [K / group, N, 2] do not match");
   at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   if (!vnni_available()) return at::Tensor();  // the caller falls back to torch's kernel
@@ -183,8 +162,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
     return at::Tensor();
   at::Tensor out = at::empty({1, N}, x.options().dtype(at::kBFloat16));
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
-  TORCH_CHECK(sm.scalar_type() == at::kBFloat16, "int4_gemv: repacked scales are bf16");
-  const uint16_t* smp = reinterpret_cast<const uint16_t*>(sm.data_ptr<at::BFloat16>());
+  const uint32_t* szp = reinterpret_cast<const uint32_t*>(sz.data_ptr<at::BFloat16>());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, N / 64, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -206,7 +184,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
           }
         }
         __m512 sf[4], zf[4];
-        superslm_vnni::group_scales(smp + ((b * G + g) * 2) * 64, sf, zf);
+        superslm_vnni::group_scales(szp + g * N + b * 64, sf, zf);
         superslm_vnni::group_epilogue(ah, al, sf, zf, gsum[g], gsl[g], y);
       }
       for (int a = 0; a < 4; ++a) {

@@ -105,11 +105,20 @@ inline void unpack_quad(const uint8_t* p, __m512i c[4]) {
   c[3] = _mm512_and_si512(_mm512_srli_epi16(q23, 4), nib);
 }
 
-// a group's scales and zeros, bf16 in the lanes' row order (int4_repack_scales) -> float32 vectors
-inline void group_scales(const uint16_t* s, __m512 sf[4], __m512 zf[4]) {
-  for (int a = 0; a < 4; ++a) {
-    sf[a] = bf16x16(s + a * 16);
-    zf[a] = bf16x16(s + 64 + a * 16);
+// a group's scales and zeros for one block of 64 rows, read from torch's [groups, N, 2] bf16 layout
+// (p: the 64 (s, z) pairs of rows b * 64.., as 32-bit words) into float vectors in the lanes' row order
+inline void group_scales(const uint32_t* p, __m512 sf[4], __m512 zf[4]) {
+  // lane i of accumulator a holds row lane_row(a, i): rows 0-3, 16-19, 4-7, 20-23 (+8 for odd a, +32 for a >= 2)
+  const __m512i even = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(8));
+  const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int half = 0; half < 2; ++half) {
+    const __m512i lo = _mm512_loadu_si512(p + half * 32), hi = _mm512_loadu_si512(p + half * 32 + 16);
+    for (int j = 0; j < 2; ++j) {
+      const __m512i pairs = _mm512_permutex2var_epi32(lo, j ? odd : even, hi);  // s | z << 16
+      sf[half * 2 + j] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      zf[half * 2 + j] = _mm512_castsi512_ps(_mm512_and_si512(pairs, hi16));
+    }
   }
 }
 
