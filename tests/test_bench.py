@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_bench_with_transformers_peer(smollm2_gguf: Path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "superslm.cli", "bench", "--model", str(smollm2_gguf), "--threads", "1",
@@ -27,7 +26,21 @@ def test_bench_with_transformers_peer(smollm2_gguf: Path) -> None:
     assert re.search(r"superslm peak RSS \d+ MB = file 94 MB \+ KV \d+ MB", r.stdout)
 
 
+@pytest.mark.slow
 def test_bench_refuses_bad_numbers(smollm2_gguf: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "superslm.cli", "bench", "--model", str(smollm2_gguf), "--decode", "1"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--decode must be at least 2" in r.stderr
+
+
+def test_summary_takes_the_median_of_rounds_that_ran() -> None:
+    from superslm.bench import summary
+
+    def rnd(ours_decode: float, peer_decode: float) -> dict:
+        return {"superslm": {"prefill": 200.0, "decode": ours_decode, "streams": 4 * peer_decode},
+                "llama.cpp": {"prefill": 100.0, "decode": peer_decode}}
+
+    rounds = [rnd(120, 100), rnd(150, 100), rnd(130, 100), {"superslm": {"error": "x"}, "llama.cpp": {}}]
+    line = summary(rounds)
+    assert line == ("median of 3 rounds vs llama.cpp: prefill 2.00x (2.00-2.00), decode 1.30x (1.20-1.50), "
+                    "16 streams vs its single stream 4.00x (4.00-4.00)")

@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import platform
 import resource
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,31 @@ def table(model: str, threads: int, rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def ratios(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float]:
+    """Our figures over a peer's: prefill, decode, and our 16 streams over its single stream."""
+    return {"prefill": ours["prefill"] / peer["prefill"], "decode": ours["decode"] / peer["decode"],
+            "streams": ours["streams"] / peer["decode"]}
+
+
+def summary(rounds: list[dict[str, dict[str, Any]]]) -> str:
+    """Median (min-max) of each ratio over rounds whose engines all ran: on a shared machine one peer
+    figure can move by 20% between runs, so claims rest on the median of alternating rounds."""
+    lines = []
+    peers = [p for p in rounds[0] if p != "superslm"]
+    for peer in peers:
+        got = [ratios(r["superslm"], r[peer]) for r in rounds
+               if "error" not in r.get("superslm", {"error": 1}) and "error" not in r.get(peer, {"error": 1})]
+        if not got:
+            continue
+        parts = []
+        labels = (("prefill", "prefill"), ("decode", "decode"), ("streams", "16 streams vs its single stream"))
+        for key, label in labels:
+            v = [g[key] for g in got]
+            parts.append(f"{label} {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f})")
+        lines.append(f"median of {len(got)} rounds vs {peer}: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="prefill, decode and 16-stream speed, load time and peak RSS (with peers)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -178,6 +204,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--peer", action="append", default=[], choices=["llama.cpp", "transformers"])
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the engines in turn this many times and end with the median ratios")
     p.set_defaults(func=run)
 
 
@@ -185,11 +213,18 @@ def run(ns: argparse.Namespace) -> int:
     from superslm.errors import InvalidArgument
     from superslm.model import resolve_path
 
-    for name, v in (("threads", ns.threads), ("prefill", ns.prefill), ("decode", ns.decode), ("streams", ns.streams)):
+    rounds = getattr(ns, "rounds", 1)
+    for name, v in (("threads", ns.threads), ("prefill", ns.prefill), ("decode", ns.decode), ("streams", ns.streams),
+                    ("rounds", rounds)):
         if v < 1 or (name == "decode" and v < 2):
             raise InvalidArgument(f"--{name} must be at least {2 if name == 'decode' else 1}, not {v}")
     path = str(resolve_path(ns.model))
     args = (path, ns.threads, ns.prefill, ns.decode, ns.streams)
-    rows = {name: run_engine(name, *args) for name in ["superslm", *dict.fromkeys(ns.peer)]}
-    print(table(path, ns.threads, rows))
-    return 1 if any("error" in r for r in rows.values()) else 0
+    done = []
+    for _ in range(rounds):
+        rows = {name: run_engine(name, *args) for name in ["superslm", *dict.fromkeys(ns.peer)]}
+        print(table(path, ns.threads, rows), flush=True)
+        done.append(rows)
+    if rounds > 1 and ns.peer:
+        print(summary(done))
+    return 1 if any("error" in r for rows in done for r in rows.values()) else 0

@@ -68,6 +68,8 @@ void block_rows(const uint8_t* wp, const uint32_t* szp, const RowParts& xp, cons
     for (int64_t g = 0; g < G; ++g) {
       for (int64_t q = 0; q < group / 4; ++q) superslm_vnni::unpack_quad(blk + (g * group + q * 4) * 32, cg + q * 4);
       __m512 sf[4], zf[4];
+      if (g + 1 < G)  // the block's next group sits N rows further in torch's layout
+        for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(szp + (g + 1) * N + b * 64 + line * 16), _MM_HINT_T0);
       superslm_vnni::group_scales(szp + g * N + b * 64, sf, zf);
       int64_t m = t0;
       __m512i ah0[4], al0[4], ah1[4], al1[4];

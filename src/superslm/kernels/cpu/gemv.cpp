@@ -184,6 +184,9 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
           }
         }
         __m512 sf[4], zf[4];
+        // a block's groups sit N rows apart in torch's layout: fetch the next group's 256 bytes early
+        if (g + 2 < G)
+          for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(szp + (g + 2) * N + b * 64 + line * 16), _MM_HINT_T0);
         superslm_vnni::group_scales(szp + g * N + b * 64, sf, zf);
         superslm_vnni::group_epilogue(ah, al, sf, zf, gsum[g], gsl[g], y);
       }
