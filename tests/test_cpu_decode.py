@@ -282,3 +282,26 @@ def test_vnni_int8_gemm_rows_equal_the_single_row_gemv(shape) -> None:
         assert torch.isnan(got[1]).all()
     bad = torch.full((3, k), float("nan"), dtype=torch.bfloat16)
     assert torch.isnan(cpu_decode.vnni_linear(m, bad, deterministic=True)).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_concatenated_parts_run_in_the_plan(family: str, folders) -> None:
+    """A fused linear whose parts have different formats (a Q4_K_M file's Q4_K q, k and Q6_K v) runs in
+    the C++ plan part by part, not through the slow generic path."""
+    from superslm.quant.dense import Int8Linear
+    from superslm.quant.gguf_map import ConcatLinear
+    from superslm.quant.int4 import Int4Linear
+
+    src = open_source(folders[family])
+    net = Transformer(src.arch, materialize(src, torch.bfloat16))
+    for layer in net.layers:
+        for name in ("qkv", "gate_up"):
+            w = getattr(layer, name).weight.detach().float()
+            cut = w.shape[0] // 2
+            parts = [Int4Linear.from_dense(w[:cut], group=32), Int8Linear.from_dense(w[cut:])]
+            setattr(layer, name, ConcatLinear(parts))
+    assert cpu_decode.plan_for(net) is not None
+    generic, ref, cpp = _three_ways(net, [2, 7, 13])
+    scale = generic.float().abs().max().item()
+    assert (cpp.float() - ref.float()).abs().max().item() <= 2**-6 * scale
+    assert (cpp.float() - generic.float()).abs().max().item() <= 0.03 * scale

@@ -95,8 +95,13 @@ def extension() -> Any:
 
 
 def _lin(m: torch.nn.Module) -> tuple[list[torch.Tensor | None], list[int]] | None:
-    """(a, b, bias, signs, hadamard) and (kind, group, out, in, k_pad) of a linear; None when unsupported."""
+    """(a, b, bias, signs, hadamard) and (kind, group, out, in, k_pad) of a linear; None when unsupported.
+    A ConcatLinear is kind 4 with no tensors: build_plan adds its parts with `plan.add_part`."""
     from superslm.models.transformer import DenseLinear
+    from superslm.quant.gguf_map import ConcatLinear
+
+    if isinstance(m, ConcatLinear):
+        return [None] * 5, [4, 0, m.out_features, m.in_features, m.in_features]
 
     if isinstance(m, DenseLinear):
         w = m.weight.detach()
@@ -124,7 +129,7 @@ def _linears(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
 
 def build_plan(net: Any) -> Any:
     """The extension's DecodePlan for a Transformer, or None when a layer uses something it lacks
-    (a format it does not know, e.g. ConcatLinear; an activation it does not know; no extension)."""
+    (a format it does not know; an activation it does not know; no extension)."""
     ext = extension()
     if ext is None:
         return None
@@ -137,17 +142,25 @@ def build_plan(net: Any) -> Any:
     for i, layer in enumerate(net.layers):
         tensors: list[torch.Tensor | None] = []
         ints: list[int] = []
-        for m in _linears(layer):
+        parts: list[tuple[int, list[torch.Tensor | None], list[int]]] = []
+        for j, m in enumerate(_linears(layer)):
             got = _lin(m)
             if got is None:
                 return None
             tensors += got[0]
             ints += got[1]
+            for part in getattr(m, "parts", []) if got[1][0] == 4 else []:
+                sub = _lin(part)
+                if sub is None or sub[1][0] == 4:
+                    return None
+                parts.append((j, *sub))
         for n in ("attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm"):
             tensors.append(getattr(layer, n, None))
         window = a.windows[i]
         ints += [-1 if window is None else int(window), net._rope_key(i)]
         plan.add_layer(tensors, ints)
+        for j, t, n in parts:
+            plan.add_part(i, j, t, n)
     return plan
 
 

@@ -30,7 +30,8 @@ using namespace superslm_rows;
 
 // ---- one linear, as quant/base.py LinearFormat.forward and transformer.DenseLinear compute it ----
 
-enum LinKind : int64_t { DENSE_MODULE = 0, INT4 = 1, INT8 = 2, DENSE_FORMAT = 3 };
+// CONCAT: parts of different formats (quant/gguf_map.py ConcatLinear, e.g. Q4_K q, k with a Q6_K v)
+enum LinKind : int64_t { DENSE_MODULE = 0, INT4 = 1, INT8 = 2, DENSE_FORMAT = 3, CONCAT = 4 };
 
 struct Lin {
   int64_t kind = 0, group = 0, out = 0, in = 0, kpad = 0;
@@ -41,10 +42,40 @@ struct Lin {
   at::Tensor rowsum;
   // int4: the VNNI kernels apply (AVX-512 VNNI here, groups a multiple of 4, N of 64)
   bool vnni4 = false;
+  // CONCAT: its parts, each run on the same input, outputs side by side
+  std::vector<Lin> parts;
+
+  // (a, b, bias, signs, hadamard) at t[off..off+5) and (kind, group, out, in, kpad) at ints[ioff..ioff+5)
+  static Lin make(const std::vector<std::optional<at::Tensor>>& t, size_t off, const std::vector<int64_t>& ints,
+                  size_t ioff) {
+    auto get = [&](size_t i) { return t[off + i].has_value() ? *t[off + i] : at::Tensor(); };
+    Lin l;
+    l.a = get(0);
+    l.b = get(1);
+    l.bias = get(2);
+    l.signs = get(3);
+    l.hadamard = get(4);
+    l.kind = ints[ioff];
+    l.group = ints[ioff + 1];
+    l.out = ints[ioff + 2];
+    l.in = ints[ioff + 3];
+    l.kpad = ints[ioff + 4];
+    TORCH_CHECK(l.kind >= DENSE_MODULE && l.kind <= CONCAT, "DecodePlan: unknown linear kind ", l.kind);
+    TORCH_CHECK(l.kind == CONCAT || l.a.defined(), "DecodePlan: a linear without its weight");
+    if (l.kind == INT8) l.rowsum = int8_rowsum(l.a);
+    l.vnni4 = l.kind == INT4 && l.group % 4 == 0 && l.a.size(0) % 64 == 0 && l.b.is_contiguous() && vnni_available();
+    return l;
+  }
 
   // deterministic: every row gets the same bits whatever the other rows (dense GEMMs and the rotation
   // see a multiple of 16 rows, as models/transformer.py pads them; no single-row-only kernel)
   at::Tensor operator()(const at::Tensor& x, bool deterministic) const {
+    if (kind == CONCAT) {
+      TORCH_CHECK(!parts.empty(), "DecodePlan: a concatenated linear without parts");
+      std::vector<at::Tensor> ys;
+      for (const Lin& part : parts) ys.push_back(part(x, deterministic));
+      return at::cat(ys, 1);
+    }
     const int64_t rows = x.size(0);
     const bool pad = deterministic && rows % 16 && (kind == DENSE_MODULE || kind == DENSE_FORMAT || signs.defined());
     at::Tensor xin = pad ? at::constant_pad_nd(x, {0, 0, 0, 16 - rows % 16}) : x;
@@ -150,21 +181,7 @@ class DecodePlan {
     auto get = [&](size_t i) { return t[i].has_value() ? *t[i] : at::Tensor(); };
     LayerP p;
     Lin* lins[4] = {&p.qkv, &p.o, &p.gate_up, &p.down};
-    for (int i = 0; i < 4; ++i) {
-      Lin& l = *lins[i];
-      l.a = get(5 * i);
-      l.b = get(5 * i + 1);
-      l.bias = get(5 * i + 2);
-      l.signs = get(5 * i + 3);
-      l.hadamard = get(5 * i + 4);
-      l.kind = ints[5 * i];
-      l.group = ints[5 * i + 1];
-      l.out = ints[5 * i + 2];
-      l.in = ints[5 * i + 3];
-      l.kpad = ints[5 * i + 4];
-      if (l.kind == INT8) l.rowsum = int8_rowsum(l.a);
-      l.vnni4 = l.kind == INT4 && l.group % 4 == 0 && l.a.size(0) % 64 == 0 && l.b.is_contiguous() && vnni_available();
-    }
+    for (int i = 0; i < 4; ++i) *lins[i] = Lin::make(t, 5 * i, ints, 5 * i);
     p.attn_norm = get(20);
     p.ffn_norm = get(21);
     p.q_norm = get(22);
@@ -174,6 +191,17 @@ class DecodePlan {
     p.window = ints[20];
     p.rope_kind = ints[21];
     layers_.push_back(std::move(p));
+  }
+
+  // one part of linear `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer`, added as CONCAT
+  void add_part(int64_t layer, int64_t which, const std::vector<std::optional<at::Tensor>>& t,
+                const std::vector<int64_t>& ints) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers() && which >= 0 && which < 4 && t.size() == 5 && ints.size() == 5,
+                "DecodePlan.add_part: a layer, a linear 0..3, 5 tensors and 5 ints");
+    LayerP& p = layers_[layer];
+    Lin* lins[4] = {&p.qkv, &p.o, &p.gate_up, &p.down};
+    TORCH_CHECK(lins[which]->kind == CONCAT && ints[0] != CONCAT, "DecodePlan.add_part: parts go into a CONCAT linear");
+    lins[which]->parts.push_back(Lin::make(t, 0, ints, 0));
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -320,6 +348,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodePlan>(m, "DecodePlan")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double, bool, int64_t, double>())
       .def("add_layer", &DecodePlan::add_layer)
+      .def("add_part", &DecodePlan::add_part)
       .def("num_layers", &DecodePlan::num_layers)
       .def("run", &DecodePlan::run, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("vnni_available", &vnni_available);
