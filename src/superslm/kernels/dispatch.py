@@ -3,8 +3,9 @@
 `SUPERSLM_KERNELS` chooses: "auto" (the default) runs Triton on a CUDA (or ROCm) tensor when
 triton imports, the torch reference otherwise; "torch" always runs the references; "triton"
 always runs the kernels, also on a CPU tensor when TRITON_INTERPRET=1 was set before the first
-kernel import (how CI tests them). The references for the two fused ops that have no torch
-module of their own (`add_rms_norm_reference`, `int4_matmul_reference`) live here.
+kernel import (how CI tests them). The references for the fused ops that have no torch module of
+their own (`add_rms_norm_reference`, `int4_matmul_reference`, `int8_matmul_reference`,
+`hadamard_rotate_reference`) live here.
 Deterministic steps (meta.deterministic) always take the batch-invariant attention reference.
 """
 
@@ -94,6 +95,29 @@ def int4_matmul_reference(
     return (x.float() @ w.T).to(x.dtype)
 
 
+def int8_matmul_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] in x's dtype, computed in float32 from the dequantized weight.
+
+    codes int8 [N, K], scale [N]: W = codes * scale[:, None], the int8 format's stored state.
+    """
+    w = codes.float() * scale.float()[:, None]  # [N, K]
+    return (x.float() @ w.T).to(x.dtype)
+
+
+def hadamard_rotate_reference(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
+    """x [..., K] -> per block of `block` inputs (x * signs) · H_b in x's dtype: quant.hadamard.Rotation's
+    forward step by step (signs and the orthonormal H_b cast to x's dtype, one batched matmul)."""
+    # imported here: superslm.quant imports models.transformer, which imports this module
+    from superslm.quant.hadamard import hadamard_matrix
+
+    k, lead = x.shape[-1], x.shape[:-1]
+    if block < 1 or k % block:
+        raise InvalidArgument(f"Hadamard block {block} must divide the input dimension {k}")
+    h = hadamard_matrix(block).to(x.device, x.dtype)  # [b, b]; checks that block is a power of two
+    y = (x * signs.to(x.device, x.dtype)).reshape(*lead, k // block, block)  # [..., blocks, b]
+    return torch.matmul(y, h).reshape(*lead, k)
+
+
 # --- dispatched entry points ------------------------------------------------------------------
 
 
@@ -146,3 +170,15 @@ def int4_matmul(
     """`int4_matmul_reference` on the chosen backend."""
     t = _kernels(x.device)
     return (t.int4_matmul if t else int4_matmul_reference)(x, qweight, scale, zero, group)
+
+
+def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`int8_matmul_reference` on the chosen backend."""
+    t = _kernels(x.device)
+    return (t.int8_matmul if t else int8_matmul_reference)(x, codes, scale)
+
+
+def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
+    """`hadamard_rotate_reference` on the chosen backend."""
+    t = _kernels(x.device)
+    return (t.hadamard_rotate if t else hadamard_rotate_reference)(x, signs, block)

@@ -4,7 +4,9 @@ Importing this package imports triton; on a CPU tensor the kernels only run unde
 interpreter (TRITON_INTERPRET=1 set before the import).
 """
 
+from superslm.kernels.triton.hadamard import hadamard_rotate
 from superslm.kernels.triton.int4_gemv import int4_matmul
+from superslm.kernels.triton.int8_gemv import int8_matmul
 from superslm.kernels.triton.paged_args import PagedArgs, build_paged_args, paged_args
 from superslm.kernels.triton.paged_attention import paged_attention, paged_attention_args
 from superslm.kernels.triton.rmsnorm import add_rms_norm, rms_norm
@@ -15,7 +17,9 @@ __all__ = [
     "PagedArgs",
     "add_rms_norm",
     "apply_rope",
+    "hadamard_rotate",
     "int4_matmul",
+    "int8_matmul",
     "rms_norm",
     "build_paged_args",
     "paged_args",

@@ -18,7 +18,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from superslm.kernels.triton._util import next_pow2
+from superslm.kernels.triton.hadamard import _hadamard_kernel, hadamard_config
 from superslm.kernels.triton.int4_gemv import _int4_kernel, int4_config
+from superslm.kernels.triton.int8_gemv import _int8_kernel, int8_config
 from superslm.kernels.triton.paged_attention import _attn_kernel, _merge_kernel, attn_config
 from superslm.kernels.triton.rmsnorm import _rms_norm_kernel
 from superslm.kernels.triton.rope import _rope_kernel
@@ -28,9 +30,9 @@ from superslm.kernels.triton.store_kv import _store_kv_kernel
 _DIVISIBLE = {
     "k_row", "k_head", "v_row", "v_head", "kc_slot", "kc_head", "vc_slot", "vc_head", "q_row", "q_head", "k_slot",
     "v_slot", "o_row", "o_head", "head_dim", "x_row", "x_outer", "x_inner", "r_outer", "r_inner", "dim", "cs_row",
-    "qw_row", "K",
+    "qw_row", "K", "c_row",
 }  # fmt: skip
-_FLOATS = {"qk_scale", "eps"}
+_FLOATS = {"qk_scale", "eps", "h_scale"}
 _TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -112,6 +114,18 @@ def cases(everything: bool = False) -> list[Case]:
             c = int4_config(m, False)
             cx = dict(BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_KH=64, DOT=c["block_m"] > 1, F32_DOT=f32)
             out.append(Case(f"int4_matmul {t} m={m}", _int4_kernel, int4, c["num_warps"], cx))
+        int8 = dict(x_ptr=t, c_ptr="i8", s_ptr="bf16", o_ptr=t)
+        for m in (1, 16, 64):
+            c = int8_config(m, False)
+            cx = dict(BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_K=c["block_k"], DOT=c["block_m"] > 1,
+                      F32_DOT=f32)  # fmt: skip
+            out.append(Case(f"int8_matmul {t} m={m}", _int8_kernel, int8, c["num_warps"], cx))
+        had = dict(x_ptr=t, s_ptr="fp32", o_ptr=t)
+        # 128 and 64 (SmolLM2's 576), then blocks under tl.dot's 16 (multiply and sum)
+        for block in (128, 64, 8) if everything else (128, 64):
+            c = hadamard_config(1024, block, False)
+            cx = dict(BLOCK_R=c["block_r"], B=block, LOG_B=block.bit_length() - 1, DOT=block >= 16, F32_DOT=f32)
+            out.append(Case(f"hadamard_rotate {t} b={block}", _hadamard_kernel, had, c["num_warps"], cx))
     return out
 
 

@@ -1,0 +1,98 @@
+"""Block Hadamard rotation of activations: x -> per block of b inputs, (x * signs) · H_b.
+
+The map of quant/hadamard.py's `Rotation` (see kernels.dispatch.hadamard_rotate_reference). Each
+program takes BLOCK_R (row, block) pairs as a [BLOCK_R, b] tile and multiplies it with the ±1
+Sylvester matrix built in registers (H[i, j] = (-1)^popcount(i & j)) by tl.dot, then scales by
+1/sqrt(b) rounded to x's dtype, as `Rotation` rounds its matrix. x * signs and ±1 are exact in
+bf16/fp16, so the dot has no rounding but float32 accumulation's; blocks under 16 (below tl.dot's
+smallest tile) multiply and sum instead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from superslm.errors import InvalidArgument
+from superslm.kernels.triton._util import interpreted, next_pow2, round_to
+
+
+@triton.jit
+def _hadamard_kernel(
+    x_ptr, s_ptr, o_ptr,
+    R, NB, x_row, o_row, h_scale,
+    BLOCK_R: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr, DOT: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # (row, block) pairs: row r // NB, block r % NB
+    r_ok = r < R
+    row = (r // NB).to(tl.int64)
+    col = (r % NB) * B  # the block's first input
+    i = tl.arange(0, B)
+    x = tl.load(x_ptr + row[:, None] * x_row + col[:, None] + i[None, :], mask=r_ok[:, None], other=0.0)
+    s = tl.load(s_ptr + col[:, None] + i[None, :], mask=r_ok[:, None], other=0.0)
+    v = x.to(tl.float32) * s.to(tl.float32)  # a sign flip: exact in x's dtype too
+    # parity of popcount(i & j), one bit at a time (LOG_B is at most 7)
+    ij = i[:, None] & i[None, :]
+    par = tl.zeros([B, B], tl.int32)
+    for t in tl.static_range(LOG_B):
+        par ^= (ij >> t) & 1
+    h = (1 - 2 * par).to(tl.float32)  # [B, B] ±1
+    if DOT:
+        dot_ty = tl.float32 if F32_DOT else x_ptr.dtype.element_ty
+        y = tl.dot(v.to(dot_ty), h.to(dot_ty), input_precision="ieee")
+    else:
+        y = tl.sum(v[:, :, None] * h[None, :, :], 1)
+    ot = o_ptr.dtype.element_ty
+    o = o_ptr + row[:, None] * o_row + col[:, None] + i[None, :]
+    tl.store(o, round_to(y * h_scale, ot).to(ot), mask=r_ok[:, None])
+
+
+@functools.lru_cache(maxsize=32)
+def h_scale(block: int, dtype: torch.dtype) -> float:
+    """1/sqrt(block) as `Rotation` multiplies by it: H_b's float32 entry rounded to `dtype`."""
+    # imported here: superslm.quant imports models.transformer, which imports kernels.dispatch
+    from superslm.quant.hadamard import hadamard_matrix
+
+    return float(hadamard_matrix(block)[0, 0].to(dtype))
+
+
+def hadamard_config(rows: int, block: int, interp: bool) -> dict[str, int]:
+    """Tiles of `_hadamard_kernel` for `rows` (row, block) pairs of `block` inputs each: ~4K float32
+    accumulators a program on the GPU (H_b takes as many registers again at b = 128), bigger tiles
+    (fewer Python-run programs) under the interpreter."""
+    if interp:
+        return {"block_r": max(16, min(128, next_pow2(rows))), "num_warps": 4}
+    return {"block_r": max(16, min(64, 4096 // block)), "num_warps": 8 if block >= 128 else 4}
+
+
+def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
+    """x [..., K] -> per block of `block` inputs (x * signs) · H_b, in x's dtype (float32 inside).
+
+    signs [K] (±1), block a power of two <= 128 dividing K; H_b the orthonormal Walsh-Hadamard matrix.
+    Same signature and meaning as kernels.dispatch.hadamard_rotate_reference.
+    """
+    k = x.shape[-1]
+    if block < 1 or block > 128 or block & (block - 1) or k % block or signs.shape != (k,):
+        raise InvalidArgument(f"hadamard: x {tuple(x.shape)}, signs {tuple(signs.shape)}, block {block}")
+    x2 = x.reshape(-1, k)  # [M, K]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    rows = m * (k // block)  # (row, block) pairs
+    if rows == 0:
+        return out.view(x.shape)
+    signs = signs.to(x.device).contiguous()
+    interp = interpreted(x)
+    cfg = hadamard_config(rows, block, interp)
+    grid = (triton.cdiv(rows, cfg["block_r"]),)
+    _hadamard_kernel[grid](
+        x2, signs, out, rows, k // block, x2.stride(0), out.stride(0), h_scale(block, x.dtype),
+        BLOCK_R=cfg["block_r"], B=block, LOG_B=block.bit_length() - 1, DOT=block >= 16,
+        F32_DOT=interp or x.dtype == torch.float32, num_warps=cfg["num_warps"], enable_fp_fusion=True,
+    )  # fmt: skip
+    return out.view(x.shape)
