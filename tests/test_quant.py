@@ -35,7 +35,9 @@ from superslm.quant import (
     rotate_weight,
     unrotate_weight,
 )
+from superslm.quant.gguf_map import int5_runs
 from superslm.quant.int4 import pack_int4, unpack_int4
+from superslm.quant.int5 import GGUFInt5Linear, pack_bits, unpack_bits
 
 U = 2.0**-8
 
@@ -250,8 +252,8 @@ def test_gguf_fused_parts_and_nearest_formats() -> None:
     alone = torch.cat([GGUFInt4Linear.from_gguf(q, Q4_K, (64, 256)).dequantize(),
                        GGUFInt4Linear.from_gguf(k, Q4_K, (32, 256)).dequantize()])  # fmt: skip
     assert torch.equal(native.dequantize(), alone)
-    # Q5_0 / Q8_0 / Q6_K: re-quantized to int8 per channel, and said so
-    for block in (Q5_0, Q8_0):
+    # Q8_0 / Q6_K (and Q5_0 without the C++ kernels): re-quantized to int8 per channel, and said so
+    for block in (Q8_0,) if int5_runs() else (Q5_0, Q8_0):
         raw = gguf_bytes(block, rng.standard_normal((32, 256)).astype(np.float32))
         m = linear_from_gguf([(raw, block, (32, 256), None)])
         assert isinstance(m, Int8Linear) and f"from {block.name}" in m.describe()
@@ -300,3 +302,55 @@ def test_registry_has_the_formats() -> None:
     for name in ("bf16", "int8", "int4"):
         m = format_class(name).from_dense(torch.randn(64, 64))
         assert m.describe().startswith(name) and m.nbytes() > 0
+
+
+# --- Q5_0 as it is (quant/int5.py) ---------------------------------------------------------------
+
+
+def test_q5_0_fifth_bits_round_trip() -> None:
+    h = np.random.default_rng(7).integers(0, 2, (128, 96), dtype=np.uint8)
+    assert np.array_equal(unpack_bits(pack_bits(h), 128, 96), h)
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (100, 640), (384, 512)])
+def test_q5_0_runs_as_it_is(shape) -> None:
+    """Q5_0 blocks keep their codes: the module's weight is the file's up to d's bf16 rounding, its
+    output within bf16 rounding of that weight's matmul, each row's bits the same alone or in a batch,
+    rows the int8 parts cannot carry (NaN, an outlier) computed apart, and the state round-trips."""
+    if not int5_runs():
+        pytest.skip("no C++ VNNI kernels here: Q5_0 becomes int8")
+    n, k = shape
+    rng = np.random.default_rng(n)
+    raw = gguf_bytes(Q5_0, rng.standard_normal((n, k)).astype(np.float32))
+    perm = torch.randperm(n)
+    m = linear_from_gguf([(raw, Q5_0, shape, perm)], bias=torch.randn(n))
+    assert isinstance(m, GGUFInt5Linear) and "Q5_0" in m.describe()
+    w = torch.from_numpy(Q5_0.dequantize(raw)).view(n, k)[perm]
+    d = torch.from_numpy(quants.dequantize(raw.reshape(n, -1), GGMLQuantizationType.Q5_0)).view(n, k)[perm]
+    assert torch.equal(w, d)  # our block reader is gguf-py's
+    wq = m.dequantize()
+    assert ((wq - w).abs() <= U * w.abs() + 1e-7).all()  # |code - 16| * d, d rounded to bf16 once
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, k).bfloat16()
+        y = m(x).double()
+        ref = x.double() @ wq.double().t() + m.bias.double()
+        assert ((y - ref).abs() <= U * (bound(x, wq) + ref.abs()) + 1e-6).all()
+        for r in range(rows):
+            assert torch.equal(m(x[r : r + 1]).view(torch.int16), m(x)[r : r + 1].view(torch.int16))
+    odd = torch.randn(3, k).bfloat16()
+    odd[0, 1] = float("nan")
+    odd[2, 5] = 3e4  # an outlier the two int8 parts cannot carry: the float32 reference takes the row
+    y = m(odd).double()
+    assert torch.isnan(y[0]).all() and not torch.isnan(y[1:]).any()
+    ref = odd[1:].double() @ wq.double().t() + m.bias.double()
+    assert ((y[1:] - ref).abs() <= U * (bound(odd[1:], wq) + ref.abs()) + 1e-3).all()
+    tensors, meta = m.to_tensors()
+    again = load_linear(tensors, meta)
+    assert isinstance(again, GGUFInt5Linear) and torch.equal(again.dequantize(), wq)
+    assert torch.equal(again(odd[1:2]), m(odd[1:2]))
+
+
+def test_q5_0_is_int8_when_torch_kernels_are_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SUPERSLM_KERNELS", "torch")
+    raw = gguf_bytes(Q5_0, np.random.default_rng(1).standard_normal((32, 256)).astype(np.float32))
+    assert isinstance(linear_from_gguf([(raw, Q5_0, (32, 256), None)]), Int8Linear)

@@ -5,121 +5,55 @@ At batch 1 the packed int4/int8 kernels take ~3.4 ms of a SmolLM2 decode step; e
 and the glue in loops, one row at a time: for every all-decode step, and for every step in
 deterministic mode (its per-row arithmetic is batch-invariant; models/transformer.py decides).
 
-The extension is compiled once per machine with the system's C++ compiler and the ninja wheel, into
-torch's extension cache; where that fails, or with `SUPERSLM_CPU_KERNELS=0`, models take their generic
-torch path.
+The extension (superslm/cext.py) is compiled once per machine with the system's C++ compiler and the
+ninja wheel, into torch's extension cache; where that fails, or with `SUPERSLM_CPU_KERNELS=0`, models
+take their generic torch path.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import os
-import platform
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from superslm.cext import extension
 from superslm.kernels.rope import apply_rope
 
-log = logging.getLogger(__name__)
-
-_SOURCES = [Path(__file__).parent / "cpu" / n for n in ("decode_layers.cpp", "gemv.cpp", "gemm.cpp")]
-_HEADERS = [Path(__file__).parent / "cpu" / n for n in ("vnni.h", "rowops.h")]
-_ext: Any = None
-_ext_tried = False
 _ACT = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
-_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def extension() -> Any:
-    """The compiled module, or None when it is disabled or cannot be built here (reason logged once)."""
-    global _ext, _ext_tried
-    if _ext_tried:
-        return _ext
-    _ext_tried = True
-    if os.environ.get("SUPERSLM_CPU_KERNELS", "1") == "0":
-        return None
-    src = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-    # -march=native code must never be reused on another CPU: the name carries the CPU's and build's flags
-    build = " ".join([_cpu_flags(), torch.__version__, *_CFLAGS, *_LDFLAGS]).encode()
-    tag = hashlib.sha256(src + build).hexdigest()[:12]
-    try:
-        from torch.utils.cpp_extension import load
-
-        try:  # the `ninja` wheel's binary, for interpreters run without their venv activated
-            import ninja
-
-            if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
-                os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except ImportError:
-            pass
-
-        name = f"superslm_decode_{tag}"
-        try:  # the first use on a machine compiles (~30-60 s): say so rather than look hung
-            from torch.utils.cpp_extension import _get_build_directory
-
-            built = (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
-        except Exception:  # a private torch helper: its absence only costs the notice
-            built = True
-        if not built:
-            print("superslm: building the C++ decode kernels for this machine (once, under a minute)...",
-                  file=sys.stderr, flush=True)
-        _ext = load(
-            name=name,
-            sources=[str(p) for p in _SOURCES],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=_LDFLAGS,
-            verbose=False,
-        )
-    except Exception as e:  # no compiler, no ninja, headers missing: the reference still runs
-        log.warning("superslm: C++ decode layers unavailable (%s); using the torch path", str(e).splitlines()[0])
-        _ext = None
-    return _ext
 
 
 # --- the plan: a model's layers as the extension wants them --------------------------------------
 
 
 def _lin(m: torch.nn.Module) -> tuple[list[torch.Tensor | None], list[int]] | None:
-    """(a, b, bias, signs, hadamard) and (kind, group, out, in, k_pad) of a linear; None when unsupported.
-    A ConcatLinear is kind 4 with no tensors: build_plan adds its parts with `plan.add_part`."""
+    """(a, b, bias, signs, hadamard, extra) and (kind, group, out, in, k_pad) of a linear; None when
+    unsupported. A ConcatLinear is kind 4 with no tensors: build_plan adds its parts with `plan.add_part`."""
     from superslm.models.transformer import DenseLinear
     from superslm.quant.gguf_map import ConcatLinear
 
     if isinstance(m, ConcatLinear):
-        return [None] * 5, [4, 0, m.out_features, m.in_features, m.in_features]
-
+        return [None] * 6, [4, 0, m.out_features, m.in_features, m.in_features]
     if isinstance(m, DenseLinear):
         w = m.weight.detach()
         bias = None if m.bias is None else m.bias.detach()
-        return [w, None, bias, None, None], [0, 0, w.shape[0], w.shape[1], w.shape[1]]
+        return [w, None, bias, None, None, None], [0, 0, w.shape[0], w.shape[1], w.shape[1]]
     from superslm.quant.dense import Bf16Linear, Int8Linear
     from superslm.quant.int4 import Int4Linear
+    from superslm.quant.int5 import GGUFInt5Linear
 
     rot: list[torch.Tensor | None] = [None, None]
     if getattr(m, "rotation", None) is not None:
         rot = list(m.rotation._tables(m.compute_dtype))
     ints = [m.out_features, m.in_features, m.k_pad]
+    if isinstance(m, GGUFInt5Linear):
+        return [m.qweight, m.scales_zeros, m.bias, None, None, m.bits], [5, 32, *ints]
     if isinstance(m, Int4Linear):
-        return [m.qweight, m.scales_zeros, m.bias, *rot], [1, m.group, *ints]
+        return [m.qweight, m.scales_zeros, m.bias, *rot, None], [1, m.group, *ints]
     if isinstance(m, Int8Linear):
-        return [m.codes, m.scale, m.bias, *rot], [2, 0, *ints]
+        return [m.codes, m.scale, m.bias, *rot, None], [2, 0, *ints]
     if isinstance(m, Bf16Linear):
-        return [m.weight, None, m.bias, *rot], [3, 0, *ints]
+        return [m.weight, None, m.bias, *rot, None], [3, 0, *ints]
     return None
 
 

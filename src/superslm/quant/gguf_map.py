@@ -1,6 +1,7 @@
 """Which runtime format each GGUF block type becomes, and linears built from GGUF tensors.
 
-Q4_0, Q4_1 and Q4_K run as they are ("gguf": their 32-value groups are the packed kernel's groups).
+Q4_0, Q4_1 and Q4_K run as they are ("gguf": their 32-value groups are the packed kernel's groups), and
+Q5_0 too ("gguf5", quant/int5.py) where the C++ VNNI kernels run (else int8, as below).
 Every other quantized type is dequantized and re-quantized to int8 per output channel: measured on
 Gemma-3-270M's tensors (relative Frobenius error of W x against the block's own values, Gaussian x),
 int8 adds 0.8% (Q5_0, Q8_0) to 1.0% (Q6_K), where int4 g32 would add 8% (docs/quantization.md).
@@ -9,21 +10,24 @@ Float types become bf16. A caller may pass its own `mapping` (e.g. Q5_0 -> int4 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from superslm import cext
 from superslm.errors import InvalidArgument, TokenOutOfRange
-from superslm.formats.blocks import BlockType, Int4BlockType
+from superslm.formats.blocks import Q5_0, BlockType, Int4BlockType
 from superslm.quant.base import LinearFormat, dequantize_gguf, format_class, load_linear, register_format
 from superslm.quant.int4 import GGUFInt4Linear
+from superslm.quant.int5 import GGUFInt5Linear
 
 #: block type name -> (format name, from_dense options); the int4 block types run natively
 NEAREST: dict[str, tuple[str, dict[str, Any]]] = {
     "Q4_0": ("gguf", {}), "Q4_1": ("gguf", {}), "Q4_K": ("gguf", {}),
-    "Q5_0": ("int8", {}), "Q5_1": ("int8", {}), "Q5_K": ("int8", {}), "Q6_K": ("int8", {}),
+    "Q5_0": ("gguf5", {}), "Q5_1": ("int8", {}), "Q5_K": ("int8", {}), "Q6_K": ("int8", {}),
     "Q8_0": ("int8", {}), "Q8_K": ("int8", {}), "Q2_K": ("int8", {}), "Q3_K": ("int8", {}),
     "F32": ("bf16", {}), "F16": ("bf16", {}), "BF16": ("bf16", {}), "F64": ("bf16", {}),
 }  # fmt: skip
@@ -41,7 +45,17 @@ def nearest_format(block_type: type[BlockType], mapping: Mapping[str, tuple[str,
         raise InvalidArgument(f"GGUF {block_type.name} tensors cannot be used as a linear weight")
     if got[0] == "gguf" and not issubclass(block_type, Int4BlockType):
         raise InvalidArgument(f"GGUF {block_type.name} is not an int4 block type; it cannot run as 'gguf'")
+    if got[0] == "gguf5":
+        if block_type is not Q5_0:
+            raise InvalidArgument(f"GGUF {block_type.name} is not Q5_0; it cannot run as 'gguf5'")
+        if not int5_runs():
+            return "int8", {}
     return got
+
+
+def int5_runs() -> bool:
+    """Whether Q5_0 can run as it is here: the C++ VNNI kernels built, and not SUPERSLM_KERNELS=torch."""
+    return os.environ.get("SUPERSLM_KERNELS", "auto").strip().lower() != "torch" and cext.vnni() is not None
 
 
 def _int8_by_rows(part: GGUFPart, bias: torch.Tensor | None, note: str) -> LinearFormat:
@@ -155,6 +169,8 @@ def linear_from_gguf(
         fmt, options = targets[0]
         if fmt == "gguf":
             return GGUFInt4Linear.from_gguf_parts(parts, bias)
+        if fmt == "gguf5":
+            return GGUFInt5Linear.from_gguf_parts(parts, bias)
         names = "+".join(dict.fromkeys(p[1].name for p in parts))
         if fmt == "int8" and not options and len(parts) == 1 and parts[0][3] is None:
             return _int8_by_rows(parts[0], bias, f"from {names}")

@@ -21,6 +21,10 @@ void set_vnni(bool on);
 at::Tensor int8_rowsum(const at::Tensor& codes);
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& rowsum);
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group);
+at::Tensor int5_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits);
+at::Tensor int5_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros,
+                     const at::Tensor& bits);
+at::Tensor int5_reference(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits);
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& rowsum);
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros, int64_t group);
 
@@ -31,13 +35,16 @@ using namespace superslm_rows;
 // ---- one linear, as quant/base.py LinearFormat.forward and transformer.DenseLinear compute it ----
 
 // CONCAT: parts of different formats (quant/gguf_map.py ConcatLinear, e.g. Q4_K q, k with a Q6_K v)
-enum LinKind : int64_t { DENSE_MODULE = 0, INT4 = 1, INT8 = 2, DENSE_FORMAT = 3, CONCAT = 4 };
+// INT5: GGUF Q5_0 as it is (quant/int5.py): int4 nibbles, `extra` their fifth bits
+enum LinKind : int64_t { DENSE_MODULE = 0, INT4 = 1, INT8 = 2, DENSE_FORMAT = 3, CONCAT = 4, INT5 = 5 };
 
 struct Lin {
   int64_t kind = 0, group = 0, out = 0, in = 0, kpad = 0;
   at::Tensor a, b, bias;
   // block Hadamard rotation of the input (quant/hadamard.py Rotation): signs [kpad], H [block, block]
   at::Tensor signs, hadamard;
+  // INT5: the fifth-bit masks (int64 [N / 64, K / 4, 4])
+  at::Tensor extra;
   // int8: sum of each output row's codes, for the VNNI GEMV's offset correction
   at::Tensor rowsum;
   // int4: the VNNI kernels apply (AVX-512 VNNI here, groups a multiple of 4, N of 64)
@@ -45,7 +52,7 @@ struct Lin {
   // CONCAT: its parts, each run on the same input, outputs side by side
   std::vector<Lin> parts;
 
-  // (a, b, bias, signs, hadamard) at t[off..off+5) and (kind, group, out, in, kpad) at ints[ioff..ioff+5)
+  // (a, b, bias, signs, hadamard, extra) at t[off..off+6), (kind, group, out, in, kpad) at ints[ioff..ioff+5)
   static Lin make(const std::vector<std::optional<at::Tensor>>& t, size_t off, const std::vector<int64_t>& ints,
                   size_t ioff) {
     auto get = [&](size_t i) { return t[off + i].has_value() ? *t[off + i] : at::Tensor(); };
@@ -55,12 +62,14 @@ struct Lin {
     l.bias = get(2);
     l.signs = get(3);
     l.hadamard = get(4);
+    l.extra = get(5);
     l.kind = ints[ioff];
     l.group = ints[ioff + 1];
     l.out = ints[ioff + 2];
     l.in = ints[ioff + 3];
     l.kpad = ints[ioff + 4];
-    TORCH_CHECK(l.kind >= DENSE_MODULE && l.kind <= CONCAT, "DecodePlan: unknown linear kind ", l.kind);
+    TORCH_CHECK(l.kind >= DENSE_MODULE && l.kind <= INT5, "DecodePlan: unknown linear kind ", l.kind);
+    TORCH_CHECK(l.kind != INT5 || (l.extra.defined() && l.b.defined()), "DecodePlan: an int5 linear without its bits");
     TORCH_CHECK(l.kind == CONCAT || l.a.defined(), "DecodePlan: a linear without its weight");
     if (l.kind == INT8) l.rowsum = int8_rowsum(l.a);
     l.vnni4 = l.kind == INT4 && l.group % 4 == 0 && l.a.size(0) % 64 == 0 && l.b.is_contiguous() && vnni_available();
@@ -98,6 +107,10 @@ struct Lin {
       if (vnni4 && rows_h == 1) y = int4_gemv(h, a, b, group);
       else if (vnni4 && (deterministic || rows_h >= 32)) y = int4_gemm(h, a, b, group);
       if (!y.defined()) y = at::_weight_int4pack_mm_for_cpu(h, a, group, b);
+      if (y.size(1) != out) y = y.narrow(1, 0, out);
+    } else if (kind == INT5) {
+      // no torch kernel for 5-bit codes: the VNNI kernels at every row count (their rows batch-invariant)
+      y = h.size(0) == 1 ? int5_gemv(h, a, b, extra) : int5_gemm(h, a, b, extra);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == INT8) {
       // as int4: the VNNI kernels for one row, and for every row count in deterministic steps
@@ -174,20 +187,20 @@ class DecodePlan {
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), rot_(rotary_dim), eps_(eps),
         norm_float_(norm_float), act_(act), scale_(attn_scale) {}
 
-  // tensors: 4 linears x (a, b, bias, signs, hadamard) then 6 norms (None = absent);
+  // tensors: 4 linears x (a, b, bias, signs, hadamard, extra) then 6 norms (None = absent);
   // ints: 4 linears x (kind, group, out, in, kpad) then window, rope_kind
   void add_layer(const std::vector<std::optional<at::Tensor>>& t, const std::vector<int64_t>& ints) {
-    TORCH_CHECK(t.size() == 26 && ints.size() == 22, "DecodePlan.add_layer: 26 tensors and 22 ints");
+    TORCH_CHECK(t.size() == 30 && ints.size() == 22, "DecodePlan.add_layer: 30 tensors and 22 ints");
     auto get = [&](size_t i) { return t[i].has_value() ? *t[i] : at::Tensor(); };
     LayerP p;
     Lin* lins[4] = {&p.qkv, &p.o, &p.gate_up, &p.down};
-    for (int i = 0; i < 4; ++i) *lins[i] = Lin::make(t, 5 * i, ints, 5 * i);
-    p.attn_norm = get(20);
-    p.ffn_norm = get(21);
-    p.q_norm = get(22);
-    p.k_norm = get(23);
-    p.post_attn_norm = get(24);
-    p.post_ffn_norm = get(25);
+    for (int i = 0; i < 4; ++i) *lins[i] = Lin::make(t, 6 * i, ints, 5 * i);
+    p.attn_norm = get(24);
+    p.ffn_norm = get(25);
+    p.q_norm = get(26);
+    p.k_norm = get(27);
+    p.post_attn_norm = get(28);
+    p.post_ffn_norm = get(29);
     p.window = ints[20];
     p.rope_kind = ints[21];
     layers_.push_back(std::move(p));
@@ -196,8 +209,8 @@ class DecodePlan {
   // one part of linear `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer`, added as CONCAT
   void add_part(int64_t layer, int64_t which, const std::vector<std::optional<at::Tensor>>& t,
                 const std::vector<int64_t>& ints) {
-    TORCH_CHECK(layer >= 0 && layer < num_layers() && which >= 0 && which < 4 && t.size() == 5 && ints.size() == 5,
-                "DecodePlan.add_part: a layer, a linear 0..3, 5 tensors and 5 ints");
+    TORCH_CHECK(layer >= 0 && layer < num_layers() && which >= 0 && which < 4 && t.size() == 6 && ints.size() == 5,
+                "DecodePlan.add_part: a layer, a linear 0..3, 6 tensors and 5 ints");
     LayerP& p = layers_[layer];
     Lin* lins[4] = {&p.qkv, &p.o, &p.gate_up, &p.down};
     TORCH_CHECK(lins[which]->kind == CONCAT && ints[0] != CONCAT, "DecodePlan.add_part: parts go into a CONCAT linear");
@@ -357,5 +370,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_gemv", &int4_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int8_gemm", &int8_gemm, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int5_gemv", &int5_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int5_gemm", &int5_gemm, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int5_reference", &int5_reference, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_gemm", &int4_gemm, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

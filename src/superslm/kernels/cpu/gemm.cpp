@@ -55,8 +55,9 @@ inline void rows_group(const __m512i* cg, int64_t group, const int8_t* h0, const
 }
 
 // output block b (64 rows of N) for activation rows [m0, m1): the unpacked group is reused by every row
-void block_rows(const uint8_t* wp, const uint32_t* szp, const RowParts& xp, const std::vector<int64_t>& rows,
-                int64_t K, int64_t G, int64_t group, int64_t N, int64_t b, int64_t m0, int64_t m1, at::BFloat16* op) {
+void block_rows(const uint8_t* wp, const uint32_t* szp, const uint64_t* bits, const RowParts& xp,
+                const std::vector<int64_t>& rows, int64_t K, int64_t G, int64_t group, int64_t N, int64_t b, int64_t m0,
+                int64_t m1, at::BFloat16* op) {
   constexpr int64_t kMaxRows = 32;
   alignas(64) __m512i cg[256];  // one group's codes, [group / 4][4] vectors (group <= 256)
   alignas(64) float y[kMaxRows][64];
@@ -66,7 +67,10 @@ void block_rows(const uint8_t* wp, const uint32_t* szp, const RowParts& xp, cons
     const int64_t t1 = std::min(m1, t0 + kMaxRows);
     for (int64_t m = t0; m < t1; ++m) std::memset(y[m - t0], 0, sizeof(y[0]));
     for (int64_t g = 0; g < G; ++g) {
-      for (int64_t q = 0; q < group / 4; ++q) superslm_vnni::unpack_quad(blk + (g * group + q * 4) * 32, cg + q * 4);
+      for (int64_t q = 0; q < group / 4; ++q) {
+        superslm_vnni::unpack_quad(blk + (g * group + q * 4) * 32, cg + q * 4);
+        if (bits) superslm_vnni::add_bits(bits + (b * (K / 4) + g * group / 4 + q) * 4, cg + q * 4);
+      }
       __m512 sf[4], zf[4];
       if (g + 1 < G)  // the block's next group sits N rows further in torch's layout
         for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(szp + (g + 1) * N + b * 64 + line * 16), _MM_HINT_T0);
@@ -156,10 +160,58 @@ void int8_rows(const uint8_t* hi, const uint8_t* lo, const std::vector<int64_t>&
 
 }  // namespace
 
+// the fifth-bit masks of a Q5_0 weight [N, K], checked: int64 [N / 64, K / 4, 4]
+const uint64_t* int5_bits(const at::Tensor& bits, int64_t N, int64_t K) {
+  TORCH_CHECK(bits.scalar_type() == at::kLong && bits.is_contiguous() && bits.dim() == 3 && bits.size(0) == N / 64 &&
+                  bits.size(1) == K / 4 && bits.size(2) == 4 && N % 64 == 0 && K % 32 == 0,
+              "int5: fifth-bit masks int64 [N / 64, K / 4, 4] for codes [N, K]");
+  return reinterpret_cast<const uint64_t*>(bits.data_ptr<int64_t>());
+}
+
+// x [M, K] -> [M, N] float32 rounded to bf16: the 5-bit weights decoded one by one, (code - 8) * s + z,
+// summed in float32 (for rows whose int8 parts cannot carry x: NaN, inf, an outlier)
+at::Tensor int5_reference(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits) {
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), G = K / 32;
+  const uint64_t* bp = int5_bits(bits, N, K);
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.numel() == G * N * 2,
+              "int5: scales_zeros bf16 [K / 32, N, 2]");
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const at::BFloat16* szp = sz.data_ptr<at::BFloat16>();
+  float* op = out.data_ptr<float>();
+  int lane_of[64], acc_of[64];  // row within a block -> (accumulator, lane) of its fifth bit
+  for (int a = 0; a < 4; ++a)
+    for (int lane = 0; lane < 16; ++lane) {
+      acc_of[superslm_vnni::lane_row(a, lane)] = a;
+      lane_of[superslm_vnni::lane_row(a, lane)] = lane;
+    }
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t b = n / 64, r = n % 64;
+      for (int64_t m = 0; m < M; ++m) {
+        float acc = 0.f;
+        for (int64_t k = 0; k < K; ++k) {
+          const uint8_t byte = wp[(b * K + k) * 32 + r % 32];
+          const int nib = r < 32 ? (byte & 15) : (byte >> 4);
+          const int bit = (bp[(b * (K / 4) + k / 4) * 4 + acc_of[r]] >> (4 * lane_of[r] + k % 4)) & 1;
+          const float s = static_cast<float>(szp[((k / 32) * N + n) * 2]), z = static_cast<float>(szp[((k / 32) * N + n) * 2 + 1]);
+          acc += ((nib + 16 * bit - 8) * s + z) * xp[m * K + k];
+        }
+        op[m * N + n] = acc;
+      }
+    }
+  });
+  return out.to(at::kBFloat16);
+}
+
 // x [M, K] -> [M, N] bf16 for int4 weights in torch's packed layout: each row as `int4_gemv` computes it
 // alone; rows whose parts cannot be split (NaN, inf, an outlier) go to torch's kernel, which is
-// row-invariant too. scales_zeros: torch's [G, N, 2] bf16, read by both.
-at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros, int64_t group) {
+// row-invariant too. scales_zeros: torch's [G, N, 2] bf16, read by both. With `bits`: Q5_0's 5-bit
+// codes (int5_gemm), those rows to `int5_reference`.
+static at::Tensor gemm4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros, int64_t group,
+                        const at::Tensor* bits) {
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && qweight.size(1) * 2 == x.size(1),
               "int4_gemm: rows of K against packed codes [N, K / 2]");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
@@ -170,7 +222,13 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::T
                   scales_zeros.size(1) == N && scales_zeros.size(2) == 2 && scales_zeros.is_contiguous(),
               "int4_gemm: packed codes [N, K / 2] and scales_zeros bf16 [K / group, N, 2] do not match");
   at::Tensor xb = x.to(at::kBFloat16);
-  if (!vnni_available() || M == 0) return at::_weight_int4pack_mm_for_cpu(xb, qweight, group, scales_zeros);
+  // the rows the VNNI kernel cannot take: torch's int4 kernel, or the 5-bit reference
+  auto others = [&](const at::Tensor& xs) {
+    return bits ? int5_reference(xs, qweight, scales_zeros, *bits)
+                : at::_weight_int4pack_mm_for_cpu(xs, qweight, group, scales_zeros);
+  };
+  const uint64_t* bp = bits ? int5_bits(*bits, N, K) : nullptr;
+  if (!vnni_available() || M == 0) return others(xb);
 #ifdef SUPERSLM_VNNI
   // the kernel's input is x in bf16, as torch's kernel sees it
   at::Tensor xf = xb.to(at::kFloat).contiguous();
@@ -204,18 +262,29 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::T
     at::parallel_for(0, blocks * tiles, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t b = t / tiles, m0 = (t % tiles) * tile;
-        block_rows(wp, szp, parts, rows, K, G, group, N, b, m0, std::min(R, m0 + tile), op);
+        block_rows(wp, szp, bp, parts, rows, K, G, group, N, b, m0, std::min(R, m0 + tile), op);
       }
     });
   }
   if (!bad.empty()) {
     at::Tensor idx = at::tensor(bad, at::kLong);
-    out.index_copy_(0, idx, at::_weight_int4pack_mm_for_cpu(xb.index_select(0, idx), qweight, group, scales_zeros));
+    out.index_copy_(0, idx, others(xb.index_select(0, idx)));
   }
   return out;
 #else
-  return at::_weight_int4pack_mm_for_cpu(xb, qweight, group, scales_zeros);
+  (void)bp;
+  return others(xb);
 #endif
+}
+
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros, int64_t group) {
+  return gemm4(x, qweight, scales_zeros, group, nullptr);
+}
+
+// x [M, K] -> [M, N] bf16 for Q5_0 weights (int5_gemv's layout), each row as int5_gemv computes it alone
+at::Tensor int5_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros,
+                     const at::Tensor& bits) {
+  return gemm4(x, qweight, scales_zeros, 32, &bits);
 }
 
 // x [M, K] (K % 64 == 0) -> [M, N] bf16 for int8 codes [N, K] with per-row scales: each row as `int8_gemv`

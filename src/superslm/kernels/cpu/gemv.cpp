@@ -142,8 +142,10 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 
 using superslm_vnni::lane_row;
 
-// x [1, K] -> [1, N] bf16 for int4 weights in torch's packed layout (K % group == 0, group % 4 == 0)
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group) {
+// x [1, K] -> [1, N] bf16 for int4 weights in torch's packed layout (K % group == 0, group % 4 == 0);
+// with `bits` (Q5_0's fifth bits, vnni.h add_bits) the codes are 5-bit. Undefined when x cannot be split.
+static at::Tensor gemv4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group,
+                        const uint64_t* bits) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && qweight.dim() == 2 && qweight.size(1) * 2 == x.size(1),
               "int4_gemv: one row of K against packed codes [N, K / 2]");
   const int64_t K = x.size(1), N = qweight.size(0), G = K / group;
@@ -174,6 +176,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
         for (int64_t k = g * group; k < (g + 1) * group; k += 4) {
           __m512i c[4];
           superslm_vnni::unpack_quad(blk + k * 32, c);
+          if (bits) superslm_vnni::add_bits(bits + (b * (K / 4) + k / 4) * 4, c);
           int32_t h4, l4;  // four activation bytes, broadcast to every lane
           std::memcpy(&h4, hi.data() + k, 4);
           std::memcpy(&l4, lo.data() + k, 4);
@@ -201,4 +204,21 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
 #else
   return at::Tensor();
 #endif
+}
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group) {
+  return gemv4(x, qweight, sz, group, nullptr);
+}
+
+// gemm.cpp: the plain float32 reference of the 5-bit codes, for rows the VNNI kernels cannot split
+at::Tensor int5_reference(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits);
+const uint64_t* int5_bits(const at::Tensor& bits, int64_t N, int64_t K);
+
+// x [1, K] -> [1, N] bf16 for Q5_0 weights: nibbles in torch's packed int4 layout, the fifth bits as
+// masks [N / 64, K / 4, 4], scales_zeros (d, -8 d) per group of 32: (code - 16) * d
+at::Tensor int5_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && qweight.dim() == 2 && qweight.size(1) * 2 == x.size(1),
+              "int5_gemv: one row of K against packed codes [N, K / 2]");
+  at::Tensor y = gemv4(x, qweight, sz, 32, int5_bits(bits, qweight.size(0), x.size(1)));
+  return y.defined() ? y : int5_reference(x, qweight, sz, bits);
 }

@@ -122,6 +122,14 @@ inline void group_scales(const uint32_t* p, __m512 sf[4], __m512 zf[4]) {
   }
 }
 
+// Q5_0's fifth bits over nibble codes: per (block of 64 rows, quad of 4 k) four 64-bit masks; bit
+// 4 * lane + kk of mask a is the fifth bit of row lane_row(a, lane) at k = 4 * quad + kk (the byte
+// that unpack_quad puts there), added to the code as 16
+inline void add_bits(const uint64_t* m, __m512i c[4]) {
+  const __m512i sixteen = _mm512_set1_epi8(16);
+  for (int a = 0; a < 4; ++a) c[a] = _mm512_mask_add_epi8(c[a], _cvtu64_mask64(m[a]), c[a], sixteen);
+}
+
 // y[a] += one group's contribution, from the integer sums of its two parts (the GEMV and the GEMM run
 // these same operations in this order, so a row's result does not depend on its batch).
 // sum c x = sl * sum c (254 hi + lo): one exact integer (< 2^24 for groups <= 32) and one conversion.

@@ -1,0 +1,163 @@
+"""GGUF Q5_0 weights run as they are: 5-bit codes, one f16 scale d per 32 values, value = d (code - 16).
+
+Gemma-3-270M's Q4_K_M file keeps most of its body in Q5_0; as int8 those weights took 1 byte each
+where the file has 0.69, and the re-quantization added 0.8% error. Here the codes are the file's:
+the low nibbles in torch's packed int4 layout (`pack_int4`), the fifth bits as 64-bit masks in the
+VNNI kernels' lane order (kernels/cpu/vnni.h `add_bits`), and torch's [groups, N, 2] bf16 scales with
+(d, -8 d): (code - 8) d - 8 d = (code - 16) d. 0.75 bytes a weight; the only rounding is d to bf16, as
+for the other GGUF-native blocks. torch has no 5-bit kernel: the C++ VNNI kernels run it (superslm/cext.py;
+each row's bits the same alone or in a batch), and without them a dequantized bf16 matmul.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from superslm import cext
+from superslm.errors import InvalidArgument
+from superslm.formats.blocks import Q5_0, BlockType
+from superslm.quant.base import LinearFormat, as_bias, register_format
+from superslm.quant.int4 import _BLOCK_N, pack_int4, round_up, unpack_int4
+
+#: the row (within a block of 64) of lane i of the kernels' accumulator a (kernels/cpu/vnni.h lane_row)
+_BASE = np.array([0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23])
+LANE_ROWS = np.stack([_BASE + (8 if a & 1 else 0) + (32 if a & 2 else 0) for a in range(4)])  # [4, 16]
+
+
+def pack_bits(high: np.ndarray) -> np.ndarray:
+    """Fifth bits uint8 [N, K] (0/1, N % 64 == 0, K % 4 == 0) -> int64 masks [N / 64, K / 4, 4]: bit
+    4 * lane + kk of mask a is row LANE_ROWS[a, lane] of the block at k = 4 * quad + kk."""
+    n, k = high.shape
+    h = high.reshape(n // _BLOCK_N, _BLOCK_N, k // 4, 4)[:, LANE_ROWS]  # [blocks, 4 (a), 16 (lane), quads, 4 (kk)]
+    h = np.ascontiguousarray(h.transpose(0, 3, 1, 2, 4)).reshape(n // _BLOCK_N, k // 4, 4, 64)
+    return np.packbits(h, axis=-1, bitorder="little").view(np.int64)[..., 0]  # [blocks, quads, 4]
+
+
+def unpack_bits(masks: np.ndarray, n: int, k: int) -> np.ndarray:
+    """The inverse of `pack_bits`: int64 [N / 64, K / 4, 4] -> uint8 [N, K] of 0/1."""
+    bits = np.unpackbits(masks.view(np.uint8).reshape(n // _BLOCK_N, k // 4, 4, 8), axis=-1, bitorder="little")
+    h = bits.reshape(n // _BLOCK_N, k // 4, 4, 16, 4).transpose(0, 2, 3, 1, 4)  # [blocks, a, lane, quads, kk]
+    out = np.empty((n // _BLOCK_N, _BLOCK_N, k // 4, 4), dtype=np.uint8)
+    out[:, LANE_ROWS] = h
+    return out.reshape(n, k)
+
+
+def q5_0_params(raw: np.ndarray, shape: Sequence[int], row_perm: torch.Tensor | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Q5_0 bytes of a weight [out, in] -> (codes uint8 [out, in] of 0..31, d float32 [out, in / 32])."""
+    from superslm.formats.blocks import _f16, _q5_codes
+
+    n, k = (int(d) for d in shape)
+    if Q5_0.n_elements(raw) != n * k or k % 32:
+        raise InvalidArgument(f"Q5_0: {raw.size} bytes do not hold a [{n}, {k}] weight")
+    blocks = np.ascontiguousarray(raw).reshape(-1, Q5_0.type_size)
+    codes = _q5_codes(blocks, 2).reshape(n, k)
+    d = _f16(blocks, 0).reshape(n, k // 32)
+    if row_perm is not None:
+        perm = torch.as_tensor(row_perm, dtype=torch.long).numpy()
+        if perm.shape != (n,) or not np.array_equal(np.sort(perm), np.arange(n)):
+            raise InvalidArgument(f"row_perm must be a permutation of {n} rows")
+        codes, d = codes[perm], d[perm]
+    return codes, d
+
+
+@register_format
+class GGUFInt5Linear(LinearFormat):
+    """GGUF Q5_0 blocks as they are (group 32, 5-bit codes), on the C++ VNNI kernels."""
+
+    name: ClassVar[str] = "gguf5"
+
+    def __init__(self, codes: np.ndarray, d: torch.Tensor, in_features: int, out_features: int,
+                 bias: torch.Tensor | None = None, note: str = "") -> None:
+        """codes uint8 [N, K] (0..31), d [N, K / 32] (rounded to bf16 here)."""
+        n, k = codes.shape
+        if k % 32 or d.shape != (n, k // 32) or n != out_features:
+            raise InvalidArgument(f"gguf5: codes {codes.shape} and scales {tuple(d.shape)} do not match")
+        super().__init__(in_features, out_features, k, bias, None, note)
+        n_pad = round_up(n, _BLOCK_N)
+        if n_pad != n:  # padded rows: code 16, d 0 -> weight 0; sliced off the output
+            codes = np.concatenate([codes, np.full((n_pad - n, k), 16, dtype=np.uint8)])
+            d = torch.cat([d, d.new_zeros(n_pad - n, d.shape[1])])
+        codes = np.ascontiguousarray(codes, dtype=np.uint8)
+        self.register_buffer("qweight", pack_int4(torch.from_numpy(codes & np.uint8(15))))
+        self.register_buffer("bits", torch.from_numpy(np.ascontiguousarray(pack_bits(codes >> np.uint8(4)))))
+        db = d.to(torch.bfloat16)
+        sz = torch.stack([db, db * -8], dim=-1)  # [N_pad, groups, 2]; -8 d is exact in bf16
+        self.register_buffer("scales_zeros", sz.transpose(0, 1).contiguous())  # [groups, N_pad, 2]
+
+    @property
+    def row_invariant(self) -> bool:  # type: ignore[override]
+        # the VNNI kernels give a row its bits whatever the batch; the bf16 fallback matmul does not
+        return cext.vnni() is not None
+
+    @classmethod
+    def from_gguf_parts(cls, parts: Sequence[tuple[np.ndarray, type[BlockType], Sequence[int], Any]],
+                        bias: torch.Tensor | None = None) -> GGUFInt5Linear:
+        """Q5_0 tensors (raw, block_type, shape, row_perm) fused along out (qkv, gate_up)."""
+        got = []
+        for raw, block_type, shape, perm in parts:
+            if block_type is not Q5_0:
+                raise InvalidArgument(f"gguf5 runs Q5_0 blocks, not {block_type.name}")
+            got.append(q5_0_params(raw, shape, perm))
+        codes = np.concatenate([g[0] for g in got])
+        d = torch.from_numpy(np.concatenate([g[1] for g in got]))
+        n, k = codes.shape
+        return cls(codes, d, k, n, as_bias(bias, n), "from Q5_0, codes exact")
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, block_type: type[BlockType], shape: Sequence[int],  # type: ignore[override]
+                  row_perm: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> GGUFInt5Linear:
+        return cls.from_gguf_parts([(raw, block_type, shape, row_perm)], bias)
+
+    @classmethod
+    def from_dense(cls, *args: Any, **kwargs: Any) -> LinearFormat:
+        raise InvalidArgument("the gguf5 format is built from GGUF Q5_0 blocks (from_gguf)")
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        ext = cext.vnni()
+        if ext is None or x.device.type != "cpu":
+            y = F.linear(x, self.dequantize_stored().to(x.dtype))  # no 5-bit kernel here: slow but exact
+        elif x.shape[0] == 1:
+            y = ext.int5_gemv(x, self.qweight, self.scales_zeros, self.bits)
+        else:
+            y = ext.int5_gemm(x, self.qweight, self.scales_zeros, self.bits)
+        return y if y.shape[1] == self._out else y[:, : self._out]
+
+    def _codes(self) -> np.ndarray:
+        """codes uint8 [N_pad, K] of 0..31."""
+        n, k = self.qweight.shape[0], self.k_pad
+        return unpack_int4(self.qweight).numpy() | (unpack_bits(self.bits.numpy(), n, k) << np.uint8(4))
+
+    def dequantize_stored(self) -> torch.Tensor:
+        n = self._out
+        c = torch.from_numpy(self._codes()[:n].astype(np.float32)).view(n, -1, 32)  # [N, groups, 32]
+        d = self.scales_zeros[:, :n, 0].transpose(0, 1).float()  # [N, groups]
+        return ((c - 16) * d[..., None]).view(n, self.k_pad)
+
+    def _describe_format(self) -> str:
+        return "gguf Q5_0 (5-bit g32)"
+
+    def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        n = self._out
+        c = self._codes()[:n]
+        # stored kernel-independent: nibble j of a row's bytes as int4 stores them, fifth bits packed 8 a byte
+        low = c & np.uint8(15)
+        packed = torch.from_numpy(low[:, 0::2] | (low[:, 1::2] << np.uint8(4)))
+        high = torch.from_numpy(np.packbits(c >> np.uint8(4), axis=-1, bitorder="little"))
+        return {"qweight": packed, "high": high, "scales": self.scales_zeros[:, :n, 0].transpose(0, 1).contiguous()}, {}
+
+    @classmethod
+    def _from_state(cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], **common: Any) -> LinearFormat:
+        packed = tensors["qweight"].contiguous().numpy()
+        n, k = packed.shape[0], packed.shape[1] * 2
+        low = np.stack((packed & np.uint8(15), packed >> np.uint8(4)), axis=-1).reshape(n, k)
+        high = np.unpackbits(tensors["high"].contiguous().numpy(), axis=-1, count=k, bitorder="little")
+        if common.get("rotation") is not None:
+            raise InvalidArgument("gguf5 weights are never rotated")
+        return cls(low | (high << np.uint8(4)), tensors["scales"], common["in_features"], common["out_features"],
+                   common.get("bias"), common.get("note", ""))
