@@ -116,16 +116,23 @@ def test_bfloat16_formats_within_rounding(family: str, fmt: str | None, folders)
     assert cos.min().item() > 0.999
 
 
-def test_mixed_steps_take_the_generic_path(folders) -> None:
-    # a prefill chunk in the step: the plan is not used, and nothing differs from the reference run
+def test_prompt_chunks_take_the_plan_while_it_pays(folders) -> None:
+    # short prompt chunks run in the C++ plan; a long one, whose rows' attention would cost more than
+    # SDPA's, takes the generic path; all-decode steps always take the plan
     src = open_source(folders["llama"])
     net = Transformer(src.arch, materialize(src, torch.float32))
     kv, meta, toks = _prefilled(net, [3, 5])
+    net.fast_decode = True
     mixed = AttnMetadata(torch.tensor([3, 5, 6]), meta.slot_mapping.new_tensor([0, 1, 2]), (0, 1, 3),
                          (4, 7), meta.block_tables, PS)
-    net.fast_decode = True
-    assert not net._plan_step(torch.zeros(3, net.arch.dim), mixed, kv.k)
+    assert net._plan_step(torch.zeros(3, net.arch.dim), mixed, kv.k)
     assert net._plan_step(torch.zeros(2, net.arch.dim), meta, kv.k)
+    n = 200
+    long = AttnMetadata(torch.arange(n), torch.arange(n), (0, n), (n,), (tuple(range(n // PS + 1)),), PS)
+    assert not net._plan_step(torch.zeros(n, net.arch.dim), long, kv.k)
+    det = AttnMetadata(torch.arange(n), torch.arange(n), (0, n), (n,), (tuple(range(n // PS + 1)),), PS,
+                       deterministic=True)
+    assert net._plan_step(torch.zeros(n, net.arch.dim), det, kv.k)  # deterministic: every step
 
 
 def test_plan_follows_module_swaps(folders) -> None:
