@@ -5,15 +5,20 @@ triton imports, the torch reference otherwise; "torch" always runs the reference
 always runs the kernels, also on a CPU tensor when TRITON_INTERPRET=1 was set before the first
 kernel import (how CI tests them). The references for the fused ops that have no torch module of
 their own (`add_rms_norm_reference`, `int4_matmul_reference`, `int8_matmul_reference`,
-`hadamard_rotate_reference`) live here.
+`hadamard_rotate_reference`) live here, and those of device-side sampling (`shape_logits_reference`,
+`select_tokens_reference`, which run superslm.sampling's stages; `sampling_batch` builds their inputs).
 Deterministic steps (meta.deterministic) always take the batch-invariant attention reference.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -23,6 +28,9 @@ from superslm.kernels import norm as _norm
 from superslm.kernels import rope as _rope
 from superslm.kernels.attention import AttnMetadata
 from superslm.kernels.attention_invariant import paged_attention_invariant
+
+if TYPE_CHECKING:
+    from superslm.sampling.sampler import SamplerState
 
 ENV = "SUPERSLM_KERNELS"
 CHOICES = ("auto", "triton", "torch")
@@ -118,6 +126,150 @@ def hadamard_rotate_reference(x: torch.Tensor, signs: torch.Tensor, block: int) 
     return torch.matmul(y, h).reshape(*lead, k)
 
 
+# --- device-side sampling: inputs and references ------------------------------------------------
+
+
+class LogitBias(NamedTuple):
+    """Every row's logit_bias as CSR: row b's pairs are tokens / values[offsets[b]:offsets[b + 1]]."""
+
+    offsets: torch.Tensor
+    """int32 [B + 1], ascending, offsets[0] = 0."""
+    tokens: torch.Tensor
+    """int32 [K]: token ids, distinct within a row."""
+    values: torch.Tensor
+    """float32 [K]: the biases."""
+
+
+class Penalties(NamedTuple):
+    """Penalty inputs: `build_penalty_tensors` of the P rows that use penalties, and per-row factors."""
+
+    rows: torch.Tensor
+    """int32 [B]: row b's row in counts / prompt_mask, -1 for rows without penalties."""
+    counts: torch.Tensor
+    """int32 [P, V]: output token counts."""
+    prompt_mask: torch.Tensor
+    """bool [P, V]: tokens in the prompt."""
+    factors: torch.Tensor
+    """float32 [B, 3]: presence, frequency, repetition (read only where rows >= 0)."""
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """The inputs of `shape_logits` and `select_tokens` for a batch of sampler rows (one upload each)."""
+
+    temperature: torch.Tensor  # float32 [B], 0 for greedy rows
+    bias: LogitBias | None  # None when no row has a logit_bias
+    penalties: Penalties | None  # None when no row uses penalties
+    log_min_p: torch.Tensor  # float32 [B], log(min_p), -inf when off
+    top_k: torch.Tensor  # int32 [B], 0 (or >= V) when off
+    top_p: torch.Tensor  # float32 [B], 1 when off
+    keys: torch.Tensor  # int64 [B, 2], noise.stream_key(seed, step)
+
+
+def sampling_batch(rows: Sequence[SamplerState], vocab: int, device: torch.device) -> SamplingBatch:
+    """What sampler.sample computes on the host for `rows`, as the kernels' inputs (no device sync)."""
+    from superslm.sampling._device import upload
+    from superslm.sampling.noise import keys_tensor
+    from superslm.sampling.penalties import build_penalty_tensors
+
+    params = [r.params for r in rows]
+    # greedy is decided here, in float64 as Sampling.greedy does; the kernels see temperature 0
+    scalars = upload(torch.tensor(
+        [[0.0 if p.greedy else p.temperature, math.log(p.min_p) if p.min_p > 0 else -math.inf, p.top_p]
+         for p in params], dtype=torch.float32).reshape(-1, 3), device)  # fmt: skip
+    top_k = upload(torch.tensor([min(p.top_k, vocab) for p in params], dtype=torch.int32), device)
+    bias = None
+    if any(p.logit_bias for p in params):
+        pairs = [(t, float(v)) for p in params for t, v in (p.logit_bias or {}).items()]
+        offsets = [0]
+        for p in params:
+            offsets.append(offsets[-1] + len(p.logit_bias or ()))
+        bias = LogitBias(upload(torch.tensor(offsets, dtype=torch.int32), device),
+                         upload(torch.tensor([t for t, _ in pairs], dtype=torch.int32), device),
+                         upload(torch.tensor([v for _, v in pairs], dtype=torch.float32), device))  # fmt: skip
+    penalties = None
+    pen = [i for i, p in enumerate(params) if p.uses_penalties]
+    if pen:
+        if any(rows[i].penalties is None for i in pen):
+            raise InvalidArgument("a row uses penalties but its sampler state has no PenaltyState")
+        counts, prompt_mask = build_penalty_tensors([rows[i].penalties for i in pen], vocab, device)
+        index = [-1] * len(rows)
+        for j, i in enumerate(pen):
+            index[i] = j
+        factors = [[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params]
+        penalties = Penalties(upload(torch.tensor(index, dtype=torch.int32), device), counts, prompt_mask,
+                              upload(torch.tensor(factors, dtype=torch.float32), device))  # fmt: skip
+    keys = keys_tensor([(r.seed, r.step) for r in rows], device)
+    return SamplingBatch(scalars[:, 0], bias, penalties, scalars[:, 1], top_k, scalars[:, 2], keys)
+
+
+def shape_logits_reference(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    bitmask: torch.Tensor | None = None,
+    bias: LogitBias | None = None,
+    penalties: Penalties | None = None,
+) -> torch.Tensor:
+    """float32 [B, V]: sampler.sample's stages up to the temperature, on every row at once.
+
+    The grammar bitmask (int32 [B, words]), logit_bias, the penalties, then logits / temperature
+    on rows with temperature >= GREEDY_EPS (greedy rows stay undivided: their argmax is the token).
+    Each stage is exactly neutral where a row has it off, so this equals the sampler's per-row
+    subsets. `logits` (any float dtype) is not modified.
+    """
+    from superslm.sampling.params import GREEDY_EPS
+    from superslm.sampling.shaping import apply_logit_bias, apply_penalties, apply_temperature, apply_token_bitmask
+
+    x = logits.to(torch.float32, copy=True)
+    if bitmask is not None:
+        apply_token_bitmask(x, bitmask)
+    if bias is not None:
+        per_row = bias.offsets[1:] - bias.offsets[:-1]
+        rows = torch.repeat_interleave(torch.arange(x.shape[0], device=x.device), per_row,
+                                       output_size=bias.tokens.shape[0])  # fmt: skip
+        apply_logit_bias(x, rows, bias.tokens.long(), bias.values)
+    if penalties is not None and penalties.counts.shape[0] > 0:
+        on = (penalties.rows >= 0).unsqueeze(1)
+        idx = penalties.rows.clamp(min=0).long()
+        # (0, 0, 1) leaves a row exactly unchanged
+        f = torch.where(on, penalties.factors, torch.tensor([0.0, 0.0, 1.0], device=x.device))
+        x = apply_penalties(x, penalties.counts[idx], penalties.prompt_mask[idx], f[:, 0], f[:, 1], f[:, 2])
+    return apply_temperature(x, torch.where(temperature < GREEDY_EPS, 1.0, temperature))
+
+
+def select_tokens_reference(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    log_min_p: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    keys: torch.Tensor,
+    filtered: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """int64 [B]: sampler.sample's token of every row from `shape_logits_reference`'s output.
+
+    Rows with temperature < GREEDY_EPS take the first argmax; the others min_p (log_min_p float32
+    [B]), top_k (int [B], 0 or >= V off), top_p (float32 [B]), then argmax(x + gumbel_noise(keys)).
+    `filtered`, if given (float32 [B, V]), receives the logits after top_p (greedy rows: unchanged).
+    """
+    from superslm.sampling.noise import gumbel_noise
+    from superslm.sampling.params import GREEDY_EPS
+    from superslm.sampling.shaping import apply_min_p, apply_top_k, apply_top_p
+
+    x = logits.to(torch.float32, copy=True)
+    vocab = x.shape[1]
+    greedy = temperature < GREEDY_EPS
+    first = x.argmax(dim=-1)
+    apply_min_p(x, log_min_p)
+    # max_k = V sorts whole rows: the same k-th values as the sampler's max(k), with no host sync
+    apply_top_k(x, torch.where((top_k > 0) & (top_k < vocab), top_k, 0).long(), vocab)
+    x = apply_top_p(x, top_p)
+    if filtered is not None:
+        filtered.copy_(torch.where(greedy.unsqueeze(1), logits.float(), x))
+    x += gumbel_noise(keys, vocab)
+    return torch.where(greedy, first, x.argmax(dim=-1))
+
+
 # --- dispatched entry points ------------------------------------------------------------------
 
 
@@ -182,3 +334,30 @@ def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.T
     """`hadamard_rotate_reference` on the chosen backend."""
     t = _kernels(x.device)
     return (t.hadamard_rotate if t else hadamard_rotate_reference)(x, signs, block)
+
+
+def shape_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    bitmask: torch.Tensor | None = None,
+    bias: LogitBias | None = None,
+    penalties: Penalties | None = None,
+) -> torch.Tensor:
+    """`shape_logits_reference` on the chosen backend."""
+    t = _kernels(logits.device)
+    return (t.shape_logits if t else shape_logits_reference)(logits, temperature, bitmask, bias, penalties)
+
+
+def select_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    log_min_p: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    keys: torch.Tensor,
+    filtered: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`select_tokens_reference` on the chosen backend."""
+    t = _kernels(logits.device)
+    fn = t.select_tokens if t else select_tokens_reference
+    return fn(logits, temperature, log_min_p, top_k, top_p, keys, filtered)

@@ -11,6 +11,7 @@ from superslm.kernels.triton.paged_args import PagedArgs, build_paged_args, page
 from superslm.kernels.triton.paged_attention import paged_attention, paged_attention_args
 from superslm.kernels.triton.rmsnorm import add_rms_norm, rms_norm
 from superslm.kernels.triton.rope import apply_rope
+from superslm.kernels.triton.sampling import select_tokens, shape_logits
 from superslm.kernels.triton.store_kv import store_kv
 
 __all__ = [
@@ -25,5 +26,7 @@ __all__ = [
     "paged_args",
     "paged_attention",
     "paged_attention_args",
+    "select_tokens",
+    "shape_logits",
     "store_kv",
 ]

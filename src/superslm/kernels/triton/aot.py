@@ -24,6 +24,7 @@ from superslm.kernels.triton.int8_gemv import _int8_kernel, int8_config
 from superslm.kernels.triton.paged_attention import _attn_kernel, _merge_kernel, attn_config
 from superslm.kernels.triton.rmsnorm import _rms_norm_kernel
 from superslm.kernels.triton.rope import _rope_kernel
+from superslm.kernels.triton.sampling import _select_kernel, _shape_kernel
 from superslm.kernels.triton.store_kv import _store_kv_kernel
 
 #: int arguments the launcher's real values make multiples of 16 (triton specializes those)
@@ -126,6 +127,17 @@ def cases(everything: bool = False) -> list[Case]:
             c = hadamard_config(1024, block, False)
             cx = dict(BLOCK_R=c["block_r"], B=block, LOG_B=block.bit_length() - 1, DOT=block >= 16, F32_DOT=f32)
             out.append(Case(f"hadamard_rotate {t} b={block}", _hadamard_kernel, had, c["num_warps"], cx))
+        shape = dict(l_ptr=t, t_ptr="fp32", o_ptr="fp32", bm_ptr="i32", bo_ptr="i32", bt_ptr="i32", bv_ptr="fp32",
+                     pr_ptr="i32", c_ptr="i32", pm_ptr="u8", f_ptr="fp32")  # fmt: skip
+        for on in (True, False) if everything else (True,):
+            cx = dict(HAS_MASK=on, HAS_BIAS=on, HAS_PEN=on, BLOCK=1024, BLOCK_B=16)
+            out.append(Case(f"shape_logits {t} stages={on}", _shape_kernel, shape, 4, cx, False))
+    # selection reads the shaped float32 logits, whatever the model's dtype
+    sel = dict(x_ptr="fp32", t_ptr="fp32", mp_ptr="fp32", k_ptr="i32", p_ptr="fp32", key_ptr="i64", tok_ptr="i64",
+               f_ptr="fp32")  # fmt: skip
+    for write in (False, True):
+        cx = dict(WRITE=write, LIBM=True, BLOCK=512)
+        out.append(Case(f"select_tokens fp32 filtered={write}", _select_kernel, sel, 8, cx, False))
     return out
 
 
