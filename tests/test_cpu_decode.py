@@ -116,23 +116,28 @@ def test_bfloat16_formats_within_rounding(family: str, fmt: str | None, folders)
     assert cos.min().item() > 0.999
 
 
-def test_prompt_chunks_take_the_plan_while_it_pays(folders) -> None:
-    # short prompt chunks run in the C++ plan; a long one, whose rows' attention would cost more than
-    # SDPA's, takes the generic path; all-decode steps always take the plan
+def test_which_steps_take_the_plan(folders) -> None:
+    # default mode: all-decode steps, and prompt chunks a sliding window cuts; other chunks keep SDPA;
+    # deterministic mode: every step
     src = open_source(folders["llama"])
     net = Transformer(src.arch, materialize(src, torch.float32))
     kv, meta, toks = _prefilled(net, [3, 5])
     net.fast_decode = True
     mixed = AttnMetadata(torch.tensor([3, 5, 6]), meta.slot_mapping.new_tensor([0, 1, 2]), (0, 1, 3),
                          (4, 7), meta.block_tables, PS)
-    assert net._plan_step(torch.zeros(3, net.arch.dim), mixed, kv.k)
+    assert not net._plan_step(torch.zeros(3, net.arch.dim), mixed, kv.k)
     assert net._plan_step(torch.zeros(2, net.arch.dim), meta, kv.k)
-    n = 200
-    long = AttnMetadata(torch.arange(n), torch.arange(n), (0, n), (n,), (tuple(range(n // PS + 1)),), PS)
-    assert not net._plan_step(torch.zeros(n, net.arch.dim), long, kv.k)
-    det = AttnMetadata(torch.arange(n), torch.arange(n), (0, n), (n,), (tuple(range(n // PS + 1)),), PS,
+    det = AttnMetadata(mixed.positions, mixed.slot_mapping, (0, 1, 3), (4, 7), meta.block_tables, PS,
                        deterministic=True)
-    assert net._plan_step(torch.zeros(n, net.arch.dim), det, kv.k)  # deterministic: every step
+    assert net._plan_step(torch.zeros(3, net.arch.dim), det, kv.k)
+    src = open_source(folders["mistral"])  # sliding window 6
+    net = Transformer(src.arch, materialize(src, torch.float32))
+    kv, meta, toks = _prefilled(net, [3, 5])
+    net.fast_decode = True
+    short = AttnMetadata(torch.arange(5), torch.arange(5), (0, 5), (5,), ((0, 1),), PS)
+    cut = AttnMetadata(torch.arange(10), torch.arange(10), (0, 10), (10,), ((0, 1, 2),), PS)
+    assert not net._plan_step(torch.zeros(5, net.arch.dim), short, kv.k)
+    assert net._plan_step(torch.zeros(10, net.arch.dim), cut, kv.k)
 
 
 def test_plan_follows_module_swaps(folders) -> None:
@@ -312,3 +317,94 @@ def test_concatenated_parts_run_in_the_plan(family: str, folders) -> None:
     scale = generic.float().abs().max().item()
     assert (cpp.float() - ref.float()).abs().max().item() <= 2**-6 * scale
     assert (cpp.float() - generic.float()).abs().max().item() <= 0.03 * scale
+
+
+def test_window_cut_prompt_in_the_plan_equals_the_generic_path(folders) -> None:
+    # the rows of a prompt chunk, each over its own window of keys, tiled 8 at a time (rowops.h)
+    src = open_source(folders["mistral"])
+    net = Transformer(src.arch, materialize(src, torch.float32))
+    a = net.arch
+    n = 19
+    toks = torch.randint(0, a.vocab, (n,), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for fast in (False, True):
+        kv = KVCache(len(net.layers), 16, PS, a.kv_heads, a.head_dim, net.dtype)
+        table = (3, 0, 7, 2, 9, 1)
+        meta = AttnMetadata(torch.arange(n), torch.tensor(slot_mapping(table, 0, n, PS)), (0, n), (n,), (table,), PS)
+        net.fast_decode = fast
+        assert net._plan_step(net.embed(toks), meta, kv.k) == fast
+        with torch.no_grad():
+            outs.append(net.run_layers(net.embed(toks), meta, kv.k, kv.v))
+    assert (outs[1] - outs[0]).abs().max().item() <= 1e-4 * outs[0].abs().max().item()
+
+
+def test_q5_0_linears_run_in_the_plan(folders) -> None:
+    """GGUF Q5_0 weights run as they are (quant/int5.py) inside the C++ plan, equal to the reference."""
+    from gguf import GGMLQuantizationType, quants
+
+    from superslm import cext
+    from superslm.formats.blocks import Q5_0
+    from superslm.quant.int5 import GGUFInt5Linear
+
+    if cext.vnni() is None:
+        pytest.skip("no VNNI kernels: Q5_0 runs as int8")
+    src = open_source(folders["llama"])
+    net = Transformer(src.arch, materialize(src, torch.bfloat16))
+    for layer in net.layers:
+        w = layer.gate_up.weight.detach().float().numpy()
+        raw = quants.quantize(w, GGMLQuantizationType.Q5_0).reshape(-1)
+        layer.gate_up = GGUFInt5Linear.from_gguf(raw, Q5_0, w.shape)
+    assert cpu_decode.plan_for(net) is not None
+    generic, ref, cpp = _three_ways(net, [2, 7, 13])
+    scale = generic.float().abs().max().item()
+    assert (cpp.float() - ref.float()).abs().max().item() <= 2**-6 * scale
+    assert (cpp.float() - generic.float()).abs().max().item() <= 0.03 * scale
+
+
+def test_a_nan_row_stays_its_own(folders) -> None:
+    # a NaN in one sequence's hidden state is NaN in its output (the vector exp keeps it) and touches no other
+    src = open_source(folders["llama"])
+    net = Transformer(src.arch, materialize(src, torch.float32))
+    kv, meta, toks = _prefilled(net, [3, 9, 14])
+    with torch.no_grad():
+        h = net.embed(toks)
+        h[0, 3] = float("nan")
+        tables = net._rope_tables(meta.positions)
+        tabs = [tables.get(k, tables[max(tables)]) for k in range(2)]
+        key_slots, row_seq, lens = cpu_decode.row_key_slots(meta, h.device)
+        out = cpu_decode.decode_layers(net, h, meta.slot_mapping, key_slots, row_seq, lens, tabs, kv.k, kv.v, 0,
+                                       len(net.layers))
+    assert torch.isnan(out[0]).all() and torch.isfinite(out[1:]).all()
+
+
+def test_kernels_refuse_bad_arguments() -> None:
+    from superslm.quant.dense import Int8Linear
+    from superslm.quant.int4 import Int4Linear
+
+    ext = cpu_decode.extension()
+    m = Int4Linear.from_dense(torch.randn(64, 128), group=32)
+    x = torch.randn(1, 128).bfloat16()
+    with pytest.raises(RuntimeError, match="group"):
+        ext.int4_gemv(x, m.qweight, m.scales_zeros, 0)
+    with pytest.raises(RuntimeError, match="packed codes"):
+        ext.int4_gemm(torch.randn(2, 64).bfloat16(), m.qweight, m.scales_zeros, 32)
+    q = Int8Linear.from_dense(torch.randn(64, 128))
+    with pytest.raises(RuntimeError, match="rowsum"):
+        ext.int8_gemv(x, q.codes, q.scale, torch.zeros(3, dtype=torch.int32))
+
+
+def test_float32_rows_get_the_same_bits_alone_or_batched() -> None:
+    from superslm.quant.dense import Int8Linear
+    from superslm.quant.int4 import Int4Linear
+
+    ext = cpu_decode.extension()
+    if not ext.vnni_available():
+        pytest.skip("no VNNI")
+    x = torch.randn(5, 256)  # float32: both kernels see it rounded to bf16
+    m4 = Int4Linear.from_dense(torch.randn(128, 256), group=32)
+    m8 = Int8Linear.from_dense(torch.randn(128, 256))
+    many4 = ext.int4_gemm(x, m4.qweight, m4.scales_zeros, 32)
+    many8 = cpu_decode.vnni_linear(m8, x, deterministic=True)
+    for r in range(5):
+        assert torch.equal(ext.int4_gemv(x[r : r + 1], m4.qweight, m4.scales_zeros, 32), many4[r : r + 1])
+        assert torch.equal(cpu_decode.vnni_linear(m8, x[r : r + 1]), many8[r : r + 1])

@@ -213,7 +213,7 @@ def run(ns: argparse.Namespace) -> int:
     from superslm.errors import InvalidArgument
     from superslm.model import resolve_path
 
-    rounds = getattr(ns, "rounds", 1)
+    rounds = ns.rounds
     for name, v in (("threads", ns.threads), ("prefill", ns.prefill), ("decode", ns.decode), ("streams", ns.streams),
                     ("rounds", rounds)):
         if v < 1 or (name == "decode" and v < 2):

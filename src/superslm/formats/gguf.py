@@ -13,6 +13,7 @@ in one token still loads); metadata keys and tensor names must be valid UTF-8.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -375,14 +376,11 @@ class GGUFFile:
         return t if dtype == torch.float32 else t.to(dtype)
 
     def release_pages(self) -> None:
-        """Drop the pages of the map this process has touched from its resident set (MADV_DONTNEED on a
-        read-only file map loses nothing: a later read faults the page back in from the page cache).
-        After a load has copied what it needs, the file no longer counts twice in RSS."""
+        """Drop the map's touched pages from this process's RSS once a load has copied what it needs
+        (MADV_DONTNEED on a read-only file map loses nothing: a later read faults the page back in)."""
         if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
-            try:
+            with contextlib.suppress(OSError, ValueError):  # only a memory-use hint
                 self._map.madvise(mmap.MADV_DONTNEED)
-            except (OSError, ValueError):
-                pass  # only a memory-use hint
 
     def close(self) -> None:
         """Drop the memory map; views handed out by `raw()` keep their pages alive."""

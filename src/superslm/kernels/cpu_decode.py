@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from superslm import cext
 from superslm.cext import extension
 from superslm.kernels.rope import apply_rope
 
@@ -47,6 +48,8 @@ def _lin(m: torch.nn.Module) -> tuple[list[torch.Tensor | None], list[int]] | No
         rot = list(m.rotation._tables(m.compute_dtype))
     ints = [m.out_features, m.in_features, m.k_pad]
     if isinstance(m, GGUFInt5Linear):
+        if cext.vnni() is None:
+            return None  # the 5-bit codes run only on the VNNI kernels; the module has its own fallback
         return [m.qweight, m.scales_zeros, m.bias, None, None, m.bits], [5, 32, *ints]
     if isinstance(m, Int4Linear):
         return [m.qweight, m.scales_zeros, m.bias, *rot, None], [1, m.group, *ints]

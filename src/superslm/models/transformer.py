@@ -148,7 +148,6 @@ class Transformer(nn.Module):
         self.adapters: list = []
         #: run all-decode steps through the C++ plan where it is built (kernels/cpu_decode.py)
         self.fast_decode = True
-        self._linear_params: int | None = None
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def, override]
         # .to() / .float() replace the tensors the C++ plan holds: build it again on next use
@@ -237,32 +236,17 @@ class Transformer(nn.Module):
             return False
         return cpu_decode.usable(self, h, k_cache)
 
-    #: prompt chunks take the C++ plan while its per-row attention is at most this share of the step's
-    #: linear work (measured, SmolLM2 prefill: 512 tokens 0.08, +10% with the plan; 1024 tokens 0.17,
-    #: -7%; 2048 -27%). Window-cut chunks always take it (Gemma-3 at 2048 tokens: 2x)
-    PLAN_ATTENTION_SHARE = 0.15
-
     def _plan_pays(self, meta: AttnMetadata) -> bool:
-        """Whether the C++ plan beats the generic path (SDPA) for this step: always when every row
-        decodes; for prompt chunks while the keys their rows visit are few against the linear work."""
+        """Whether the default mode runs this step in the C++ plan: every all-decode step, and prompt chunks
+        cut by a sliding window (SDPA's masked path computes every key of such a chunk, where the plan's rows
+        visit only their window: Gemma-3 prefill of 2048 tokens 517 -> 1037 tok/s). Other prompt chunks keep
+        SDPA: a 512-token SmolLM2 prompt runs 10% faster in the plan, but its different roundings move the
+        default model's greedy answers (one bf16 ulp between the first two logits of the docs' example)."""
         qs = meta.query_start
-        if all(b - a == 1 for a, b in zip(qs, qs[1:])):
+        rows = [(qs[s + 1] - qs[s], meta.seq_lens[s]) for s in range(len(qs) - 1)]
+        if all(q == 1 for q, _ in rows):
             return True
-        a = self.arch
-        def seen(x: int, w: int | None) -> float:  # keys visited by the rows at positions 0..x-1
-            return x * (x + 1) / 2 if w is None or x <= w else w * (w + 1) / 2 + (x - w) * w
-
-        keys = 0.0  # keys visited by all rows, averaged over the layers (windows cut them)
-        for s in range(len(qs) - 1):
-            q, n = qs[s + 1] - qs[s], meta.seq_lens[s]
-            if q > 1 and any(w is not None and n > w for w in a.windows):
-                return True  # SDPA's masked path computes every key of a window-cut chunk; rows visit their window
-            keys += sum(seen(n, w) - seen(n - q, w) for w in a.windows) / len(a.windows)
-        if self._linear_params is None:
-            layer = self.layers[0]
-            self._linear_params = sum(m.weight.numel() if isinstance(m, DenseLinear) else m.in_features * m.out_features
-                                      for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        return keys * a.heads * a.head_dim * 2 <= self.PLAN_ATTENTION_SHARE * qs[-1] * self._linear_params
+        return any(q > 1 and w is not None and n > w for q, n in rows for w in self.arch.windows)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return rms_norm(h, self.norm_weight, self.arch.norm_eps, self.arch.norm_float)

@@ -6,7 +6,7 @@ the low nibbles in torch's packed int4 layout (`pack_int4`), the fifth bits as 6
 VNNI kernels' lane order (kernels/cpu/vnni.h `add_bits`), and torch's [groups, N, 2] bf16 scales with
 (d, -8 d): (code - 8) d - 8 d = (code - 16) d. 0.75 bytes a weight; the only rounding is d to bf16, as
 for the other GGUF-native blocks. torch has no 5-bit kernel: the C++ VNNI kernels run it (superslm/cext.py;
-each row's bits the same alone or in a batch), and without them a dequantized bf16 matmul.
+each row's bits the same alone or in a batch), and without them a dense copy (built at first use).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from superslm import cext
 from superslm.errors import InvalidArgument
-from superslm.formats.blocks import Q5_0, BlockType
+from superslm.formats.blocks import Q5_0, BlockType, _f16, _q5_codes
 from superslm.quant.base import LinearFormat, as_bias, register_format
 from superslm.quant.int4 import _BLOCK_N, pack_int4, round_up, unpack_int4
 
@@ -50,8 +50,6 @@ def unpack_bits(masks: np.ndarray, n: int, k: int) -> np.ndarray:
 def q5_0_params(raw: np.ndarray, shape: Sequence[int], row_perm: torch.Tensor | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:
     """Q5_0 bytes of a weight [out, in] -> (codes uint8 [out, in] of 0..31, d float32 [out, in / 32])."""
-    from superslm.formats.blocks import _f16, _q5_codes
-
     n, k = (int(d) for d in shape)
     if Q5_0.n_elements(raw) != n * k or k % 32:
         raise InvalidArgument(f"Q5_0: {raw.size} bytes do not hold a [{n}, {k}] weight")
@@ -121,7 +119,12 @@ class GGUFInt5Linear(LinearFormat):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         ext = cext.vnni()
         if ext is None or x.device.type != "cpu":
-            y = F.linear(x, self.dequantize_stored().to(x.dtype))  # no 5-bit kernel here: slow but exact
+            # no 5-bit kernel here (a folder converted on another CPU, or another device): a dense copy in
+            # x's dtype, built once; each weight rounded to that dtype
+            dense = getattr(self, "_dense", None)
+            if dense is None or dense.dtype != x.dtype or dense.device != x.device:
+                dense = self._dense = self.dequantize_stored().to(device=x.device, dtype=x.dtype)
+            y = F.linear(x, dense)
         elif x.shape[0] == 1:
             y = ext.int5_gemv(x, self.qweight, self.scales_zeros, self.bits)
         else:
@@ -131,12 +134,12 @@ class GGUFInt5Linear(LinearFormat):
     def _codes(self) -> np.ndarray:
         """codes uint8 [N_pad, K] of 0..31."""
         n, k = self.qweight.shape[0], self.k_pad
-        return unpack_int4(self.qweight).numpy() | (unpack_bits(self.bits.numpy(), n, k) << np.uint8(4))
+        return unpack_int4(self.qweight.cpu()).numpy() | (unpack_bits(self.bits.cpu().numpy(), n, k) << np.uint8(4))
 
     def dequantize_stored(self) -> torch.Tensor:
         n = self._out
         c = torch.from_numpy(self._codes()[:n].astype(np.float32)).view(n, -1, 32)  # [N, groups, 32]
-        d = self.scales_zeros[:, :n, 0].transpose(0, 1).float()  # [N, groups]
+        d = self.scales_zeros[:, :n, 0].transpose(0, 1).float().cpu()  # [N, groups]
         return ((c - 16) * d[..., None]).view(n, self.k_pad)
 
     def _describe_format(self) -> str:

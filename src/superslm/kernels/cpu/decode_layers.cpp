@@ -1,10 +1,11 @@
 // Decode layers on the CPU in one call: the glue between the weight kernels without Python.
 //
-// A decode step at batch 1 spends ~3.4 ms of SmolLM2's ~12 ms in the packed int4/int8 kernels and the
-// rest in ~1,000 small torch calls (norms, rope, paged attention, casts). This file runs the same
-// arithmetic as models/transformer.py Layer.forward for rows that each decode one token: the linears
-// through the same ATen kernels, everything between them in plain loops. Rounding to the model dtype
-// happens where the torch reference rounds, so bf16 results stay within a rounding of it.
+// Eager torch spent ~8 ms of a SmolLM2 decode step on ~1,000 small calls (norms, rope, paged attention,
+// casts) around ~3.4 ms of weight kernels. This file runs the arithmetic of models/transformer.py
+// Layer.forward for a step's rows (decode rows, and prompt chunks where models/transformer.py sends
+// them): the linears through the VNNI kernels (gemv.cpp, gemm.cpp) or torch's, everything between them
+// in per-row loops (rowops.h). Rounding to the model dtype happens where the torch reference rounds,
+// so bf16 results stay within a rounding of it.
 // The torch reference with the same signature is kernels/cpu_decode.py `decode_layers_reference`.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -77,13 +78,15 @@ struct Lin {
   }
 
   // deterministic: every row gets the same bits whatever the other rows (dense GEMMs and the rotation
-  // see a multiple of 16 rows, as models/transformer.py pads them; no single-row-only kernel)
+  // see a multiple of 16 rows, as models/transformer.py pads them; the VNNI kernels at every row count)
   at::Tensor operator()(const at::Tensor& x, bool deterministic) const {
     if (kind == CONCAT) {
       TORCH_CHECK(!parts.empty(), "DecodePlan: a concatenated linear without parts");
       std::vector<at::Tensor> ys;
       for (const Lin& part : parts) ys.push_back(part(x, deterministic));
-      return at::cat(ys, 1);
+      at::Tensor y = at::cat(ys, 1);
+      TORCH_CHECK(y.size(1) == out, "DecodePlan: a concatenated linear's parts give ", y.size(1), " outputs, not ", out);
+      return y;
     }
     const int64_t rows = x.size(0);
     const bool pad = deterministic && rows % 16 && (kind == DENSE_MODULE || kind == DENSE_FORMAT || signs.defined());
@@ -133,55 +136,14 @@ struct LayerP {
   int64_t window = -1, rope_kind = 0;
 };
 
-// ---- elementwise pieces ----------------------------------------------------------------------------
-
-// out[r] = rms_norm(x[r]) * w over n values, statistics in float32 (kernels/norm.py)
-template <typename T>
-void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, int64_t stride_in, int64_t stride_out,
-                   double eps, bool w_float) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * stride_in;
-    T* orow = out + r * stride_out;
-    float ss = 0.f;
-    for (int64_t i = 0; i < n; ++i) {
-      float v = ld(xr + i);
-      ss += v * v;
-    }
-    float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
-    for (int64_t i = 0; i < n; ++i) {
-      float y = ld(xr + i) * inv;
-      orow[i] = static_cast<T>(w_float ? y * ld(w + i) : rnd<T>(y) * ld(w + i));
-    }
-  }
-}
-
-// NeoX rope on the first `rot` dims of each head, rounding each product as the torch reference does
-template <typename T>
-void rope_rows(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64_t head_dim, int64_t rot,
-               int64_t row_stride) {
-  const int64_t half = rot / 2;
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* c = cos + r * rot;
-    const T* s = sin + r * rot;
-    for (int64_t h = 0; h < heads; ++h) {
-      T* v = x + r * row_stride + h * head_dim;
-      for (int64_t j = 0; j < half; ++j) {
-        float x1 = ld(v + j), x2 = ld(v + j + half);
-        float a = rnd<T>(rnd<T>(x1 * ld(c + j)) + rnd<T>(-x2 * ld(s + j)));
-        float b = rnd<T>(rnd<T>(x2 * ld(c + j + half)) + rnd<T>(x1 * ld(s + j + half)));
-        v[j] = static_cast<T>(a);
-        v[j + half] = static_cast<T>(b);
-      }
-    }
-  }
-}
-
 }  // namespace
 
 // ---- the plan: a model's decode layers, registered once, run per step ---------------------------------
 
 class DecodePlan {
  public:
+  static constexpr int64_t kTile = 8;
+
   DecodePlan(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t rotary_dim, double eps, bool norm_float,
              int64_t act, double attn_scale)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), rot_(rotary_dim), eps_(eps),
@@ -278,6 +240,19 @@ class DecodePlan {
     const int64_t* rows_p = row_seq.data_ptr<int64_t>();
     const int64_t* map_p = slot_mapping.data_ptr<int64_t>();
     const int64_t cache_row = ks;
+    // runs of up to kTile rows of one sequence at consecutive positions (a prompt chunk's rows)
+    std::vector<std::pair<int64_t, int64_t>> tiles;
+    for (int64_t b = 0; b < B; ++b) {
+      if (!tiles.empty()) {
+        auto& last = tiles.back();
+        const int64_t prev = last.first + last.second - 1;
+        if (last.second < kTile && rows_p[b] == rows_p[prev] && lens_p[b] == lens_p[prev] + 1) {
+          ++last.second;
+          continue;
+        }
+      }
+      tiles.emplace_back(b, 1);
+    }
     for (int64_t i = start; i < end; ++i) {
       const LayerP& p = layers_[i];
       T* hp = h.data_ptr<T>();
@@ -306,27 +281,37 @@ class DecodePlan {
       T* attn_p = attn.data_ptr<T>();
       const int64_t window = p.window;
       const float scale = static_cast<float>(scale_);
-      const int64_t work = B * kv_heads_;
+#ifdef SUPERSLM_AVX512
+      const bool tiled = D % 16 == 0 && D <= 256;
+#else
+      const bool tiled = false;
+#endif
+      // tiles of up to 8 rows of one sequence at consecutive positions share their keys' loads
+      const int64_t ntiles = tiled ? static_cast<int64_t>(tiles.size()) : B, work = ntiles * kv_heads_;
       // split across threads only when there is enough work to pay for waking them
       const int64_t grain = (L * D * heads_ < 32768) ? work : 1;
       at::parallel_for(0, work, grain, [&](int64_t lo, int64_t hi) {
-        std::vector<float> scores(L * groups), acc(D), qf(groups * D);
+        std::vector<float> scores(kTile * L * groups), acc(D), qf(kTile * groups * D);
+        int64_t firsts[kTile], lens[kTile];
         for (int64_t w = lo; w < hi; ++w) {
-          const int64_t b = w / kv_heads_, kvh = w % kv_heads_;
-          const int64_t len = lens_p[b];
-          const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-          const T* qg = qkv_p + b * qkv_row + kvh * groups * D;  // this kv head's query heads [groups, D]
-          for (int64_t d = 0; d < groups * D; ++d) qf[d] = ld(qg + d);
+          const int64_t tile = w / kv_heads_, kvh = w % kv_heads_;
+          const int64_t b0 = tiled ? tiles[tile].first : tile, t = tiled ? tiles[tile].second : 1;
+          for (int64_t r = 0; r < t; ++r) {
+            lens[r] = lens_p[b0 + r];
+            firsts[r] = window > 0 ? std::max<int64_t>(0, lens[r] - window) : 0;
+            const T* qg = qkv_p + (b0 + r) * qkv_row + kvh * groups * D;  // this kv head's query heads [groups, D]
+            for (int64_t d = 0; d < groups * D; ++d) qf[r * groups * D + d] = ld(qg + d);
+          }
 #ifdef SUPERSLM_AVX512
-          if (D % 16 == 0 && D <= 256) {
-            attend_group16<T>(qf.data(), groups, kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale,
-                              scores.data(), attn_p + b * qs + kvh * groups * D, D);
+          if (tiled) {
+            attend_tile16<T>(qf.data(), t, groups, kc, vc, slots_p + rows_p[b0] * L, firsts, lens, kvh, kv_heads_, D,
+                             scale, scores.data(), attn_p + b0 * qs + kvh * groups * D, qs);
             continue;
           }
 #endif
           for (int64_t g = 0; g < groups; ++g)
-            attend<T>(qf.data() + g * D, kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale,
-                      scores.data(), acc.data(), attn_p + b * qs + (kvh * groups + g) * D);
+            attend<T>(qf.data() + g * D, kc, vc, slots_p + rows_p[b0] * L, firsts[0], lens[0], kvh, kv_heads_, D, scale,
+                      scores.data(), acc.data(), attn_p + b0 * qs + (kvh * groups + g) * D);
         }
       });
       at::Tensor o = p.o(attn, det);  // [B, dim]

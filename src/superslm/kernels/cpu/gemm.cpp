@@ -20,7 +20,7 @@ namespace {
 #ifdef SUPERSLM_VNNI
 struct RowParts {
   std::vector<int8_t> hi, lo;      // [M, K]
-  std::vector<float> gsum, gsh, gsl;  // [M, G]
+  std::vector<float> gsum, gsl;  // [M, G]
 };
 
 // rows r0, r1 (r1 may equal r0: one row) of one group against the unpacked codes cg[group / 4][4]
@@ -171,11 +171,10 @@ const uint64_t* int5_bits(const at::Tensor& bits, int64_t N, int64_t K) {
 // x [M, K] -> [M, N] float32 rounded to bf16: the 5-bit weights decoded one by one, (code - 8) * s + z,
 // summed in float32 (for rows whose int8 parts cannot carry x: NaN, inf, an outlier)
 at::Tensor int5_reference(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits) {
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), G = K / 32;
+  superslm_vnni::check_int4(x, qweight, sz, 32, "int5_reference");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
   const uint64_t* bp = int5_bits(bits, N, K);
-  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.numel() == G * N * 2,
-              "int5: scales_zeros bf16 [K / 32, N, 2]");
-  at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor xf = x.to(at::kBFloat16).to(at::kFloat).contiguous();  // as the VNNI kernels see x
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   const float* xp = xf.data_ptr<float>();
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
@@ -188,17 +187,19 @@ at::Tensor int5_reference(const at::Tensor& x, const at::Tensor& qweight, const 
       lane_of[superslm_vnni::lane_row(a, lane)] = lane;
     }
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    std::vector<float> w(K);
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t b = n / 64, r = n % 64;
+      for (int64_t k = 0; k < K; ++k) {  // row n decoded once, then every x row
+        const uint8_t byte = wp[(b * K + k) * 32 + r % 32];
+        const int nib = r < 32 ? (byte & 15) : (byte >> 4);
+        const int bit = (bp[(b * (K / 4) + k / 4) * 4 + acc_of[r]] >> (4 * lane_of[r] + k % 4)) & 1;
+        const int64_t at = ((k / 32) * N + n) * 2;
+        w[k] = (nib + 16 * bit - 8) * static_cast<float>(szp[at]) + static_cast<float>(szp[at + 1]);
+      }
       for (int64_t m = 0; m < M; ++m) {
         float acc = 0.f;
-        for (int64_t k = 0; k < K; ++k) {
-          const uint8_t byte = wp[(b * K + k) * 32 + r % 32];
-          const int nib = r < 32 ? (byte & 15) : (byte >> 4);
-          const int bit = (bp[(b * (K / 4) + k / 4) * 4 + acc_of[r]] >> (4 * lane_of[r] + k % 4)) & 1;
-          const float s = static_cast<float>(szp[((k / 32) * N + n) * 2]), z = static_cast<float>(szp[((k / 32) * N + n) * 2 + 1]);
-          acc += ((nib + 16 * bit - 8) * s + z) * xp[m * K + k];
-        }
+        for (int64_t k = 0; k < K; ++k) acc += w[k] * xp[m * K + k];
         op[m * N + n] = acc;
       }
     }
@@ -212,15 +213,8 @@ at::Tensor int5_reference(const at::Tensor& x, const at::Tensor& qweight, const 
 // codes (int5_gemm), those rows to `int5_reference`.
 static at::Tensor gemm4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros, int64_t group,
                         const at::Tensor* bits) {
-  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && qweight.size(1) * 2 == x.size(1),
-              "int4_gemm: rows of K against packed codes [N, K / 2]");
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  TORCH_CHECK(group >= 4 && group <= 256 && group % 4 == 0 && K % group == 0 && N % 64 == 0,
-              "int4_gemm: K a multiple of the group (4..256), N of 64");
-  const int64_t G = K / group;
-  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.dim() == 3 && scales_zeros.size(0) == G &&
-                  scales_zeros.size(1) == N && scales_zeros.size(2) == 2 && scales_zeros.is_contiguous(),
-              "int4_gemm: packed codes [N, K / 2] and scales_zeros bf16 [K / group, N, 2] do not match");
+  superslm_vnni::check_int4(x, qweight, scales_zeros, group, bits ? "int5_gemm" : "int4_gemm");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), G = K / group;
   at::Tensor xb = x.to(at::kBFloat16);
   // the rows the VNNI kernel cannot take: torch's int4 kernel, or the 5-bit reference
   auto others = [&](const at::Tensor& xs) {
@@ -237,13 +231,12 @@ static at::Tensor gemm4(const at::Tensor& x, const at::Tensor& qweight, const at
   parts.hi.resize(M * K);
   parts.lo.resize(M * K);
   parts.gsum.resize(M * G);
-  parts.gsh.resize(M * G);
   parts.gsl.resize(M * G);
   std::vector<char> ok(M);
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       ok[r] = superslm_vnni::split_groups(xp + r * K, K, group, parts.hi.data() + r * K, parts.lo.data() + r * K,
-                                          parts.gsum.data() + r * G, parts.gsh.data() + r * G, parts.gsl.data() + r * G);
+                                          parts.gsum.data() + r * G, parts.gsl.data() + r * G);
   });
   std::vector<int64_t> rows, bad;
   for (int64_t r = 0; r < M; ++r) (ok[r] ? rows : bad).push_back(r);
@@ -291,6 +284,7 @@ at::Tensor int5_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::T
 // computes it alone; rows that cannot be split go to torch's kernel (row-invariant too)
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& rowsum) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1) && codes.scalar_type() == at::kChar &&
+                  x.device().is_cpu() && codes.device().is_cpu() &&
                   codes.is_contiguous() && scale.scalar_type() == at::kBFloat16 && rowsum.scalar_type() == at::kInt &&
                   scale.numel() == codes.size(0) && rowsum.numel() == codes.size(0),
               "int8_gemm: rows of K against codes int8 [N, K], scale bf16 [N], rowsum int32 [N]");

@@ -96,18 +96,20 @@ void rows_vnni(const uint8_t* hi, const uint8_t* lo, const int8_t* codes, const 
 
 // x [1, K] (K % 64 == 0), codes int8 [N, K], scale bf16 [N], rowsum int32 [N] -> [1, N] bf16
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& rowsum) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && codes.dim() == 2 && x.size(1) == codes.size(1),
-              "int8_gemv: one row of K against codes [N, K]");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && codes.dim() == 2 && x.size(1) == codes.size(1) &&
+                  x.device().is_cpu() && codes.device().is_cpu(), "int8_gemv: one row of K against codes [N, K] on the CPU");
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() && scale.scalar_type() == at::kBFloat16 &&
-                  rowsum.scalar_type() == at::kInt, "int8_gemv: codes int8, scale bf16, rowsum int32");
+                  rowsum.scalar_type() == at::kInt && scale.numel() == codes.size(0) && rowsum.numel() == codes.size(0),
+              "int8_gemv: codes int8 [N, K], scale bf16 [N], rowsum int32 [N]");
   const int64_t K = x.size(1), N = codes.size(0);
   TORCH_CHECK(K % 64 == 0, "int8_gemv: K must be a multiple of 64");
 #ifdef SUPERSLM_VNNI
-  at::Tensor xf = x.to(at::kFloat).contiguous();
+  // x rounded to bf16 first, as the GEMM and torch's kernel see it (a row's bits must not depend on M)
+  at::Tensor xf = x.to(at::kBFloat16).to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   std::vector<int8_t> hs(K), ls(K);
   float sh = 0.f, sl = 0.f;
-  if (!split_int8(xp, K, hs.data(), ls.data(), &sh, &sl)) return at::_weight_int8pack_mm(x.to(at::kBFloat16), codes, scale);
+  if (!split_int8(xp, K, hs.data(), ls.data(), &sh, &sl)) return at::_weight_int8pack_mm(x.to(at::kBFloat16), codes, scale.contiguous());
   at::Tensor out = at::empty({1, N}, x.options().dtype(at::kBFloat16));
   // VNNI multiplies unsigned by signed bytes: the activation parts go in with +128
   std::vector<uint8_t> hi(K), lo(K);
@@ -146,21 +148,19 @@ using superslm_vnni::lane_row;
 // with `bits` (Q5_0's fifth bits, vnni.h add_bits) the codes are 5-bit. Undefined when x cannot be split.
 static at::Tensor gemv4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group,
                         const uint64_t* bits) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && qweight.dim() == 2 && qweight.size(1) * 2 == x.size(1),
-              "int4_gemv: one row of K against packed codes [N, K / 2]");
+  superslm_vnni::check_int4(x, qweight, sz, group, "int4_gemv");
+  TORCH_CHECK(x.size(0) == 1, "int4_gemv: one row");
   const int64_t K = x.size(1), N = qweight.size(0), G = K / group;
-  TORCH_CHECK(N % 64 == 0 && K % group == 0 && group % 4 == 0 && sz.dim() == 3 && sz.size(0) == G &&
-                  sz.size(1) == N && sz.size(2) == 2 && sz.is_contiguous() && sz.scalar_type() == at::kBFloat16,
-              "int4_gemv: packed codes [N, K / 2] and scales_zeros bf16 [K / group, N, 2] do not match");
-  at::Tensor xf = x.to(at::kFloat).contiguous();
+  // x rounded to bf16 first, as the GEMM and torch's kernel see it (a row's bits must not depend on M)
+  at::Tensor xf = x.to(at::kBFloat16).to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   if (!vnni_available()) return at::Tensor();  // the caller falls back to torch's kernel
 #ifdef SUPERSLM_VNNI
   // each group has its own two int8 parts (its accumulators restart per group anyway), so an outlier
   // only coarsens its own group; a group that cannot be split sends the whole row to torch's kernel
   std::vector<int8_t> hi(K), lo(K);
-  std::vector<float> gsum(G), gsh(G), gsl(G);
-  if (!superslm_vnni::split_groups(xp, K, group, hi.data(), lo.data(), gsum.data(), gsh.data(), gsl.data()))
+  std::vector<float> gsum(G), gsl(G);
+  if (!superslm_vnni::split_groups(xp, K, group, hi.data(), lo.data(), gsum.data(), gsl.data()))
     return at::Tensor();
   at::Tensor out = at::empty({1, N}, x.options().dtype(at::kBFloat16));
   const uint8_t* wp = qweight.data_ptr<uint8_t>();

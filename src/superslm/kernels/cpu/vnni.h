@@ -2,6 +2,8 @@
 // activation row, bf16 loads, and the row order of torch's packed int4 lanes.
 #pragma once
 
+#include <torch/extension.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -29,7 +31,7 @@ inline bool split_int8(const float* x, int64_t n, int8_t* hi, int8_t* lo, float*
   if (!finite || amax < 1e-30f) return false;
   // the other elements' rms: one outlier among n cannot hide in an rms that includes it
   const double rest = n > 1 ? std::max(0.0, ss - static_cast<double>(amax) * amax) / static_cast<double>(n - 1) : ss;
-  if (static_cast<double>(amax) * amax > 4096.0 * rest) return false;
+  if (rest > 0.0 && static_cast<double>(amax) * amax > 4096.0 * rest) return false;  // (one nonzero: exact)
   const float sh = amax / 127.f, sl = sh / 254.f;
   for (int64_t k = 0; k < n; ++k) {
     const float qh = std::max(-127.f, std::min(127.f, std::nearbyint(x[k] / sh)));
@@ -44,8 +46,7 @@ inline bool split_int8(const float* x, int64_t n, int8_t* hi, int8_t* lo, float*
 
 // One row's int4 activation parts, per group: an all-zero group gets zero parts and scales; false when
 // a group cannot be split (the row then goes to torch's kernel).
-inline bool split_groups(const float* x, int64_t K, int64_t group, int8_t* hi, int8_t* lo, float* gsum, float* gsh,
-                         float* gsl) {
+inline bool split_groups(const float* x, int64_t K, int64_t group, int8_t* hi, int8_t* lo, float* gsum, float* gsl) {
   for (int64_t g = 0; g < K / group; ++g) {
     const float* xg = x + g * group;
     bool zero = true;
@@ -57,9 +58,10 @@ inline bool split_groups(const float* x, int64_t K, int64_t group, int8_t* hi, i
     if (zero) {
       std::fill(hi + g * group, hi + (g + 1) * group, int8_t(0));
       std::fill(lo + g * group, lo + (g + 1) * group, int8_t(0));
-      gsh[g] = gsl[g] = 0.f;
-    } else if (!split_int8(xg, group, hi + g * group, lo + g * group, &gsh[g], &gsl[g])) {
-      return false;
+      gsl[g] = 0.f;
+    } else {
+      float sh;  // the kernels use sl alone (sh = 254 sl, group_epilogue)
+      if (!split_int8(xg, group, hi + g * group, lo + g * group, &sh, &gsl[g])) return false;
     }
   }
   return true;
@@ -71,6 +73,21 @@ inline float int8_out(float scale, float sh, float sl, int64_t h, int64_t l) {
   return scale * std::fma(sh, static_cast<float>(h), sl * static_cast<float>(l));
 }
 
+// the arguments of the int4/int5 kernels, checked before any raw pointer is read: x [M, K] and packed
+// codes uint8 [N, K / 2] on the CPU, N % 64 == 0, the group 4..256 dividing K, torch's scales_zeros
+// bf16 [K / group, N, 2]
+inline void check_int4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group,
+                       const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && qweight.dim() == 2 && qweight.device().is_cpu() &&
+                  qweight.scalar_type() == at::kByte && qweight.is_contiguous() && qweight.size(1) * 2 == x.size(1),
+              name, ": rows of K against packed codes uint8 [N, K / 2] on the CPU");
+  TORCH_CHECK(group >= 4 && group <= 256 && group % 4 == 0 && x.size(1) % group == 0 && qweight.size(0) % 64 == 0,
+              name, ": K a multiple of the group (4..256, a multiple of 4), N of 64");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.device().is_cpu() && sz.dim() == 3 &&
+                  sz.size(0) == x.size(1) / group && sz.size(1) == qweight.size(0) && sz.size(2) == 2,
+              name, ": scales_zeros bf16 [K / group, N, 2]");
+}
+
 // the row (within a block of 64) held by lane i of the four accumulators (lo nibbles q01, q23; hi q01, q23)
 inline int lane_row(int acc, int lane) {
   static const int base01[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
@@ -79,12 +96,6 @@ inline int lane_row(int acc, int lane) {
 }
 
 #ifdef SUPERSLM_VNNI
-// 16 bf16 -> 16 float32 (a bf16 is the top half of a float)
-inline __m512 bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
 // four k of torch's packed int4 block (32 bytes each, at p) -> the four accumulators' code vectors:
 // 16 rows x 4 k per vector, codes 0..15 as unsigned bytes
 inline void unpack_quad(const uint8_t* p, __m512i c[4]) {
@@ -132,7 +143,8 @@ inline void add_bits(const uint64_t* m, __m512i c[4]) {
 
 // y[a] += one group's contribution, from the integer sums of its two parts (the GEMV and the GEMM run
 // these same operations in this order, so a row's result does not depend on its batch).
-// sum c x = sl * sum c (254 hi + lo): one exact integer (< 2^24 for groups <= 32) and one conversion.
+// sum c x = sl * sum c (254 hi + lo): one exact integer and one conversion to float (exact below 2^24:
+// 4-bit codes in groups <= 32; 5-bit codes reach ~3.2e7 and round there, the same in GEMV and GEMM).
 inline void group_epilogue(const __m512i ah[4], const __m512i al[4], const __m512 sf[4], const __m512 zf[4],
                            float gsum, float gsl, __m512 y[4]) {
   const __m512 gs = _mm512_set1_ps(gsum), g8 = _mm512_set1_ps(8.f * gsum), sl = _mm512_set1_ps(gsl);
