@@ -142,8 +142,6 @@ struct LayerP {
 
 class DecodePlan {
  public:
-  static constexpr int64_t kTile = 8;
-
   DecodePlan(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t rotary_dim, double eps, bool norm_float,
              int64_t act, double attn_scale)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), rot_(rotary_dim), eps_(eps),
@@ -240,19 +238,6 @@ class DecodePlan {
     const int64_t* rows_p = row_seq.data_ptr<int64_t>();
     const int64_t* map_p = slot_mapping.data_ptr<int64_t>();
     const int64_t cache_row = ks;
-    // runs of up to kTile rows of one sequence at consecutive positions (a prompt chunk's rows)
-    std::vector<std::pair<int64_t, int64_t>> tiles;
-    for (int64_t b = 0; b < B; ++b) {
-      if (!tiles.empty()) {
-        auto& last = tiles.back();
-        const int64_t prev = last.first + last.second - 1;
-        if (last.second < kTile && rows_p[b] == rows_p[prev] && lens_p[b] == lens_p[prev] + 1) {
-          ++last.second;
-          continue;
-        }
-      }
-      tiles.emplace_back(b, 1);
-    }
     for (int64_t i = start; i < end; ++i) {
       const LayerP& p = layers_[i];
       T* hp = h.data_ptr<T>();
@@ -281,37 +266,27 @@ class DecodePlan {
       T* attn_p = attn.data_ptr<T>();
       const int64_t window = p.window;
       const float scale = static_cast<float>(scale_);
-#ifdef SUPERSLM_AVX512
-      const bool tiled = D % 16 == 0 && D <= 256;
-#else
-      const bool tiled = false;
-#endif
-      // tiles of up to 8 rows of one sequence at consecutive positions share their keys' loads
-      const int64_t ntiles = tiled ? static_cast<int64_t>(tiles.size()) : B, work = ntiles * kv_heads_;
+      const int64_t work = B * kv_heads_;
       // split across threads only when there is enough work to pay for waking them
       const int64_t grain = (L * D * heads_ < 32768) ? work : 1;
       at::parallel_for(0, work, grain, [&](int64_t lo, int64_t hi) {
-        std::vector<float> scores(kTile * L * groups), acc(D), qf(kTile * groups * D);
-        int64_t firsts[kTile], lens[kTile];
+        std::vector<float> scores(L * groups), acc(D), qf(groups * D);
         for (int64_t w = lo; w < hi; ++w) {
-          const int64_t tile = w / kv_heads_, kvh = w % kv_heads_;
-          const int64_t b0 = tiled ? tiles[tile].first : tile, t = tiled ? tiles[tile].second : 1;
-          for (int64_t r = 0; r < t; ++r) {
-            lens[r] = lens_p[b0 + r];
-            firsts[r] = window > 0 ? std::max<int64_t>(0, lens[r] - window) : 0;
-            const T* qg = qkv_p + (b0 + r) * qkv_row + kvh * groups * D;  // this kv head's query heads [groups, D]
-            for (int64_t d = 0; d < groups * D; ++d) qf[r * groups * D + d] = ld(qg + d);
-          }
+          const int64_t b = w / kv_heads_, kvh = w % kv_heads_;
+          const int64_t len = lens_p[b];
+          const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+          const T* qg = qkv_p + b * qkv_row + kvh * groups * D;  // this kv head's query heads [groups, D]
+          for (int64_t d = 0; d < groups * D; ++d) qf[d] = ld(qg + d);
 #ifdef SUPERSLM_AVX512
-          if (tiled) {
-            attend_tile16<T>(qf.data(), t, groups, kc, vc, slots_p + rows_p[b0] * L, firsts, lens, kvh, kv_heads_, D,
-                             scale, scores.data(), attn_p + b0 * qs + kvh * groups * D, qs);
+          if (D % 16 == 0 && D <= 256) {
+            attend_group16<T>(qf.data(), groups, kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale,
+                              scores.data(), attn_p + b * qs + kvh * groups * D, D);
             continue;
           }
 #endif
           for (int64_t g = 0; g < groups; ++g)
-            attend<T>(qf.data() + g * D, kc, vc, slots_p + rows_p[b0] * L, firsts[0], lens[0], kvh, kv_heads_, D, scale,
-                      scores.data(), acc.data(), attn_p + b0 * qs + (kvh * groups + g) * D);
+            attend<T>(qf.data() + g * D, kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale,
+                      scores.data(), acc.data(), attn_p + b * qs + (kvh * groups + g) * D);
         }
       });
       at::Tensor o = p.o(attn, det);  // [B, dim]

@@ -198,88 +198,53 @@ inline __m512 act16(int64_t act, __m512 g) {
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, t));
 }
 
-// the 16 lane sums of v[0..15] in one vector, each by the same fixed tree whatever its neighbours hold
-// (lane 4q + r holds the sum of v[4r + q]): a score's bits do not depend on the scores computed beside it
-inline __m512 reduce16f(const __m512 v[16]) {
-  __m512 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int i = 0; i < 4; ++i)
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  for (int i = 0; i < 2; ++i)
-    y[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
-  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(y[0]), _mm512_castps_pd(y[1]))),
-                       _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(y[0]), _mm512_castps_pd(y[1]))));
-}
-
-// t query rows of one sequence at consecutive positions (row r sees keys [first[r], len[r]), len
-// increasing), each with the G query heads of one kv head: q [t * G, D] float, D % 16 == 0 and D <= 256.
-// Each key and value row is loaded once for the whole tile, and every (row, head) gets exactly the
-// operations it gets alone (t = 1): scores by an FMA chain over D and the fixed tree, softmax and the
-// value sum in its keys' order. scores: t * G * (len[t-1] - first[0]) floats; out row r head g at
-// out + r * out_row + g * D.
+// the query heads q [G, D] (float) of one kv head against its keys key_slots[first:len], D % 16 == 0 and
+// D <= 256: each key and value row is loaded once for the whole group. scores: G * (len - first) floats.
 template <typename T>
-void attend_tile16(const float* q, int64_t t, int64_t G, const T* kc, const T* vc, const int64_t* slots,
-                   const int64_t* first, const int64_t* len, int64_t kvh, int64_t kv_heads, int64_t D, float scale,
-                   float* scores, T* out, int64_t out_row) {
-  const int64_t row = kv_heads * D, V = D / 16, P = t * G;
-  const int64_t k0 = first[0], n = len[t - 1] - k0;
-  // (key, pair) accumulators of one tree: pairs in chunks of up to 16, keys so that keys * pairs <= 16
-  for (int64_t p0 = 0; p0 < P; p0 += 16) {
-    const int64_t pn = std::min<int64_t>(16, P - p0), kb = std::max<int64_t>(1, 16 / pn);
-    for (int64_t j0 = 0; j0 < n; j0 += kb) {
-      const int64_t jn = std::min(kb, n - j0);
-      __m512 acc[16];
-      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t jj = 0; jj < jn; ++jj) {
-        const T* k = kc + slots[k0 + j0 + jj] * row + kvh * D;
-        for (int64_t v = 0; v < V; ++v) {
-          const __m512 kv = load16<T>(k + v * 16);
-          for (int64_t pp = 0; pp < pn; ++pp)
-            acc[jj * pn + pp] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (p0 + pp) * D + v * 16), kv, acc[jj * pn + pp]);
-        }
+void attend_group16(const float* q, int64_t G, const T* kc, const T* vc, const int64_t* slots, int64_t first,
+                    int64_t len, int64_t kvh, int64_t kv_heads, int64_t D, float scale, float* scores, T* out,
+                    int64_t out_stride) {
+  const int64_t row = kv_heads * D, n = len - first, V = D / 16;
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int64_t gn = std::min<int64_t>(4, G - g0);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* k = kc + slots[first + j] * row + kvh * D;
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t v = 0; v < V; ++v) {
+        const __m512 kv = load16<T>(k + v * 16);
+        for (int64_t g = 0; g < gn; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (g0 + g) * D + v * 16), kv, acc[g]);
       }
-      alignas(64) float sum[16];
-      _mm512_store_ps(sum, _mm512_mul_ps(reduce16f(acc), _mm512_set1_ps(scale)));
-      for (int64_t jj = 0; jj < jn; ++jj)
-        for (int64_t pp = 0; pp < pn; ++pp) {
-          const int64_t i = jj * pn + pp;  // accumulator i sits in lane 4 (i % 4) + i / 4
-          scores[(p0 + pp) * n + j0 + jj] = sum[4 * (i % 4) + i / 4];
-        }
+      for (int64_t g = 0; g < gn; ++g) scores[(g0 + g) * n + j] = _mm512_reduce_add_ps(acc[g]) * scale;
     }
   }
-  for (int64_t pair = 0; pair < P; ++pair) {
-    const int64_t r = pair / G, g = pair % G;
-    float* sc = scores + pair * n + (first[r] - k0);
-    const int64_t m = len[r] - first[r];
+  for (int64_t g = 0; g < G; ++g) {
+    float* sc = scores + g * n;
     float mx = -INFINITY;
-    for (int64_t j = 0; j < m; ++j) mx = sc[j] > mx ? sc[j] : mx;
+    for (int64_t j = 0; j < n; ++j) mx = sc[j] > mx ? sc[j] : mx;
     __m512 tot = _mm512_setzero_ps();
-    const __m512 mxv = _mm512_set1_ps(mx);
+    const __m512 m = _mm512_set1_ps(mx);
     int64_t j = 0;
-    for (; j + 16 <= m; j += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), mxv));
+    for (; j + 16 <= n; j += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), m));
       _mm512_storeu_ps(sc + j, e);
       tot = _mm512_add_ps(tot, e);
     }
-    if (j < m) {
-      const __mmask16 mk = static_cast<__mmask16>((1u << (m - j)) - 1u);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc + j), mxv));
+    if (j < n) {
+      const __mmask16 mk = static_cast<__mmask16>((1u << (n - j)) - 1u);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc + j), m));
       _mm512_mask_storeu_ps(sc + j, mk, e);
       tot = _mm512_add_ps(tot, _mm512_maskz_mov_ps(mk, e));
     }
     const float total = _mm512_reduce_add_ps(tot);
     __m512 acc[16];
     for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < m; ++i) {
-      const T* vr = vc + slots[first[r] + i] * row + kvh * D;
-      const __m512 pv = _mm512_set1_ps(sc[i]);
-      for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(pv, load16<T>(vr + v * 16), acc[v]);
+    for (int64_t i = 0; i < n; ++i) {
+      const T* vr = vc + slots[first + i] * row + kvh * D;
+      const __m512 p = _mm512_set1_ps(sc[i]);
+      for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(p, load16<T>(vr + v * 16), acc[v]);
     }
     const __m512 inv = _mm512_set1_ps(total);
-    for (int64_t v = 0; v < V; ++v) store16<T>(out + r * out_row + g * D + v * 16, _mm512_div_ps(acc[v], inv));
+    for (int64_t v = 0; v < V; ++v) store16<T>(out + g * out_stride + v * 16, _mm512_div_ps(acc[v], inv));
   }
 }
 #endif
