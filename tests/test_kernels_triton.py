@@ -344,3 +344,25 @@ def test_kernels_compile_for_gpus() -> None:
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert r.stdout.count("ok ") == 2 * len(aot.cases())
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("window", [None, 40])
+def test_reference_attention_of_whole_prompts_is_causal_softmax(groups: int, window: int | None) -> None:
+    """The torch reference sends whole prompts (and windows that do not cut them) to SDPA's causal kernel
+    with GQA: it equals softmax attention written out in float64, head h reading kv head h // groups."""
+    meta, q, kc, vc = make_step([21, 1, 9], [21, 30, 9], 8, 2, groups, 16, torch.float32, seed=groups)
+    out = attn_ref(q, kc, vc, meta, window, 0.25)
+    for s in range(meta.num_seqs):
+        a, b = meta.query_start[s], meta.query_start[s + 1]
+        slots = meta.key_slots(s)
+        k, v = kc[slots].double(), vc[slots].double()  # [L, kv, D]
+        pos = meta.positions[a:b]
+        keys = torch.arange(len(slots))
+        vis = keys[None, :] <= pos[:, None]
+        if window is not None:
+            vis &= keys[None, :] > pos[:, None] - window
+        for h in range(q.shape[1]):
+            sc = (q[a:b, h].double() @ k[:, h // groups].T) * 0.25
+            p = sc.masked_fill(~vis, float("-inf")).softmax(-1)
+            torch.testing.assert_close(out[a:b, h].double(), p @ v[:, h // groups], atol=1e-5, rtol=1e-5)
