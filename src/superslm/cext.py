@@ -90,3 +90,8 @@ def vnni() -> Any:
     """The extension when it runs the VNNI kernels on this CPU (AVX-512 VNNI, not switched off), else None."""
     ext = extension()
     return ext if ext is not None and ext.vnni_available() else None
+
+
+def torch_kernels_forced() -> bool:
+    """Whether `SUPERSLM_KERNELS=torch` asks for torch's kernels everywhere (no C++ plan, no 5-bit codes)."""
+    return os.environ.get("SUPERSLM_KERNELS", "auto").strip().lower() == "torch"

@@ -12,7 +12,6 @@ take their generic torch path.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -266,7 +265,7 @@ def usable(net: Any, h: torch.Tensor, k_cache: torch.Tensor) -> bool:
     the extension built, and no request for the torch kernels (SUPERSLM_KERNELS=torch)."""
     if h.device.type != "cpu" or h.dtype not in (torch.float32, torch.bfloat16) or k_cache.dtype != h.dtype:
         return False
-    if os.environ.get("SUPERSLM_KERNELS", "auto") == "torch":
+    if cext.torch_kernels_forced():
         return False
     return plan_for(net) is not None
 

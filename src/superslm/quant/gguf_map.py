@@ -10,7 +10,6 @@ Float types become bf16. A caller may pass its own `mapping` (e.g. Q5_0 -> int4 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -55,7 +54,7 @@ def nearest_format(block_type: type[BlockType], mapping: Mapping[str, tuple[str,
 
 def int5_runs() -> bool:
     """Whether Q5_0 can run as it is here: the C++ VNNI kernels built, and not SUPERSLM_KERNELS=torch."""
-    return os.environ.get("SUPERSLM_KERNELS", "auto").strip().lower() != "torch" and cext.vnni() is not None
+    return not cext.torch_kernels_forced() and cext.vnni() is not None
 
 
 def _int8_by_rows(part: GGUFPart, bias: torch.Tensor | None, note: str) -> LinearFormat:

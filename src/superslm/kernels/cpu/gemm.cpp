@@ -295,19 +295,12 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 #ifdef SUPERSLM_VNNI
   at::Tensor xf = xb.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
-  std::vector<int8_t> hs(M * K), ls(M * K);
   std::vector<uint8_t> hi(M * K), lo(M * K);
   std::vector<float> sh(M), sl(M);
   std::vector<char> ok(M);
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      ok[r] = superslm_vnni::split_int8(xp + r * K, K, hs.data() + r * K, ls.data() + r * K, &sh[r], &sl[r]);
-      // VNNI multiplies unsigned by signed bytes: the activation parts go in with +128
-      for (int64_t k = r * K; k < (r + 1) * K; ++k) {
-        hi[k] = static_cast<uint8_t>(hs[k] + 128);
-        lo[k] = static_cast<uint8_t>(ls[k] + 128);
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r)
+      ok[r] = superslm_vnni::split_uint8(xp + r * K, K, hi.data() + r * K, lo.data() + r * K, &sh[r], &sl[r]);
   });
   std::vector<int64_t> rows, bad;
   for (int64_t r = 0; r < M; ++r) (ok[r] ? rows : bad).push_back(r);

@@ -14,8 +14,6 @@
 
 #include "vnni.h"
 
-using superslm_vnni::split_int8;
-
 static bool g_vnni = true;
 
 // off: torch's kernel for every int8 linear (benchmarks compare the two in one process)
@@ -107,16 +105,11 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   // x rounded to bf16 first, as the GEMM and torch's kernel see it (a row's bits must not depend on M)
   at::Tensor xf = x.to(at::kBFloat16).to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
-  std::vector<int8_t> hs(K), ls(K);
-  float sh = 0.f, sl = 0.f;
-  if (!split_int8(xp, K, hs.data(), ls.data(), &sh, &sl)) return at::_weight_int8pack_mm(x.to(at::kBFloat16), codes, scale.contiguous());
-  at::Tensor out = at::empty({1, N}, x.options().dtype(at::kBFloat16));
-  // VNNI multiplies unsigned by signed bytes: the activation parts go in with +128
   std::vector<uint8_t> hi(K), lo(K);
-  for (int64_t k = 0; k < K; ++k) {
-    hi[k] = static_cast<uint8_t>(hs[k] + 128);
-    lo[k] = static_cast<uint8_t>(ls[k] + 128);
-  }
+  float sh = 0.f, sl = 0.f;
+  if (!superslm_vnni::split_uint8(xp, K, hi.data(), lo.data(), &sh, &sl))
+    return at::_weight_int8pack_mm(x.to(at::kBFloat16), codes, scale.contiguous());
+  at::Tensor out = at::empty({1, N}, x.options().dtype(at::kBFloat16));
   at::Tensor sc = scale.contiguous(), rs = rowsum.contiguous();
   const int8_t* cp = codes.data_ptr<int8_t>();
   const int32_t* rp = rs.data_ptr<int32_t>();

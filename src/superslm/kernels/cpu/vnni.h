@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -41,6 +42,18 @@ inline bool split_int8(const float* x, int64_t n, int8_t* hi, int8_t* lo, float*
   }
   *sh_out = sh;
   *sl_out = sl;
+  return true;
+}
+
+// split_int8 with both parts offset by +128, as the int8 kernels feed them (VNNI multiplies unsigned
+// activation bytes by signed codes; they correct with 128 * each row's code sum)
+inline bool split_uint8(const float* x, int64_t n, uint8_t* hi, uint8_t* lo, float* sh, float* sl) {
+  std::vector<int8_t> hs(n), ls(n);
+  if (!split_int8(x, n, hs.data(), ls.data(), sh, sl)) return false;
+  for (int64_t k = 0; k < n; ++k) {
+    hi[k] = static_cast<uint8_t>(hs[k] + 128);
+    lo[k] = static_cast<uint8_t>(ls[k] + 128);
+  }
   return true;
 }
 
