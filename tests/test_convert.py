@@ -309,3 +309,14 @@ def test_gguf_blocks_kept_and_load_memory_mapped(smol, smollm2_gguf) -> None:
     spans = _mapped((dst / "model.safetensors").resolve())
     for t in (got.net.embed_weight, got.net.layers[3].gate_up.qweight, got.net.head.codes):
         assert any(lo <= t.data_ptr() < hi for lo, hi in spans)
+
+
+@pytest.mark.slow
+def test_cli_convert_takes_a_known_model_name(smollm2_gguf, tmp_path, capsys) -> None:
+    # as `--model` does elsewhere: a known name is fetched once (here: already cached) and converted
+    dst = tmp_path / "smol"
+    assert cli_main(["convert", "smollm2-135m-instruct", str(dst), "--layers", "2", "-q"]) == 0
+    assert str(dst) in capsys.readouterr().out and (dst / "manifest.json").exists()
+    assert len(superslm.load(dst).net.layers) == 2
+    assert cli_main(["convert", "no-such-model", str(tmp_path / "x"), "-q"]) == 2
+    assert "not a known model name" in capsys.readouterr().err

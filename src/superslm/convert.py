@@ -354,7 +354,7 @@ def add_parser(sub: Any) -> None:
     """Register the `convert` subcommand on the CLI's subparsers."""
     p = sub.add_parser("convert", help="convert a HF folder or a GGUF file into a SuperSLM folder",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("src", help="a Hugging Face folder or a GGUF file")
+    p.add_argument("src", help="a Hugging Face folder, a GGUF file, or a known model name (fetched once)")
     p.add_argument("dst", help="the folder to write (written atomically)")
     p.add_argument("--format", default="auto", choices=("auto", *BODY_FORMATS),
                    help="linears' format (default: gguf for a GGUF file, int4 otherwise)")
@@ -378,8 +378,10 @@ def cmd_convert(ns: argparse.Namespace) -> int:
         if not sep or not name or not file:
             raise InvalidArgument(f"--schema takes NAME=FILE, not {item!r}")
         schemas[name] = file
+    from superslm.model import resolve_path  # model.py imports this module
+
     start = time.perf_counter()
-    dst = convert(ns.src, ns.dst, format=ns.format, group=ns.group, head=ns.head, rotate=not ns.no_rotate,
+    dst = convert(resolve_path(ns.src), ns.dst, format=ns.format, group=ns.group, head=ns.head, rotate=not ns.no_rotate,
                   seed=ns.seed, lora=ns.lora, layers=ns.layers, schemas=schemas, overwrite=ns.force,
                   progress=not ns.quiet and sys.stderr.isatty())
     size = sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
