@@ -16,6 +16,14 @@ def _seed() -> None:
 
 
 @pytest.fixture(scope="module")
+def triton_interpret():
+    """TRITON_INTERPRET=1 while a Triton test module runs on a CPU (tests/triton_interpret.py)."""
+    from tests.triton_interpret import interpret
+
+    yield from interpret()
+
+
+@pytest.fixture(scope="module")
 def one_thread():
     """torch on one thread for a module's tests (restored after)."""
     threads = torch.get_num_threads()

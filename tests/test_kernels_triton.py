@@ -8,30 +8,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-# triton reads TRITON_INTERPRET when it decorates a kernel and when it runs one: set for this
-# module's import and tests (the `_interpret` fixture), the rest of the session's environment untouched
-_SET_INTERPRET = not ON_GPU and "TRITON_INTERPRET" not in os.environ
-if _SET_INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    import triton  # noqa: F401
-except ImportError as e:  # pragma: no cover - CI installs triton
-    if _SET_INTERPRET:
-        del os.environ["TRITON_INTERPRET"]
-    pytest.skip(f"triton cannot be imported ({e}); install the 'test' or 'gpu' extra", allow_module_level=True)
-try:
-    # our own modules: an ImportError here is a bug, never a skip
-    from superslm.kernels import triton as tk
-    from superslm.kernels.triton import aot
-finally:
-    if _SET_INTERPRET:
-        del os.environ["TRITON_INTERPRET"]
+from tests.triton_interpret import DEV, ON_GPU, import_kernels
+
+tk = import_kernels()
+pytestmark = pytest.mark.usefixtures("triton_interpret")
 
 from superslm.cache.kv import slot_mapping  # noqa: E402
 from superslm.errors import InvalidArgument, UnsupportedModel  # noqa: E402
@@ -42,17 +26,11 @@ from superslm.kernels.attention import store_kv as store_ref  # noqa: E402
 from superslm.kernels.norm import rms_norm as norm_ref  # noqa: E402
 from superslm.kernels.rope import apply_rope as rope_ref  # noqa: E402
 from superslm.kernels.rope import rope_cos_sin  # noqa: E402
+from superslm.kernels.triton import aot  # noqa: E402
 
-DEV = torch.device("cuda" if ON_GPU else "cpu")
 BF16_TOL = {"atol": 1e-2, "rtol": 1e-2}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _interpret() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        if not ON_GPU:
-            mp.setenv("TRITON_INTERPRET", "1")
-        yield
 
 
 def gen(seed: int) -> torch.Generator:

@@ -7,46 +7,24 @@ Small shapes on purpose: the interpreter runs each program in Python.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-# triton reads TRITON_INTERPRET when it decorates a kernel and when it runs one: set for this
-# module's import and tests (the `_interpret` fixture), the rest of the session's environment untouched
-_SET_INTERPRET = not ON_GPU and "TRITON_INTERPRET" not in os.environ
-if _SET_INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    import triton  # noqa: F401
-except ImportError as e:  # pragma: no cover - CI installs triton
-    if _SET_INTERPRET:
-        del os.environ["TRITON_INTERPRET"]
-    pytest.skip(f"triton cannot be imported ({e}); install the 'test' or 'gpu' extra", allow_module_level=True)
-try:
-    # our own modules: an ImportError here is a bug, never a skip
-    from superslm.kernels import triton as tk
-finally:
-    if _SET_INTERPRET:
-        del os.environ["TRITON_INTERPRET"]
+from tests.triton_interpret import DEV, import_kernels
+
+tk = import_kernels()
+pytestmark = pytest.mark.usefixtures("triton_interpret")
 
 from superslm.errors import InvalidArgument  # noqa: E402
 from superslm.kernels import dispatch  # noqa: E402
 from superslm.quant.dense import Int8Linear  # noqa: E402
 from superslm.quant.hadamard import Rotation, random_signs  # noqa: E402
 
-DEV = torch.device("cuda" if ON_GPU else "cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _interpret() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        if not ON_GPU:
-            mp.setenv("TRITON_INTERPRET", "1")
-        yield
 
 
 def gen(seed: int) -> torch.Generator:

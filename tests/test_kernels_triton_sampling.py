@@ -7,44 +7,23 @@ Small vocabularies on purpose (the interpreter runs each program in Python); 777
 from __future__ import annotations
 
 import math
-import os
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-# as in test_kernels_triton_more.py: TRITON_INTERPRET for this module's import and tests only
-_SET_INTERPRET = not ON_GPU and "TRITON_INTERPRET" not in os.environ
-if _SET_INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    import triton  # noqa: F401
-except ImportError as e:  # pragma: no cover - CI installs triton
-    if _SET_INTERPRET:
-        del os.environ["TRITON_INTERPRET"]
-    pytest.skip(f"triton cannot be imported ({e}); install the 'test' or 'gpu' extra", allow_module_level=True)
-try:
-    from superslm.kernels import triton as tk
-finally:
-    if _SET_INTERPRET:
-        del os.environ["TRITON_INTERPRET"]
+from tests.triton_interpret import DEV, import_kernels
+
+tk = import_kernels()
+pytestmark = pytest.mark.usefixtures("triton_interpret")
 
 from superslm.kernels import dispatch  # noqa: E402
 from superslm.kernels.dispatch import LogitBias, Penalties  # noqa: E402
 from superslm.sampling import PenaltyState, SamplerState, Sampling, sample  # noqa: E402
 
-DEV = torch.device("cuda" if ON_GPU else "cpu")
 INF = math.inf
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _interpret() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        if not ON_GPU:
-            mp.setenv("TRITON_INTERPRET", "1")
-        yield
 
 
 def gen(seed: int) -> torch.Generator:
