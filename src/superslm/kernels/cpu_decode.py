@@ -247,8 +247,8 @@ def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = 
         return None
     if x.device.type != "cpu" or type(module) is not Int8Linear or module.rotation is not None:
         return None
-    ext = extension()
-    if ext is None or not ext.vnni_available() or module.k_pad != module.in_features or module.k_pad % 64:
+    ext = cext.vnni()
+    if ext is None or module.k_pad != module.in_features or module.k_pad % 64:
         return None
     rowsum = getattr(module, "_rowsum", None)
     if rowsum is None or rowsum.shape[0] != module.codes.shape[0]:
