@@ -160,9 +160,9 @@ def table(model: str, threads: int, rows: dict[str, dict[str, Any]]) -> str:
     for peer, r in rows.items():
         if peer == "superslm" or "error" in r or "error" in ours or not ours:
             continue
-        lines.append(f"vs {peer}: prefill {ours['prefill'] / r['prefill']:.2f}x, "
-                     f"decode {ours['decode'] / r['decode']:.2f}x, "
-                     f"16 streams vs its single stream {ours['streams'] / r['decode']:.2f}x")
+        q = ratios(ours, r)
+        lines.append(f"vs {peer}: prefill {q['prefill']:.2f}x, decode {q['decode']:.2f}x, "
+                     f"16 streams vs its single stream {q['streams']:.2f}x")
     if ours and "error" not in ours:
         size = Path(model).stat().st_size / 2**20 if Path(model).is_file() else float("nan")
         lines.append(f"superslm peak RSS {ours['rss_mb']:.0f} MB = file {size:.0f} MB + KV {ours['kv_mb']:.0f} MB + "
