@@ -54,6 +54,17 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.stack((b & np.uint8(15), b >> np.uint8(4)), axis=1).reshape(n, k))
 
 
+def store_nibbles(codes: np.ndarray) -> np.ndarray:
+    """codes uint8 [N, K] (0..15) -> the stored, kernel-independent order [N, K / 2]: byte j of a row
+    holds codes 2j (low nibble) and 2j + 1 (high)."""
+    return codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))
+
+
+def load_nibbles(packed: np.ndarray) -> np.ndarray:
+    """The inverse of `store_nibbles`: uint8 [N, K / 2] -> codes uint8 [N, K]."""
+    return np.stack((packed & np.uint8(15), packed >> np.uint8(4)), axis=-1).reshape(packed.shape[0], -1)
+
+
 def _check_layout() -> None:
     # our packer must match the op's; checked once per process so a torch change fails loudly
     global _layout_checked
@@ -224,17 +235,13 @@ class Int4Linear(LinearFormat):
 
     def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         codes, scale, zero = self._params()
-        # stored nibble order: byte j of a row holds codes 2j (low) and 2j + 1 (high)
-        c = codes.numpy()
-        packed = torch.from_numpy(c[:, 0::2] | (c[:, 1::2] << np.uint8(4)))
+        packed = torch.from_numpy(store_nibbles(codes.numpy()))
         return {"qweight": packed, "scales": scale, "zeros": zero}, {"group": self.group}
 
     @classmethod
     def _from_state(cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], **common: Any) -> LinearFormat:
         common.pop("k_pad")
-        packed = tensors["qweight"].contiguous().numpy()
-        codes = np.stack((packed & np.uint8(15), packed >> np.uint8(4)), axis=-1).reshape(packed.shape[0], -1)
-        codes = torch.from_numpy(codes)  # [N, k_pad]
+        codes = torch.from_numpy(load_nibbles(tensors["qweight"].contiguous().numpy()))  # [N, k_pad]
         return cls(codes, tensors["scales"], tensors["zeros"], int(meta["group"]), **common)
 
 

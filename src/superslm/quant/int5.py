@@ -22,7 +22,7 @@ from superslm import cext
 from superslm.errors import InvalidArgument
 from superslm.formats.blocks import Q5_0, BlockType, _f16, _q5_codes
 from superslm.quant.base import LinearFormat, as_bias, register_format
-from superslm.quant.int4 import _BLOCK_N, pack_int4, round_up, unpack_int4
+from superslm.quant.int4 import _BLOCK_N, load_nibbles, pack_int4, round_up, store_nibbles, unpack_int4
 
 #: the row (within a block of 64) of lane i of the kernels' accumulator a (kernels/cpu/vnni.h lane_row)
 _BASE = np.array([0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23])
@@ -148,17 +148,15 @@ class GGUFInt5Linear(LinearFormat):
     def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         n = self._out
         c = self._codes()[:n]
-        # stored kernel-independent: nibble j of a row's bytes as int4 stores them, fifth bits packed 8 a byte
-        low = c & np.uint8(15)
-        packed = torch.from_numpy(low[:, 0::2] | (low[:, 1::2] << np.uint8(4)))
+        # stored kernel-independent: the low nibbles as int4 stores them, fifth bits packed 8 a byte
+        packed = torch.from_numpy(store_nibbles(c & np.uint8(15)))
         high = torch.from_numpy(np.packbits(c >> np.uint8(4), axis=-1, bitorder="little"))
         return {"qweight": packed, "high": high, "scales": self.scales_zeros[:, :n, 0].transpose(0, 1).contiguous()}, {}
 
     @classmethod
     def _from_state(cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], **common: Any) -> LinearFormat:
-        packed = tensors["qweight"].contiguous().numpy()
-        n, k = packed.shape[0], packed.shape[1] * 2
-        low = np.stack((packed & np.uint8(15), packed >> np.uint8(4)), axis=-1).reshape(n, k)
+        low = load_nibbles(tensors["qweight"].contiguous().numpy())
+        k = low.shape[1]
         high = np.unpackbits(tensors["high"].contiguous().numpy(), axis=-1, count=k, bitorder="little")
         if common.get("rotation") is not None:
             raise InvalidArgument("gguf5 weights are never rotated")
