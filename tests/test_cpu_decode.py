@@ -91,7 +91,8 @@ def test_float32_equals_reference_and_generic(family: str, folders) -> None:
     src = open_source(folders[family])
     net = Transformer(src.arch, materialize(src, torch.float32))
     assert cpu_decode.plan_for(net) is not None
-    generic, ref, cpp = _three_ways(net, [3, 9, 14])
+    # 3 keys, and 41 = two full blocks of 16 and a remainder for the vector attention's score tree
+    generic, ref, cpp = _three_ways(net, [3, 9, 14, 40])
     assert (ref - generic).abs().max().item() <= 1e-5
     assert (cpp - ref).abs().max().item() <= 1e-5
     assert generic.std().item() > 0.1
@@ -106,7 +107,7 @@ def test_bfloat16_formats_within_rounding(family: str, fmt: str | None, folders)
         body = fmt.split("-")[0]
         quantize_linears(net, body=body, head=None, group=32, rotate=fmt.endswith("rotated"))
     assert cpu_decode.plan_for(net) is not None
-    generic, ref, cpp = _three_ways(net, [2, 7, 13])
+    generic, ref, cpp = _three_ways(net, [2, 7, 13, 35])
     scale = generic.float().abs().max().item()
     # one bf16 rounding (2^-8 relative) compounds over a few layers; a wrong kernel is off by O(1)
     # the same roundings in the same order: equal but for a rare flip of one bf16 ulp (2^-7 relative)
@@ -313,7 +314,7 @@ def test_concatenated_parts_run_in_the_plan(family: str, folders) -> None:
             parts = [Int4Linear.from_dense(w[:cut], group=32), Int8Linear.from_dense(w[cut:])]
             setattr(layer, name, ConcatLinear(parts))
     assert cpu_decode.plan_for(net) is not None
-    generic, ref, cpp = _three_ways(net, [2, 7, 13])
+    generic, ref, cpp = _three_ways(net, [2, 7, 13, 35])
     scale = generic.float().abs().max().item()
     assert (cpp.float() - ref.float()).abs().max().item() <= 2**-6 * scale
     assert (cpp.float() - generic.float()).abs().max().item() <= 0.03 * scale
@@ -355,7 +356,7 @@ def test_q5_0_linears_run_in_the_plan(folders) -> None:
         raw = quants.quantize(w, GGMLQuantizationType.Q5_0).reshape(-1)
         layer.gate_up = GGUFInt5Linear.from_gguf(raw, Q5_0, w.shape)
     assert cpu_decode.plan_for(net) is not None
-    generic, ref, cpp = _three_ways(net, [2, 7, 13])
+    generic, ref, cpp = _three_ways(net, [2, 7, 13, 35])
     scale = generic.float().abs().max().item()
     assert (cpp.float() - ref.float()).abs().max().item() <= 2**-6 * scale
     assert (cpp.float() - generic.float()).abs().max().item() <= 0.03 * scale

@@ -278,7 +278,7 @@ class DecodePlan {
           const T* qg = qkv_p + b * qkv_row + kvh * groups * D;  // this kv head's query heads [groups, D]
           for (int64_t d = 0; d < groups * D; ++d) qf[d] = ld(qg + d);
 #ifdef SUPERSLM_AVX512
-          if (D % 16 == 0 && D <= 256) {
+          if (D % 16 == 0 && D <= 256 && groups <= 64) {
             attend_group16<T>(qf.data(), groups, kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale,
                               scores.data(), attn_p + b * qs + kvh * groups * D, D);
             continue;
