@@ -212,16 +212,6 @@ QUANTS = ("auto", "none", "gguf", "int4", "int8", "bf16")
 _BLOCK_LINEARS = frozenset({"q", "k", "v", "o", "gate", "up", "down", "head", "embed"})
 
 
-def _release_freed_memory() -> None:
-    # glibc keeps freed load-time buffers in its heap; hand them back so RSS reflects the model
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def load(
     path_or_name: str | Path | None = None,
     device: str | torch.device | None = None,
@@ -269,10 +259,7 @@ def load(
     if quant == "gguf":
         from superslm.quant import quantize_from_source
 
-        quantize_from_source(net, source)
-        _release_freed_memory()
-        if source.format == "gguf":
-            source.gguf.release_pages()  # the linears hold their own packed copies now
+        quantize_from_source(net, source)  # drops the file's pages and freed heap as it goes
     elif quant in ("int4", "int8", "bf16"):
         from superslm.quant import quantize_linears
 

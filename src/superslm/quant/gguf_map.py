@@ -10,7 +10,7 @@ Float types become bf16. A caller may pass its own `mapping` (e.g. Q5_0 -> int4 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -57,9 +57,11 @@ def int5_runs() -> bool:
     return not cext.torch_kernels_forced() and cext.vnni() is not None
 
 
-def _int8_by_rows(part: GGUFPart, bias: torch.Tensor | None, note: str) -> LinearFormat:
+def _int8_by_rows(part: GGUFPart, bias: torch.Tensor | None, note: str,
+                  release: Callable[[], None] | None = None) -> LinearFormat:
     """A GGUF weight re-quantized to int8 per output channel a block of rows at a time (the same codes
-    as dequantize-then-quantize; a 262k-row head never exists in float32 all at once)."""
+    as dequantize-then-quantize; a 262k-row head never exists in float32 all at once). `release` runs
+    after each block (the loader drops the file's pages read so far)."""
     from superslm.quant.dense import Int8Linear, quantize_int8
 
     raw, block_type, shape, _ = part
@@ -73,6 +75,8 @@ def _int8_by_rows(part: GGUFPart, bias: torch.Tensor | None, note: str) -> Linea
         chunk = np.ascontiguousarray(rows[r : r + 8192]).reshape(-1)
         w = torch.from_numpy(block_type.dequantize(chunk)).view(-1, k)
         codes[r : r + 8192], scale[r : r + 8192] = quantize_int8(w)
+        if release is not None:
+            release()
     return Int8Linear(codes, scale, k, n, bias=None if bias is None else bias.float(), note=note)
 
 
@@ -158,9 +162,11 @@ def linear_from_gguf(
     parts: Sequence[GGUFPart],
     bias: torch.Tensor | None = None,
     mapping: Mapping[str, tuple[str, dict[str, Any]]] | None = None,
+    release: Callable[[], None] | None = None,
 ) -> LinearFormat:
     """One linear from one GGUF weight or several fused along out (qkv, gate_up), each block type in
-    its nearest format: one module when all parts map to the same format, else a ConcatLinear."""
+    its nearest format: one module when all parts map to the same format, else a ConcatLinear.
+    `release`: called as a large re-quantization goes (see _int8_by_rows)."""
     if not parts:
         raise InvalidArgument("linear_from_gguf needs at least one part")
     targets = [nearest_format(p[1], mapping) for p in parts]
@@ -172,7 +178,7 @@ def linear_from_gguf(
             return GGUFInt5Linear.from_gguf_parts(parts, bias)
         names = "+".join(dict.fromkeys(p[1].name for p in parts))
         if fmt == "int8" and not options and len(parts) == 1 and parts[0][3] is None:
-            return _int8_by_rows(parts[0], bias, f"from {names}")
+            return _int8_by_rows(parts[0], bias, f"from {names}", release)
         weights = [dequantize_gguf(*p) for p in parts]
         return format_class(fmt).from_dense(weights, bias, note=f"from {names}", **options)
     sizes = [int(p[2][0]) for p in parts]

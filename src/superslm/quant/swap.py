@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from superslm.errors import InvalidArgument, UnsupportedModel
+from superslm.memory import release_freed_memory
 from superslm.models.loader import Source, Stored, canonical_names
 from superslm.models.transformer import DenseLinear, Transformer
 from superslm.quant.base import LinearFormat, format_class
@@ -120,6 +121,13 @@ def quantize_from_source(
         raise InvalidArgument(f"{source.path} is not a GGUF source; use quantize_linears")
     names = canonical_names(source, len(net.layers))
     done: dict[str, str] = {}
+
+    def release() -> None:
+        # the linears hold their own packed copies: drop the file's pages (a later read faults them
+        # back) and the freed temporaries as we go, so a load peaks near its result, not file + copies
+        source.gguf.release_pages()
+        release_freed_memory()
+
     for i, layer in enumerate(net.layers):
         for attr, keys in LAYER_LINEARS.items():
             old = getattr(layer, attr)
@@ -127,6 +135,7 @@ def quantize_from_source(
             module = linear_from_gguf(parts, getattr(old, "bias", None), mapping)
             setattr(layer, attr, module)
             done[f"layers.{i}.{attr}"] = module.describe()
+        release()
     if net.embed_weight.numel() == 0:
         # the loader skipped the dense table: rows come from the file's blocks per step
         part = gguf_parts(source, names, "", ("embed",))[0]
@@ -138,10 +147,12 @@ def quantize_from_source(
     if getattr(net, "has_head", False) and head is not None:
         if head == "nearest":
             key = "head" if "head" in names else "embed"
-            net.head = linear_from_gguf(gguf_parts(source, names, "", (key,)), getattr(net.head, "bias", None), mapping)
+            net.head = linear_from_gguf(gguf_parts(source, names, "", (key,)), getattr(net.head, "bias", None), mapping,
+                                       release)
         else:
             net.head = make_linear(head, net.head.weight, net.head.bias, group, rotate, seed)
         done["head"] = net.head.describe()
+    release()
     return done
 
 
