@@ -124,3 +124,14 @@ def test_embedding_rows_come_from_the_file(smollm2_gguf) -> None:
     assert net.embed(ids[:0]).shape == (0, net.arch.dim)
     with pytest.raises(TokenOutOfRange):
         net.embed(torch.tensor([-1]))
+    # the file's pages go every RELEASE_ROWS rows (a prompt's scattered rows would stay in RSS), and the
+    # rows read after a release are the same
+    calls = []
+    net.embed_rows.release = lambda: (calls.append(1), src.gguf.release_pages())
+    rows = net.embed_rows.RELEASE_ROWS
+    big = torch.arange(rows + 5) * 97 % net.arch.vocab
+    assert torch.equal(net.embed(big), dense[big]) and len(calls) == 1
+    for _ in range(rows // 4):
+        net.embed(ids)
+    assert len(calls) == 1 + (rows // 4 * len(ids)) // rows == 2
+    assert torch.equal(net.embed(big), dense[big])

@@ -1,7 +1,9 @@
 """The C++ CPU kernels (kernels/cpu/*.cpp), compiled once per machine and loaded.
 
-Built at first use with the system's C++ compiler and the ninja wheel into torch's extension cache,
-named by a hash of the sources, this CPU's flags, torch's version and the build flags. The bottom of
+Built at first use with the system's C++ compiler and the ninja wheel (torch.utils.cpp_extension) into
+$TORCH_EXTENSIONS_DIR, else $SUPERSLM_CACHE/kernels (~/.cache/superslm/kernels), named by a hash of the
+sources, this CPU's flags, torch's version and the build flags; later processes import the built module
+directly (cpp_extension pulls in setuptools: ~5 MB of RSS and 50 ms for nothing once it is built). The bottom of
 the house: the decode layers (kernels/cpu_decode.py) and the formats that need a kernel torch lacks
 (quant/int5.py) both load it from here. `SUPERSLM_CPU_KERNELS=0` turns it off; where it cannot be built,
 callers take their torch paths.
@@ -40,6 +42,26 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _build_dir(name: str) -> Path:
+    env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if env:
+        return Path(env) / name
+    cache = os.environ.get("SUPERSLM_CACHE")
+    return (Path(cache) if cache else Path.home() / ".cache" / "superslm") / "kernels" / name
+
+
+def _import_built(name: str, path: Path) -> Any:
+    """The built module at `path`, imported as cpp_extension.load would after building it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def extension() -> Any:
     """The compiled module, or None when it is disabled or cannot be built here (reason logged once)."""
     global _ext, _ext_tried
@@ -52,6 +74,15 @@ def extension() -> Any:
     # -march=native code must never be reused on another CPU: the name carries the CPU's and build's flags
     build = " ".join([_cpu_flags(), torch.__version__, *_CFLAGS, *_LDFLAGS]).encode()
     tag = hashlib.sha256(src + build).hexdigest()[:12]
+    name = f"superslm_decode_{tag}"
+    build_dir = _build_dir(name)
+    built = build_dir / f"{name}.so"
+    if built.exists():
+        try:
+            _ext = _import_built(name, built)
+            return _ext
+        except Exception as e:  # a damaged build: cpp_extension rebuilds it below
+            log.warning("superslm: rebuilding the C++ kernels (%s)", str(e).splitlines()[0])
     try:
         from torch.utils.cpp_extension import load
 
@@ -63,21 +94,16 @@ def extension() -> Any:
         except ImportError:
             pass
 
-        name = f"superslm_decode_{tag}"
-        try:  # the first use on a machine compiles (~30-60 s): say so rather than look hung
-            from torch.utils.cpp_extension import _get_build_directory
-
-            built = (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
-        except Exception:  # a private torch helper: its absence only costs the notice
-            built = True
-        if not built:
-            print("superslm: building the C++ decode kernels for this machine (once, under a minute)...",
-                  file=sys.stderr, flush=True)
+        # the first use on a machine compiles (~30-60 s): say so rather than look hung
+        print("superslm: building the C++ decode kernels for this machine (once, under a minute)...",
+              file=sys.stderr, flush=True)
+        build_dir.mkdir(parents=True, exist_ok=True)
         _ext = load(
             name=name,
             sources=[str(p) for p in _SOURCES],
             extra_cflags=_CFLAGS,
             extra_ldflags=_LDFLAGS,
+            build_directory=str(build_dir),
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, headers missing: the reference still runs

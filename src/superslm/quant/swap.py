@@ -143,7 +143,7 @@ def quantize_from_source(
             raise UnsupportedModel(f"{source.recipe.family}: the GGUF embedding's rows are permuted")
         fix = source.recipe.fix_gguf
         net.embed_rows = GGUFEmbedding(part[0], part[1], part[2], net.dtype,
-                                       lambda t: fix("embed", t, source.arch))
+                                       lambda t: fix("embed", t, source.arch), source.gguf.release_pages)
     if getattr(net, "has_head", False) and head is not None:
         if head == "nearest":
             key = "head" if "head" in names else "embed"
