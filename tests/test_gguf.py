@@ -356,3 +356,22 @@ def test_released_pages_read_back(tmp_path) -> None:
         assert np.array_equal(np.asarray(f.raw(name)), raw)
     f.close()
     f.release_pages()  # a closed file: nothing to release, no error
+
+
+def test_metadata_digest_follows_the_metadata_bytes(smollm2_gguf: Path, tmp_path: Path) -> None:
+    """The tokenizer cache's key: the same for the same file, different when one metadata byte differs,
+    and untouched by tensor data."""
+    a = GGUFFile(smollm2_gguf)
+    assert a.metadata_digest() == GGUFFile(smollm2_gguf).metadata_digest()
+    data = bytearray(smollm2_gguf.read_bytes())
+    at = data.index(b"im_start")  # inside the chat template string
+    changed = tmp_path / "changed.gguf"
+    changed.write_bytes(bytes(data[:at]) + b"IM_start" + bytes(data[at + 8 :]))
+    assert GGUFFile(changed).metadata_digest() != a.metadata_digest()
+    data[-1] ^= 0xFF  # the last byte of tensor data
+    other = tmp_path / "other.gguf"
+    other.write_bytes(bytes(data))
+    assert GGUFFile(other).metadata_digest() == a.metadata_digest()
+    a.close()
+    with pytest.raises(GGUFError):
+        a.metadata_digest()

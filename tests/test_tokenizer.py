@@ -168,6 +168,33 @@ def test_gemma_build_is_fast(gemma3_gguf: Path) -> None:
     assert elapsed < 5.0, f"building the 262k Gemma vocabulary took {elapsed:.1f} s"
 
 
+def test_a_cached_gguf_tokenizer_equals_the_built_one(gemma3_pair: tuple[Tokenizer, Any], gemma3_gguf: Path,
+                                                      tmp_path: Path) -> None:
+    """The built tokenizer is stored once (tokenizer.json + facts) and read back equal: ids, text, specials;
+    a damaged entry is rebuilt, never an error."""
+    from superslm.tokenizer import gguf_cache
+
+    built = gemma3_pair[0]
+    g = GGUFFile(gemma3_gguf)
+    folder = tmp_path / gguf_cache.cache_key(g.metadata_digest())
+    first = Tokenizer.from_gguf(g.metadata, cache=folder)
+    assert (folder / "facts.json").is_file() and (folder / "tokenizer.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".partial-")]
+    cached = Tokenizer.from_gguf({}, cache=folder)  # no metadata needed: the entry is complete
+    for tok in (first, cached):
+        for text in CORPUS:
+            assert tok.encode(text) == built.encode(text)
+            assert tok.decode(built.encode(text)) == built.decode(built.encode(text))
+        for attr in ("kind", "bos_id", "eos_id", "pad_id", "unk_id", "eot_id", "eom_id", "add_bos", "add_eos",
+                     "chat_template", "stop_ids", "special_ids", "vocab_size", "byte_fallback_ids"):
+            assert getattr(tok, attr) == getattr(built, attr), attr
+    (folder / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerError):
+        Tokenizer.from_gguf({}, cache=folder)  # damaged and no metadata to rebuild from
+    assert Tokenizer.from_gguf(g.metadata, cache=folder).encode(CORPUS[2]) == built.encode(CORPUS[2])
+    assert Tokenizer.from_gguf({}, cache=folder).encode(CORPUS[2]) == built.encode(CORPUS[2])  # rewritten
+
+
 # --- other GGUF tokenizer kinds, written as small GGUF files and checked against transformers ------
 
 

@@ -202,7 +202,13 @@ def load_tokenizer(source: Source) -> Tokenizer:
 
     if source.is_hf or source.format == "native":
         return Tokenizer.from_folder(source.path)
-    return Tokenizer.from_gguf(source.gguf.metadata)
+    from superslm.tokenizer.gguf_cache import cache_key
+
+    md = source.gguf.metadata
+    cache = None
+    if len(md.get("tokenizer.ggml.tokens", ())) >= 32768:  # a small vocabulary builds faster than it reads
+        cache = hub.cache_dir() / "tokenizers" / cache_key(source.gguf.metadata_digest())
+    return Tokenizer.from_gguf(md, cache=cache)
 
 
 QUANTS = ("auto", "none", "gguf", "int4", "int8", "bf16")

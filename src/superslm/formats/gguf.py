@@ -14,6 +14,7 @@ in one token still loads); metadata keys and tensor names must be valid UTF-8.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import mmap
 import os
 import struct
@@ -268,6 +269,7 @@ class GGUFFile:
     def _parse_metadata(self, cur: _Cursor, n_kv: int) -> None:
         self.metadata = {}
         self.metadata_types = {}
+        start = cur.pos
         for i in range(n_kv):
             key = cur.string(f"key of metadata entry {i}", strict=True)
             if key in self.metadata:
@@ -282,6 +284,15 @@ class GGUFFile:
                 (item_type,) = _U32.unpack_from(cur.buf, cur.pos)
             self.metadata[key] = cur.value(vtype, f"metadata {key!r}")
             self.metadata_types[key] = _type_name(vtype, item_type)
+        self._metadata_span = (start, cur.pos)
+
+    def metadata_digest(self) -> str:
+        """sha256 (hex) of the file's metadata section as stored: a content key for what is built from the
+        metadata alone (the loader caches the tokenizer under it)."""
+        if self._map is None:
+            raise GGUFError(f"{self.path}: the file is closed")
+        start, end = self._metadata_span
+        return hashlib.sha256(self._map[start:end]).hexdigest()
 
     def _check_alignment(self) -> int:
         if "general.alignment" not in self.metadata:

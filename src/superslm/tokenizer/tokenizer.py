@@ -16,9 +16,12 @@ from typing import Any
 from tokenizers import Tokenizer as Backend
 
 from superslm.errors import InvalidArgument, ModelNotFound, TokenizerError, TokenOutOfRange
+from superslm.tokenizer import gguf_cache
 from superslm.tokenizer.gguf_vocab import build_from_gguf, bytes_to_unicode, template_processor
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+#: the constructor's arguments a GGUF build decides (stop_ids apart: a set)
+_FACTS = ("kind", "bos_id", "eos_id", "pad_id", "unk_id", "eot_id", "eom_id", "add_bos", "add_eos", "chat_template")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -115,28 +118,25 @@ class Tokenizer:
     # --- construction ---------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+    def from_gguf(cls, metadata: Mapping[str, Any], cache: str | Path | None = None) -> Tokenizer:
         """Build the tokenizer a GGUF file describes, from its metadata (`GGUFFile(path).metadata`).
 
         Supports `tokenizer.ggml.model` "gpt2" (byte-level BPE; the split regex is chosen by
         `tokenizer.ggml.pre`, an unknown one is refused) and "llama" (SentencePiece BPE with byte
         fallback; Gemma architectures get Gemma's whitespace handling). Raises TokenizerError.
+        `cache`: a folder for this metadata (the loader names it by `GGUFFile.metadata_digest()` and
+        `gguf_cache.cache_key`): read when complete, else written after the build.
         """
+        folder = None if cache is None else Path(cache)
+        hit = None if folder is None else gguf_cache.read(folder)
+        if hit is not None:
+            backend, facts = hit
+            return cls(backend, **{k: facts.get(k) for k in _FACTS}, stop_ids=facts.get("stop_ids", ()))
         v = build_from_gguf(metadata)
-        return cls(
-            v.backend,
-            kind=v.kind,
-            bos_id=v.bos_id,
-            eos_id=v.eos_id,
-            pad_id=v.pad_id,
-            unk_id=v.unk_id,
-            eot_id=v.eot_id,
-            eom_id=v.eom_id,
-            stop_ids=v.stop_ids,
-            add_bos=v.add_bos,
-            add_eos=v.add_eos,
-            chat_template=v.chat_template,
-        )
+        facts = {k: getattr(v, k) for k in _FACTS}
+        if folder is not None:
+            gguf_cache.write(folder, v.backend, {**facts, "stop_ids": sorted(v.stop_ids)})
+        return cls(v.backend, **facts, stop_ids=v.stop_ids)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
