@@ -20,6 +20,7 @@ pytestmark = pytest.mark.usefixtures("triton_interpret")
 from superslm.kernels import dispatch  # noqa: E402
 from superslm.kernels.dispatch import LogitBias, Penalties  # noqa: E402
 from superslm.sampling import PenaltyState, SamplerState, Sampling, sample  # noqa: E402
+from superslm.sampling.batch import sampling_batch  # noqa: E402
 
 INF = math.inf
 
@@ -207,7 +208,7 @@ def test_references_are_the_sampler(v: int) -> None:
     logits = (torch.randn(b, v, generator=gen(12)) * 2).to(DEV)
     bitmask = few_allowed(b, v, (2, 5), seed=13).to(DEV)
     want = sample(logits, states, bitmask=bitmask).tokens
-    batch = dispatch.sampling_batch(states, v, DEV)
+    batch = sampling_batch(states, v, DEV)
     shaped = dispatch.shape_logits_reference(logits, batch.temperature, bitmask, batch.bias, batch.penalties)
     sel = (batch.temperature, batch.log_min_p, batch.top_k, batch.top_p, batch.keys)
     assert torch.equal(dispatch.select_tokens_reference(shaped, *sel), want)
@@ -216,13 +217,40 @@ def test_references_are_the_sampler(v: int) -> None:
     assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("env", ["triton", "torch"])
+def test_the_sampler_runs_fused_on_the_kernels(env: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sample() takes the two device kernels where they are Triton (here: the interpreter) and gives the
+    staged path's tokens; forced with the torch references too. Logprobs keep the staged path."""
+    monkeypatch.setenv(dispatch.ENV, env)
+    states = sampler_rows(777)
+    logits = (torch.randn(len(states), 777, generator=gen(15)) * 2).to(DEV)
+    bitmask = few_allowed(len(states), 777, (2, 5), seed=16).to(DEV)
+    calls: list[str] = []
+    for name in ("shape_logits", "select_tokens"):
+        fn = getattr(dispatch, name)
+        monkeypatch.setattr(dispatch, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
+    for mask in (None, bitmask):
+        want = sample(logits, states, bitmask=mask, fused=False).tokens
+        calls.clear()
+        got = sample(logits, states, bitmask=mask, fused=None if env == "triton" else True).tokens
+        assert calls == ["shape_logits", "select_tokens"]
+        assert torch.equal(got, want)
+    calls.clear()
+    assert sample(logits, states, fused=None).tokens.shape == (len(states),)
+    assert calls == (["shape_logits", "select_tokens"] if env == "triton" else [])
+    with_lp = [SamplerState(Sampling(logprobs=2), seed=0)] * 2
+    calls.clear()
+    res = sample(logits[:2], with_lp, fused=True)
+    assert calls == [] and res.chosen_logprobs is not None
+
+
 # --- dispatcher -----------------------------------------------------------------------------------
 
 
 def test_dispatch_chooses(monkeypatch: pytest.MonkeyPatch) -> None:
     states = sampler_rows(300)[:3]
     logits = torch.randn(3, 300, generator=gen(14)).to(DEV)
-    batch = dispatch.sampling_batch(states, 300, DEV)
+    batch = sampling_batch(states, 300, DEV)
     sel = (batch.temperature, batch.log_min_p, batch.top_k, batch.top_p, batch.keys)
     calls: list[str] = []
     for owner, name in ((tk, "shape_logits"), (tk, "select_tokens"), (dispatch, "shape_logits_reference"),

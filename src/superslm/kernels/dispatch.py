@@ -6,19 +6,16 @@ always runs the kernels, also on a CPU tensor when TRITON_INTERPRET=1 was set be
 kernel import (how CI tests them). The references for the fused ops that have no torch module of
 their own (`add_rms_norm_reference`, `int4_matmul_reference`, `int8_matmul_reference`,
 `hadamard_rotate_reference`) live here, and those of device-side sampling (`shape_logits_reference`,
-`select_tokens_reference`, which run superslm.sampling's stages; `sampling_batch` builds their inputs).
+`select_tokens_reference`, which run superslm.sampling's stages; sampling/batch.py builds their inputs).
 Deterministic steps (meta.deterministic) always take the batch-invariant attention reference.
 """
 
 from __future__ import annotations
 
 import importlib
-import math
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -28,9 +25,6 @@ from superslm.kernels import norm as _norm
 from superslm.kernels import rope as _rope
 from superslm.kernels.attention import AttnMetadata
 from superslm.kernels.attention_invariant import paged_attention_invariant
-
-if TYPE_CHECKING:
-    from superslm.sampling.sampler import SamplerState
 
 ENV = "SUPERSLM_KERNELS"
 CHOICES = ("auto", "triton", "torch")
@@ -151,56 +145,6 @@ class Penalties(NamedTuple):
     """bool [P, V]: tokens in the prompt."""
     factors: torch.Tensor
     """float32 [B, 3]: presence, frequency, repetition (read only where rows >= 0)."""
-
-
-@dataclass(frozen=True)
-class SamplingBatch:
-    """The inputs of `shape_logits` and `select_tokens` for a batch of sampler rows (one upload each)."""
-
-    temperature: torch.Tensor  # float32 [B], 0 for greedy rows
-    bias: LogitBias | None  # None when no row has a logit_bias
-    penalties: Penalties | None  # None when no row uses penalties
-    log_min_p: torch.Tensor  # float32 [B], log(min_p), -inf when off
-    top_k: torch.Tensor  # int32 [B], 0 (or >= V) when off
-    top_p: torch.Tensor  # float32 [B], 1 when off
-    keys: torch.Tensor  # int64 [B, 2], noise.stream_key(seed, step)
-
-
-def sampling_batch(rows: Sequence[SamplerState], vocab: int, device: torch.device) -> SamplingBatch:
-    """What sampler.sample computes on the host for `rows`, as the kernels' inputs (no device sync)."""
-    from superslm.sampling._device import upload
-    from superslm.sampling.noise import keys_tensor
-    from superslm.sampling.penalties import build_penalty_tensors
-
-    params = [r.params for r in rows]
-    # greedy is decided here, in float64 as Sampling.greedy does; the kernels see temperature 0
-    scalars = upload(torch.tensor(
-        [[0.0 if p.greedy else p.temperature, math.log(p.min_p) if p.min_p > 0 else -math.inf, p.top_p]
-         for p in params], dtype=torch.float32).reshape(-1, 3), device)  # fmt: skip
-    top_k = upload(torch.tensor([min(p.top_k, vocab) for p in params], dtype=torch.int32), device)
-    bias = None
-    if any(p.logit_bias for p in params):
-        pairs = [(t, float(v)) for p in params for t, v in (p.logit_bias or {}).items()]
-        offsets = [0]
-        for p in params:
-            offsets.append(offsets[-1] + len(p.logit_bias or ()))
-        bias = LogitBias(upload(torch.tensor(offsets, dtype=torch.int32), device),
-                         upload(torch.tensor([t for t, _ in pairs], dtype=torch.int32), device),
-                         upload(torch.tensor([v for _, v in pairs], dtype=torch.float32), device))  # fmt: skip
-    penalties = None
-    pen = [i for i, p in enumerate(params) if p.uses_penalties]
-    if pen:
-        if any(rows[i].penalties is None for i in pen):
-            raise InvalidArgument("a row uses penalties but its sampler state has no PenaltyState")
-        counts, prompt_mask = build_penalty_tensors([rows[i].penalties for i in pen], vocab, device)
-        index = [-1] * len(rows)
-        for j, i in enumerate(pen):
-            index[i] = j
-        factors = [[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params]
-        penalties = Penalties(upload(torch.tensor(index, dtype=torch.int32), device), counts, prompt_mask,
-                              upload(torch.tensor(factors, dtype=torch.float32), device))  # fmt: skip
-    keys = keys_tensor([(r.seed, r.step) for r in rows], device)
-    return SamplingBatch(scalars[:, 0], bias, penalties, scalars[:, 1], top_k, scalars[:, 2], keys)
 
 
 def shape_logits_reference(

@@ -23,7 +23,9 @@ import torch
 from torch import Tensor
 
 from superslm.errors import InvalidArgument
+from superslm.kernels import dispatch
 from superslm.sampling._device import upload
+from superslm.sampling.batch import sampling_batch
 from superslm.sampling.noise import draw_seed, gumbel_noise, keys_tensor
 from superslm.sampling.params import Sampling
 from superslm.sampling.penalties import PenaltyState, build_penalty_tensors
@@ -149,7 +151,8 @@ def _index(rows: Sequence[int], device: torch.device) -> Tensor:
     return upload(torch.tensor(rows, dtype=torch.int64), device)
 
 
-def sample(logits: Tensor, rows: Sequence[SamplerState], *, bitmask: Tensor | None = None) -> SampleResult:
+def sample(logits: Tensor, rows: Sequence[SamplerState], *, bitmask: Tensor | None = None,
+           fused: bool | None = None) -> SampleResult:
     """Sample one token for every row of `logits`.
 
     Args:
@@ -166,6 +169,12 @@ def sample(logits: Tensor, rows: Sequence[SamplerState], *, bitmask: Tensor | No
         as passed in: before the bitmask too. (vLLM's runner masks before its raw logprobs; an
         engine that wants that calls `apply_token_bitmask` itself and passes bitmask=None.)
 
+        fused: run every row through the two device-side kernels (kernels.dispatch `shape_logits`,
+            `select_tokens`: the same tokens, tests hold them equal) instead of per-stage row subsets.
+            None: fused where those kernels are Triton (a GPU, or SUPERSLM_KERNELS=triton): a step then
+            costs two launches and no host sync but the tokens' copy. Rows asking for logprobs take
+            the staged path either way.
+
     Raises:
         InvalidArgument: the shapes do not match.
     """
@@ -174,6 +183,15 @@ def sample(logits: Tensor, rows: Sequence[SamplerState], *, bitmask: Tensor | No
     n_rows, vocab = logits.shape
     device = logits.device
     params = [r.params for r in rows]
+    if fused is None:
+        fused = dispatch.backend(device) == "triton"
+    if fused and all(p.logprobs is None for p in params):
+        if bitmask is not None and (bitmask.shape[0] != n_rows or bitmask.shape[-1] * 32 < vocab):
+            raise InvalidArgument(f"bitmask {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}")
+        b = sampling_batch(rows, vocab, device)
+        x = dispatch.shape_logits(logits, b.temperature, bitmask, b.bias, b.penalties)
+        tokens = dispatch.select_tokens(x, b.temperature, b.log_min_p, b.top_k, b.top_p, b.keys)
+        return SampleResult(tokens, (), (), None, None, None, None)
 
     lp_rows = tuple(i for i, p in enumerate(params) if p.logprobs is not None)
     raw_logprobs = None
