@@ -24,7 +24,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent / "kernels" / "cpu"
-_SOURCES = [_DIR / n for n in ("decode_layers.cpp", "gemv.cpp", "gemm.cpp")]
+_SOURCES = [_DIR / n for n in ("decode_layers.cpp", "gemv.cpp", "gemm.cpp", "greedy.cpp")]
 _HEADERS = [_DIR / n for n in ("vnni.h", "rowops.h")]
 _ext: Any = None
 _ext_tried = False

@@ -278,9 +278,10 @@ class Engine(OutputMixin, ContractsMixin):
             if not done:
                 return out
             work, self._work = self._work, None
-            logits = step_logits(self.net, work)
+            tokens = self._greedy_tokens(work)
+            logits = step_logits(self.net, work) if tokens is None else None
         self.steps += 1
-        out.extend(self._accept(work, logits))
+        out.extend(self._accept(work, logits, tokens))
         return out
 
     # --- low-level use ----------------------------------------------------------------------------

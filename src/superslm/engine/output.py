@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from superslm.engine.request import END_CANCELLED, END_GRAMMAR, END_LENGTH, END_STOP, Progress, Sequence
-from superslm.engine.runner import StepWork
+from superslm.engine.runner import StepWork, step_greedy
 from superslm.sampling import TokenLogprobs, sample
 from superslm.sampling.damped import damped_choice
 
@@ -19,7 +19,19 @@ if TYPE_CHECKING:
 class OutputMixin:
     """Token acceptance for Engine: one call per step (`_accept`)."""
 
-    def _accept(self: Engine, work: StepWork, logits: torch.Tensor) -> list[Progress]:
+    def _greedy_tokens(self: Engine, work: StepWork) -> torch.Tensor | None:
+        """The sampling rows' tokens straight from the head when every one is plain greedy (no logprobs,
+        logit_bias, penalties, grammar or damping): `step_greedy` certifies each argmax without computing
+        all the logits; None where it does not apply (the step then computes its logits)."""
+        for (seq, _), row in zip(work.chunks, work.sample_rows):
+            p = seq.sampler.params
+            plain = p.greedy and p.logprobs is None and not p.logit_bias and not p.uses_penalties
+            if row >= 0 and not (plain and p.damped is None and seq.grammar is None):
+                return None
+        return step_greedy(self.net, work)
+
+    def _accept(self: Engine, work: StepWork, logits: torch.Tensor | None,
+                tokens: torch.Tensor | None = None) -> list[Progress]:
         seqs: list[Sequence] = []
         for (seq, n), row in zip(work.chunks, work.sample_rows):
             seq.num_computed_tokens += n
@@ -32,16 +44,21 @@ class OutputMixin:
                 self.scheduler.register(seq)
         out: list[Progress] = []
         if seqs:
-            bitmask = self._bitmask(seqs)
-            result = sample(logits, [s.sampler for s in seqs], bitmask=bitmask)
-            tokens, logprobs = result.token_list(), result.logprobs()
+            if tokens is not None:  # plain greedy rows, certified by the head (_greedy_tokens)
+                bitmask, chosen, logprobs = None, tokens.tolist(), [None] * len(seqs)
+            else:
+                assert logits is not None
+                bitmask = self._bitmask(seqs)
+                result = sample(logits, [s.sampler for s in seqs], bitmask=bitmask)
+                chosen, logprobs = result.token_list(), result.logprobs()
             for i, seq in enumerate(seqs):
                 if seq.end == END_CANCELLED:
                     out.append(self._finish(seq, END_CANCELLED))
                     continue
-                token = tokens[i]
+                token = chosen[i]
                 damped = seq.sampler.params.damped
                 if damped is not None:
+                    assert logits is not None
                     row = logits[i : i + 1].clone()
                     if bitmask is not None:
                         from superslm.sampling import apply_token_bitmask

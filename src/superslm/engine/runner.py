@@ -84,6 +84,17 @@ def run_layers(net: Transformer, kv: KVCache, work: StepWork, budget: int | None
     return end == total
 
 
+def step_greedy(net: Transformer, work: StepWork) -> torch.Tensor | None:
+    """The argmax token of each sampling row (int64 [rows]) when the head can certify it without all the
+    logits (`Transformer.greedy_tokens`), else None."""
+    rows = [r for r in work.sample_rows if r >= 0]
+    assert work.h is not None
+    if not rows:
+        return None
+    idx = torch.tensor(rows, dtype=torch.long, device=work.h.device)
+    return net.greedy_tokens(work.h.index_select(0, idx), work.meta.deterministic)
+
+
 def step_logits(net: Transformer, work: StepWork) -> torch.Tensor:
     """Logits [rows that sample, vocab] (float32) of a finished step."""
     rows = [r for r in work.sample_rows if r >= 0]

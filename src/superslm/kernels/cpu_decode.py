@@ -260,6 +260,50 @@ def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = 
     return y.to(x.dtype)
 
 
+#: a union of candidates larger than this costs more to rescore than it saved: the caller takes the full head
+GREEDY_MAX_CANDIDATES = 4096
+#: rows from which the one-part approximation pays (below, the head is read at memory speed either way)
+GREEDY_MIN_ROWS = 4
+
+
+def greedy_head(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """int64 [M]: argmax over the vocabulary of `vnni_linear(module, x)`'s logits (first index on ties), or
+    None where that path does not apply or the bound was too loose (the caller computes the full logits).
+
+    A one-part int8 pass bounds every logit (kernels/cpu/greedy.cpp); only the candidates that can be a
+    row's argmax get their exact logits, from the same kernels as the full head: the same tokens for half
+    the products. A head whose candidates keep overflowing (a model whose activations quantize coarsely)
+    stops trying after 16 calls."""
+    from superslm.quant.dense import Int8Linear
+
+    rows = x.shape[0]
+    if rows < GREEDY_MIN_ROWS or x.device.type != "cpu" or type(module) is not Int8Linear:
+        return None
+    if module.rotation is not None or module.bias is not None or module.k_pad != module.in_features:
+        return None
+    ext = cext.vnni()
+    if ext is None or module.k_pad % 64:
+        return None
+    stats = module.__dict__.setdefault("_greedy_stats", [0, 0])  # [calls, fallbacks]
+    if stats[0] >= 16 and stats[1] * 4 > stats[0]:
+        return None
+    w2 = getattr(module, "_greedy_w2", None)
+    if w2 is None or w2.shape[0] != module.codes.shape[0]:
+        # ||codes_n||_2 * scale_n, rounded up: a bound must not be an ulp short
+        w2 = module._greedy_w2 = (module.codes.float().norm(dim=1) * module.scale.float() * (1 + 2**-16)).contiguous()
+        module._rowsum = ext.int8_rowsum(module.codes)
+    rowsum = module._rowsum
+    stats[0] += 1
+    cands, offsets = ext.int8_greedy_candidates(x, module.codes, module.scale, rowsum, w2)
+    union = torch.unique(cands) if offsets.numel() else cands  # sorted: ties keep the first index
+    if offsets.numel() == 0 or union.numel() > GREEDY_MAX_CANDIDATES:
+        stats[1] += 1
+        return None
+    y = ext.int8_gemm(x, module.codes.index_select(0, union).contiguous(), module.scale.index_select(0, union),
+                      rowsum.index_select(0, union))
+    return union[y.float().argmax(dim=1)]
+
+
 def usable(net: Any, h: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the C++ plan runs this model's steps here: CPU, bf16 or fp32 with the cache in that dtype,
     the extension built, and no request for the torch kernels (SUPERSLM_KERNELS=torch)."""

@@ -273,6 +273,20 @@ class Transformer(nn.Module):
         return self.head(x)[:n].float()
 
 
+    def greedy_tokens(self, h: torch.Tensor, deterministic: bool = False) -> torch.Tensor | None:
+        """Residual rows [n, dim] -> each row's argmax token (int64 [n], first index on ties) where the head
+        can certify it without all the logits (an int8 head at 4+ rows: cpu_decode.greedy_head), else None.
+        The tokens are those of the VNNI kernels' logits: `logits` itself for one row and in deterministic
+        mode; at several rows the default mode's `logits` runs torch's kernel, whose roundings may break a
+        tie within one bf16 ulp the other way."""
+        if not self.has_head:
+            return None
+        n = h.shape[0]
+        if deterministic and self.row_multiple > 1:
+            h = pad_rows(h, BLOCK)
+        return cpu_decode.greedy_head(self.head, self.final_norm(h)[:n])
+
+
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     """x with zero rows appended up to a multiple of `multiple` rows."""
     pad = (-x.shape[0]) % multiple

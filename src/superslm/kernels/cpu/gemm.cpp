@@ -104,21 +104,6 @@ void block_rows(const uint8_t* wp, const uint32_t* szp, const uint64_t* bits, co
   }
 }
 
-// the 16 lane sums of v[0..15] in one vector (integer sums: exact in any order); lane 4q + r holds the
-// sum of v[4r + q]
-inline __m512i reduce16(const __m512i v[16]) {
-  __m512i w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i)  // lanes 0-7: 8 partials of v[2i], 8-15: of v[2i + 1]
-    w[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                            _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int i = 0; i < 4; ++i)  // quarter q: 4 partials of v[4i + q]
-    x[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                            _mm512_shuffle_i32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  for (int i = 0; i < 2; ++i)  // quarter q, lanes (0, 2): v[8i + q], lanes (1, 3): v[8i + 4 + q], 2 partials each
-    y[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]));
-  return _mm512_add_epi32(_mm512_unpacklo_epi64(y[0], y[1]), _mm512_unpackhi_epi64(y[0], y[1]));
-}
-
 // output rows [n0, n1) for every activation row: 4 output rows x 2 activation rows x 2 parts per pass,
 // the 4 weight rows (4 K bytes) staying in L1 while the activation rows stream past them
 void int8_rows(const uint8_t* hi, const uint8_t* lo, const std::vector<int64_t>& rows, const float* sh,
@@ -142,7 +127,7 @@ void int8_rows(const uint8_t* hi, const uint8_t* lo, const std::vector<int64_t>&
           for (int j = 0; j < 4; ++j) acc[i * 4 + j] = _mm512_dpbusd_epi32(acc[i * 4 + j], xv[j], wv[i]);
       }
       alignas(64) int32_t sum[16];
-      _mm512_store_si512(sum, reduce16(acc));
+      _mm512_store_si512(sum, superslm_vnni::reduce16(acc));
       // acc index 4i + j sits in lane 4j + i (reduce16): j = 2 * (row pair index) + part
       for (int i = 0; i < nn; ++i) {
         const int64_t off = 128LL * rowsum[n + i];

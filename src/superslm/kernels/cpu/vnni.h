@@ -109,6 +109,21 @@ inline int lane_row(int acc, int lane) {
 }
 
 #ifdef SUPERSLM_VNNI
+// the 16 lane sums of v[0..15] in one vector (integer sums: exact in any order); lane 4q + r holds the
+// sum of v[4r + q]
+inline __m512i reduce16(const __m512i v[16]) {
+  __m512i w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: 8 partials of v[2i], 8-15: of v[2i + 1]
+    w[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // quarter q: 4 partials of v[4i + q]
+    x[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // quarter q, lanes (0, 2): v[8i + q], lanes (1, 3): v[8i + 4 + q], 2 partials each
+    y[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(y[0], y[1]), _mm512_unpackhi_epi64(y[0], y[1]));
+}
+
 // four k of torch's packed int4 block (32 bytes each, at p) -> the four accumulators' code vectors:
 // 16 rows x 4 k per vector, codes 0..15 as unsigned bytes
 inline void unpack_quad(const uint8_t* p, __m512i c[4]) {

@@ -1,0 +1,122 @@
+"""Certified greedy tokens from an int8 head (kernels/cpu/greedy.cpp, cpu_decode.greedy_head): the same
+tokens as the argmax of the exact VNNI kernels' logits, ties to the first index, and a clean refusal
+where the bound cannot help."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import superslm
+from superslm import Request, Sampling, cext
+from superslm.kernels import cpu_decode
+from superslm.quant.dense import Int8Linear
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("SUPERSLM_CPU_KERNELS") == "0" or cext.vnni() is None, reason="needs the VNNI kernels"
+)
+
+
+def _head(n: int, k: int, seed: int, ties: int = 0) -> Int8Linear:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * (1 + torch.rand(n, 1, generator=g))
+    if ties:  # duplicate rows: equal logits, the argmax must be the first of them
+        w[n // 2 : n // 2 + ties] = w[n // 3]
+    return Int8Linear.from_dense(w)
+
+
+def _hidden(m: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[:, :3] *= 8  # a few outlier channels, as real hidden states have
+    return x.to(torch.bfloat16)
+
+
+def _exact(head: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    ext = cext.vnni()
+    return ext.int8_gemm(x, head.codes, head.scale, ext.int8_rowsum(head.codes)).float()
+
+
+@pytest.mark.parametrize("m", [4, 7, 16])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tokens_equal_the_exact_argmax(m: int, seed: int) -> None:
+    head = _head(3001, 128, seed, ties=5)
+    x = _hidden(m, 128, seed + 10)
+    want = _exact(head, x).argmax(dim=1)
+    got = cpu_decode.greedy_head(head, x)
+    assert got is not None and torch.equal(got, want)
+
+
+def test_near_ties_the_approximation_reverses() -> None:
+    """Rows whose top logits differ by less than the one-part approximation's error (codes one apart in a
+    few places): the approximate order is often wrong, the certified tokens never are."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 256, 64
+    base = torch.randint(-100, 100, (k,), generator=g, dtype=torch.int32)
+    codes = base.repeat(n, 1)
+    for r in range(1, n):
+        at = torch.randperm(k, generator=g)[:6]
+        codes[r, at] += torch.randint(-1, 2, (6,), generator=g, dtype=torch.int32)
+    head = Int8Linear(codes.clamp(-127, 127).to(torch.int8), torch.full((n,), 0.01, dtype=torch.bfloat16), k, n)
+    x = (base.float() * 0.05 + torch.randn(32, k, generator=g)).to(torch.bfloat16)
+    ext = cext.vnni()
+    full = _exact(head, x)
+    for i in range(0, 32, 8):
+        assert torch.equal(cpu_decode.greedy_head(head, x[i : i + 8]), full[i : i + 8].argmax(dim=1))
+    # the approximation alone (first int8 part only) picks another token on some rows
+    xf = x.float()
+    sh = xf.abs().amax(1, keepdim=True) / 127
+    approx = (torch.round(xf / sh) * sh) @ (codes.float() * 0.01).T
+    assert (approx.argmax(dim=1) != full.argmax(dim=1)).any()
+    assert ext is not None
+
+
+def test_candidates_hold_every_tied_maximum() -> None:
+    ext = cext.vnni()
+    head = _head(2048, 256, 3, ties=7)
+    # rows that favour the duplicated row: a tie of 8 equal maxima
+    x = (head.dequantize()[2048 // 3 : 2048 // 3 + 1].repeat(6, 1) * 3 + _hidden(6, 256, 4).float()).to(torch.bfloat16)
+    full = _exact(head, x)
+    w2 = (head.codes.float().norm(dim=1) * head.scale.float() * (1 + 2**-16)).contiguous()
+    cands, offsets = ext.int8_greedy_candidates(x, head.codes, head.scale, ext.int8_rowsum(head.codes), w2)
+    assert offsets.numel() == 7 and offsets[-1].item() == cands.numel()
+    for r in range(6):
+        mine = set(cands[offsets[r] : offsets[r + 1]].tolist())
+        best = set(torch.nonzero(full[r] == full[r].max()).flatten().tolist())
+        assert best <= mine and len(mine) < 2048 // 4
+    assert torch.equal(cpu_decode.greedy_head(head, x), full.argmax(dim=1))
+
+
+def test_refuses_where_it_cannot_help(monkeypatch: pytest.MonkeyPatch) -> None:
+    head = _head(1024, 64, 5)
+    x = _hidden(8, 64, 6)
+    assert cpu_decode.greedy_head(head, x[:3]) is None  # few rows: the head is read at memory speed anyway
+    bad = x.clone()
+    bad[2, 5] = float("nan")
+    assert cpu_decode.greedy_head(head, bad) is None  # a row the int8 parts cannot carry
+    monkeypatch.setattr(cpu_decode, "GREEDY_MAX_CANDIDATES", 0)
+    for _ in range(15):
+        assert cpu_decode.greedy_head(head, x) is None
+    calls, fallbacks = head._greedy_stats
+    assert calls == 16 and fallbacks == 16
+    monkeypatch.setattr(cpu_decode, "GREEDY_MAX_CANDIDATES", 4096)
+    assert cpu_decode.greedy_head(head, x) is None  # given up on: every call fell back
+    assert head._greedy_stats[0] == 16
+
+
+def test_engine_streams_get_the_same_tokens(gemma3_gguf, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma-3's int8 head at 8 greedy streams, deterministic mode (whose full logits are the VNNI
+    kernels'): the certified path changes no token, and it ran."""
+    model = superslm.load(gemma3_gguf)
+    ids = model.tokenizer.encode("The river runs through the old town and", add_special_tokens=False)
+    reqs = [Request(ids[: 4 + i], 12, Sampling(ignore_eos=True)) for i in range(8)]
+    calls = []
+    real = cpu_decode.greedy_head
+    monkeypatch.setattr(cpu_decode, "greedy_head", lambda *a: calls.append(1) or real(*a))
+    got = [c.tokens for c in model.engine(slots=8, context=64, deterministic=True).generate(reqs)]
+    assert calls and model.net.head._greedy_stats[1] == 0
+    monkeypatch.setattr(cpu_decode, "GREEDY_MIN_ROWS", 10**9)
+    want = [c.tokens for c in model.engine(slots=8, context=64, deterministic=True).generate(reqs)]
+    assert got == want
