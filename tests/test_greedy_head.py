@@ -80,12 +80,15 @@ def test_candidates_hold_every_tied_maximum() -> None:
     x = (head.dequantize()[2048 // 3 : 2048 // 3 + 1].repeat(6, 1) * 3 + _hidden(6, 256, 4).float()).to(torch.bfloat16)
     full = _exact(head, x)
     w2 = (head.codes.float().norm(dim=1) * head.scale.float() * (1 + 2**-16)).contiguous()
-    cands, offsets = ext.int8_greedy_candidates(x, head.codes, head.scale, ext.int8_rowsum(head.codes), w2)
-    assert offsets.numel() == 7 and offsets[-1].item() == cands.numel()
+    rowsum = ext.int8_rowsum(head.codes)
+    cands, ok = ext.int8_greedy_candidates(x, head.codes, head.scale, rowsum, w2, 4096)
+    assert ok and torch.equal(cands, cands.sort().values) and cands.unique().numel() == cands.numel()
+    mine = set(cands.tolist())
     for r in range(6):
-        mine = set(cands[offsets[r] : offsets[r + 1]].tolist())
         best = set(torch.nonzero(full[r] == full[r].max()).flatten().tolist())
-        assert best <= mine and len(mine) < 2048 // 4
+        assert len(best) == 8 and best <= mine
+    assert len(mine) < 2048 // 4
+    assert not ext.int8_greedy_candidates(x, head.codes, head.scale, rowsum, w2, len(mine) - 1)[1]  # over the limit
     assert torch.equal(cpu_decode.greedy_head(head, x), full.argmax(dim=1))
 
 
@@ -97,13 +100,13 @@ def test_refuses_where_it_cannot_help(monkeypatch: pytest.MonkeyPatch) -> None:
     bad[2, 5] = float("nan")
     assert cpu_decode.greedy_head(head, bad) is None  # a row the int8 parts cannot carry
     monkeypatch.setattr(cpu_decode, "GREEDY_MAX_CANDIDATES", 0)
-    for _ in range(15):
+    for _ in range(7):
         assert cpu_decode.greedy_head(head, x) is None
     calls, fallbacks = head._greedy_stats
-    assert calls == 16 and fallbacks == 16
+    assert calls == 8 and fallbacks == 8
     monkeypatch.setattr(cpu_decode, "GREEDY_MAX_CANDIDATES", 4096)
     assert cpu_decode.greedy_head(head, x) is None  # given up on: every call fell back
-    assert head._greedy_stats[0] == 16
+    assert head._greedy_stats[0] == 8
 
 
 def test_engine_streams_get_the_same_tokens(gemma3_gguf, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,9 +28,10 @@ at::Tensor int5_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::T
 at::Tensor int5_reference(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits);
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& rowsum);
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros, int64_t group);
-std::tuple<at::Tensor, at::Tensor> int8_greedy_candidates(const at::Tensor& x, const at::Tensor& codes,
-                                                          const at::Tensor& scale, const at::Tensor& rowsum,
-                                                          const at::Tensor& w2);
+at::Tensor int8_rownorm(const at::Tensor& codes, const at::Tensor& scale);
+std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const at::Tensor& codes,
+                                                    const at::Tensor& scale, const at::Tensor& rowsum,
+                                                    const at::Tensor& w2, int64_t limit);
 
 namespace {
 
@@ -337,5 +338,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int5_gemm", &int5_gemm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int5_reference", &int5_reference, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_gemm", &int4_gemm, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int8_rownorm", &int8_rownorm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int8_greedy_candidates", &int8_greedy_candidates, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -6,14 +6,16 @@
 //   |exact - approx| <= scale_n * |sum_k (x_k - sh hi_k) c_nk| + the second part's rounding + bf16 output
 //                    <= (||r||_2 + sl sqrt(K) / 2) * w2_n * 1.001 + 2^-8 (|approx| + that)
 // (Cauchy-Schwarz, r = x - sh hi, w2_n = ||c_n||_2 * scale_n). A token whose upper bound is below the best
-// lower bound cannot be the argmax, so the candidates of each row hold every token that can be, ties
+// lower bound cannot be the argmax, so the candidates hold every token that can be a row's argmax, ties
 // included; the caller computes the exact logits of the candidates alone (the exact kernels give each
 // output from exact integer sums, so a gathered row has the bits it has in the full head).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <atomic>
 #include <limits>
+#include <mutex>
 #include <tuple>
 #include <vector>
 
@@ -21,14 +23,35 @@
 
 bool vnni_available();
 
+// w2 float32 [N] for codes int8 [N, K] and scale bf16 [N]: ||codes_n||_2 * scale_n from the exact integer sum of
+// squares, rounded up by 2^-20 (the bound must not be an ulp short); no temporaries beside the output
+at::Tensor int8_rownorm(const at::Tensor& codes, const at::Tensor& scale) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && scale.scalar_type() == at::kBFloat16 &&
+                  scale.numel() == codes.size(0) && codes.device().is_cpu() && scale.device().is_cpu(),
+              "int8_rownorm: codes int8 [N, K] and scale bf16 [N]");
+  at::Tensor c = codes.contiguous(), sc = scale.contiguous();
+  const int64_t N = c.size(0), K = c.size(1);
+  at::Tensor out = at::empty({N}, c.options().dtype(at::kFloat));
+  const int8_t* cp = c.data_ptr<int8_t>();
+  const at::BFloat16* sp = sc.data_ptr<at::BFloat16>();
+  float* op = out.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    int64_t total = 0;
+    for (int64_t k = 0; k < K; ++k) total += static_cast<int64_t>(cp[n * K + k]) * cp[n * K + k];
+    op[n] = static_cast<float>(std::sqrt(static_cast<double>(total)) * static_cast<double>(static_cast<float>(sp[n])) *
+                               (1.0 + 1.0 / 1048576.0));
+  }
+  return out;
+}
+
 // x [M, K] (rounded to bf16, as the exact kernels see it), codes int8 [N, K], scale bf16 [N], rowsum int32
-// [N] (int8_rowsum), w2 float32 [N] (||codes_n||_2 * scale_n, rounded up) -> (candidates int64 [T], offsets
-// int64 [M + 1]): row m's candidate tokens, ascending, are candidates[offsets[m]:offsets[m + 1]]. Offsets
-// come back empty when a row cannot be split into int8 parts (NaN, inf, an outlier): the caller computes
-// the whole head then.
-std::tuple<at::Tensor, at::Tensor> int8_greedy_candidates(const at::Tensor& x, const at::Tensor& codes,
-                                                          const at::Tensor& scale, const at::Tensor& rowsum,
-                                                          const at::Tensor& w2) {
+// [N] (int8_rowsum), w2 float32 [N] (||codes_n||_2 * scale_n, rounded up) -> (candidates int64 [U], ok): the
+// union over the rows of the tokens that can be a row's argmax, ascending. ok is false (and the union empty)
+// when a row cannot be split into int8 parts (NaN, inf, an outlier) or the union would exceed `limit`: the
+// caller computes the whole head then.
+std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const at::Tensor& codes,
+                                                    const at::Tensor& scale, const at::Tensor& rowsum,
+                                                    const at::Tensor& w2, int64_t limit) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1) && codes.scalar_type() == at::kChar &&
                   x.device().is_cpu() && codes.device().is_cpu() && codes.is_contiguous() &&
                   scale.scalar_type() == at::kBFloat16 && rowsum.scalar_type() == at::kInt &&
@@ -38,8 +61,9 @@ std::tuple<at::Tensor, at::Tensor> int8_greedy_candidates(const at::Tensor& x, c
               "w2 float32 [N]");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(K % 64 == 0, "int8_greedy_candidates: K must be a multiple of 64");
+  TORCH_CHECK(N < (int64_t{1} << 31) && M < (int64_t{1} << 31), "int8_greedy_candidates: too many rows");
   const at::Tensor none = at::empty({0}, at::kLong);
-  if (!vnni_available() || M == 0 || N == 0) return {none, none};
+  if (!vnni_available() || M == 0 || N == 0) return {none, false};
 #ifdef SUPERSLM_VNNI
   at::Tensor xf = x.to(at::kBFloat16).to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
@@ -48,7 +72,7 @@ std::tuple<at::Tensor, at::Tensor> int8_greedy_candidates(const at::Tensor& x, c
   std::vector<float> sh(M), err(M);  // err: ||r||_2 + sl sqrt(K) / 2, rounded up
   for (int64_t m = 0; m < M; ++m) {
     float sl;
-    if (!superslm_vnni::split_int8(xp + m * K, K, hs.data(), ls.data(), &sh[m], &sl)) return {none, none};
+    if (!superslm_vnni::split_int8(xp + m * K, K, hs.data(), ls.data(), &sh[m], &sl)) return {none, false};
     double rr = 0.0;
     for (int64_t k = 0; k < K; ++k) {
       const double r = static_cast<double>(xp[m * K + k]) - static_cast<double>(sh[m]) * hs[k];
@@ -62,24 +86,33 @@ std::tuple<at::Tensor, at::Tensor> int8_greedy_candidates(const at::Tensor& x, c
   const int32_t* rp = rs.data_ptr<int32_t>();
   const at::BFloat16* sp = sc.data_ptr<at::BFloat16>();
   const float* wp = wc.data_ptr<float>();
-  std::vector<float> approx(M * N);
-  const int threads = at::get_num_threads();
-  std::vector<float> lower(threads * M, -std::numeric_limits<float>::infinity());  // per thread: best lower bound
-  auto bound = [&](int64_t m, int64_t n, float a) {
-    const float e = err[m] * wp[n];
-    return 1.001f * e + 0.00390625f * (std::fabs(a) + e);
+  // per task: each row's best lower bound so far, and the (row, token, upper bound) that reached it then;
+  // no [M, N] buffer (a 16 MB allocation a step fragments the heap): the list stays short, as a token is
+  // kept only while its upper bound beats the running best
+  struct Kept {
+    int32_t m, n;
+    float up;
   };
-  // pass 1: approximate logits, 4 outputs x 4 rows per tile (one part: half the exact kernels' products);
+  std::vector<std::vector<float>> lowers;
+  std::vector<std::vector<Kept>> kepts;
+  std::mutex merge;
+  // a loose bound keeps most of the vocabulary: past this many entries a task gives up (the caller then
+  // computes the whole head), so a hopeless call costs neither memory nor the time of its list
+  const size_t max_kept = static_cast<size_t>(std::max<int64_t>(limit, 1)) * 16 + 4096;
+  std::atomic<bool> gave_up{false};
+  // one pass: approximate logits, 4 outputs x 4 rows per tile (one part: half the exact kernels' products);
   // the epilogue in vectors, lane 4j + i = output i of row j (reduce16's order)
   const __m512i row_of = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   const __m512 c1 = _mm512_set1_ps(1.001f), c2 = _mm512_set1_ps(0.00390625f);
-  auto bound16 = [&](__m512 a, __m512 e) {  // the bound of `bound`, 16 lanes
+  auto bound16 = [&](__m512 a, __m512 e) {  // the bound above, given e = err_m * w2_n, 16 lanes
     return _mm512_fmadd_ps(c1, e, _mm512_mul_ps(c2, _mm512_add_ps(_mm512_abs_ps(a), e)));
   };
   const int64_t grain = std::max<int64_t>(1, 65536 / (4 * K));
   at::parallel_for(0, (N + 3) / 4, grain, [&](int64_t t0, int64_t t1) {
-    float* low = lower.data() + at::get_thread_num() * M;
-    for (int64_t n = t0 * 4; n < std::min(N, t1 * 4); n += 4) {
+    std::vector<float> lowv(M, -std::numeric_limits<float>::infinity());
+    std::vector<Kept> kept;
+    float* low = lowv.data();
+    for (int64_t n = t0 * 4; n < std::min(N, t1 * 4) && !gave_up.load(std::memory_order_relaxed); n += 4) {
       const int64_t nn = std::min<int64_t>(4, N - n);
       const int8_t* w[4];
       float s4[4], o4[4], w4[4];  // per output: scale, 128 * rowsum, w2 (a short tile repeats its last)
@@ -116,47 +149,44 @@ std::tuple<at::Tensor, at::Tensor> int8_greedy_candidates(const at::Tensor& x, c
         const __m512 hv = _mm512_permutexvar_ps(row_of, _mm512_castps128_ps512(_mm_loadu_ps(h4)));
         const __m512 ev = _mm512_mul_ps(_mm512_permutexvar_ps(row_of, _mm512_castps128_ps512(_mm_loadu_ps(e4))), wv2);
         const __m512 a = _mm512_mul_ps(sv, _mm512_mul_ps(hv, sum));
-        alignas(64) float av[16], lv[16];
-        _mm512_store_ps(av, a);
-        _mm512_store_ps(lv, _mm512_sub_ps(a, bound16(a, ev)));
-        for (int j = 0; j < mm; ++j) {
-          float* dst = approx.data() + (m + j) * N + n;
-          for (int i = 0; i < nn; ++i) {
-            dst[i] = av[4 * j + i];
-            low[m + j] = std::max(low[m + j], lv[4 * j + i]);
-          }
-        }
+        const __m512 b = bound16(a, ev);
+        alignas(64) float lo16[16], up16[16];
+        _mm512_store_ps(lo16, _mm512_sub_ps(a, b));
+        _mm512_store_ps(up16, _mm512_add_ps(a, b));
+        for (int j = 0; j < mm; ++j)
+          for (int i = 0; i < nn; ++i) low[m + j] = std::max(low[m + j], lo16[4 * j + i]);
+        for (int j = 0; j < mm; ++j)
+          for (int i = 0; i < nn; ++i)
+            if (up16[4 * j + i] >= low[m + j])
+              kept.push_back({static_cast<int32_t>(m + j), static_cast<int32_t>(n + i), up16[4 * j + i]});
+        if (kept.size() > max_kept) gave_up = true;
       }
     }
+    std::lock_guard<std::mutex> lock(merge);
+    lowers.push_back(std::move(lowv));
+    kepts.push_back(std::move(kept));
   });
-  // pass 2: per row, every token whose upper bound reaches the best lower bound (16 at a time)
-  std::vector<std::vector<int64_t>> found(M);
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      float best = -std::numeric_limits<float>::infinity();
-      for (int t = 0; t < threads; ++t) best = std::max(best, lower[t * M + m]);
-      const float* am = approx.data() + m * N;
-      const __m512 bv = _mm512_set1_ps(best), em = _mm512_set1_ps(err[m]);
-      int64_t n = 0;
-      for (; n + 16 <= N; n += 16) {
-        const __m512 a = _mm512_loadu_ps(am + n);
-        const __m512 up = _mm512_add_ps(a, bound16(a, _mm512_mul_ps(em, _mm512_loadu_ps(wp + n))));
-        for (uint32_t k = _mm512_cmp_ps_mask(up, bv, _CMP_GE_OQ); k; k &= k - 1) found[m].push_back(n + __builtin_ctz(k));
-      }
-      for (; n < N; ++n)
-        if (am[n] + bound(m, n, am[n]) >= best) found[m].push_back(n);
-    }
-  });
-  at::Tensor offsets = at::empty({M + 1}, at::kLong);
-  int64_t* op = offsets.data_ptr<int64_t>();
-  op[0] = 0;
-  for (int64_t m = 0; m < M; ++m) op[m + 1] = op[m] + static_cast<int64_t>(found[m].size());
-  at::Tensor cands = at::empty({op[M]}, at::kLong);
+  if (gave_up) return {none, false};
+  // every token whose upper bound reaches its row's best lower bound (over all tasks), marked so the
+  // union comes out sorted
+  std::vector<float> best(M, -std::numeric_limits<float>::infinity());
+  for (const auto& l : lowers)
+    for (int64_t m = 0; m < M; ++m) best[m] = std::max(best[m], l[m]);
+  std::vector<uint8_t> mark(N, 0);
+  for (const auto& kept : kepts)
+    for (const Kept& k : kept)
+      if (k.up >= best[k.m]) mark[k.n] = 1;
+  int64_t count = 0;
+  for (int64_t n = 0; n < N; ++n) count += mark[n];
+  if (count > limit) return {none, false};
+  at::Tensor cands = at::empty({count}, at::kLong);
   int64_t* cpo = cands.data_ptr<int64_t>();
-  for (int64_t m = 0; m < M; ++m) std::copy(found[m].begin(), found[m].end(), cpo + op[m]);
-  return {cands, offsets};
+  for (int64_t n = 0, i = 0; n < N; ++n)
+    if (mark[n]) cpo[i++] = n;
+  return {cands, true};
 #else
   (void)w2;
-  return {none, none};
+  (void)limit;
+  return {none, false};
 #endif
 }
