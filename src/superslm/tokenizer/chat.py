@@ -10,45 +10,15 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, NoReturn
-
-import jinja2
-import jinja2.ext
-from jinja2.exceptions import SecurityError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from jinja2.utils import Namespace
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from superslm.errors import InvalidArgument, SuperSLMError, TemplateError
 
+if TYPE_CHECKING:  # jinja2 is imported with the first template (plain generation never needs it)
+    import jinja2
+
 # Names a message's reasoning may come under; templates (Qwen3's, gpt-oss') read one or another.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-
-class _StrictSandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, but an unsafe attribute raises at once instead of rendering as ""."""
-
-    def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:  # type: ignore[override]
-        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
-
-
-class _SafeNamespace(Namespace):
-    """`namespace()` that refuses underscore names (no route to CPython internals through it)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - Namespace's own signature trick
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _SafeNamespace._check(name)
-        Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _SafeNamespace._check(name)
-        Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise SecurityError(f"a template may not set the underscore name {name!r} on a namespace")
 
 
 def _raise_exception(message: str) -> NoReturn:
@@ -76,6 +46,36 @@ def _make_dict(*args: Any, **kwargs: Any) -> dict[Any, Any]:
 
 @lru_cache(maxsize=1)
 def _environment() -> jinja2.Environment:
+    import jinja2.ext
+    from jinja2.exceptions import SecurityError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.utils import Namespace
+
+    class _StrictSandbox(ImmutableSandboxedEnvironment):
+        """The immutable sandbox, but an unsafe attribute raises at once instead of rendering as ""."""
+
+        def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:  # type: ignore[override]
+            raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+    class _SafeNamespace(Namespace):
+        """`namespace()` that refuses underscore names (no route to CPython internals through it)."""
+
+        def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - Namespace's own signature trick
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                _SafeNamespace._check(name)
+            Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            _SafeNamespace._check(name)
+            Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name: Any) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise SecurityError(f"a template may not set the underscore name {name!r} on a namespace")
+
     env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -87,6 +87,8 @@ def _environment() -> jinja2.Environment:
 
 @lru_cache(maxsize=64)
 def _compile(source: str) -> jinja2.Template:
+    import jinja2
+
     try:
         return _environment().from_string(source)
     except jinja2.TemplateSyntaxError as e:
@@ -177,6 +179,9 @@ class ChatTemplate:
         context.update({k: _plain(v, k) for k, v in extra.items()})
         if enable_thinking is not None:
             context["enable_thinking"] = bool(enable_thinking)
+        from jinja2 import TemplateError as JinjaError  # imported already: the template was compiled
+        from jinja2.exceptions import SecurityError
+
         try:
             return self._template.render(
                 messages=chat, tools=tools, add_generation_prompt=bool(add_generation_prompt), **context
@@ -185,7 +190,7 @@ class ChatTemplate:
             raise
         except SecurityError as e:
             raise TemplateError(f"chat template tried to leave its sandbox: {e}") from e
-        except jinja2.TemplateError as e:
+        except JinjaError as e:
             raise TemplateError(f"chat template failed: {e}") from e
         except Exception as e:  # a template is code: any failure in it is the template's
             raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
