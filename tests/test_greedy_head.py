@@ -73,6 +73,23 @@ def test_near_ties_the_approximation_reverses() -> None:
     assert ext is not None
 
 
+def test_an_outlier_channel_is_taken_exactly() -> None:
+    """One channel at ~20x the others' rms (SmolLM2's final hidden states have one): multiplied in float
+    beside the int8 part, it no longer sets the int8 step, and the candidates stay few."""
+    ext = cext.vnni()
+    head = _head(4096, 192, 11)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(8, 192, generator=g)
+    x[:, 17] = 20.0 * torch.sign(torch.randn(8, generator=g))
+    x[:, 40] *= 6
+    x = x.to(torch.bfloat16)
+    rowsum = ext.int8_rowsum(head.codes)
+    cands, ok = ext.int8_greedy_candidates(x, head.codes, head.scale, rowsum, ext.int8_rownorm(head.codes, head.scale),
+                                           4096)
+    assert ok and cands.numel() < 64
+    assert torch.equal(cpu_decode.greedy_head(head, x), _exact(head, x).argmax(dim=1))
+
+
 def test_candidates_hold_every_tied_maximum() -> None:
     ext = cext.vnni()
     head = _head(2048, 256, 3, ties=7)

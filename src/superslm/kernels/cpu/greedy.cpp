@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <algorithm>
 #include <atomic>
 #include <limits>
 #include <mutex>
@@ -67,19 +68,41 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
 #ifdef SUPERSLM_VNNI
   at::Tensor xf = x.to(at::kBFloat16).to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
+  // outlier channels (each row's 4 largest |x|, shared by all rows, at most 16) are multiplied exactly in
+  // float: one channel at 17x the rms (SmolLM2's) would otherwise set every int8 step and loosen the bound
+  std::vector<int64_t> outl;
+  for (int64_t m = 0; m < M; ++m) {
+    std::vector<int64_t> idx(K);
+    for (int64_t k = 0; k < K; ++k) idx[k] = k;
+    std::partial_sort(idx.begin(), idx.begin() + std::min<int64_t>(4, K), idx.end(), [&](int64_t a, int64_t b) {
+      return std::fabs(xp[m * K + a]) > std::fabs(xp[m * K + b]);
+    });
+    for (int64_t t = 0; t < std::min<int64_t>(4, K); ++t)
+      if (std::find(outl.begin(), outl.end(), idx[t]) == outl.end() && outl.size() < 16) outl.push_back(idx[t]);
+  }
+  const int64_t T = static_cast<int64_t>(outl.size());
   std::vector<uint8_t> hi(M * K);
   std::vector<int8_t> hs(K), ls(K);
-  std::vector<float> sh(M), err(M);  // err: ||r||_2 + sl sqrt(K) / 2, rounded up
+  std::vector<float> rest(K), sh(M), err(M), xo(M), xt(M * T);  // xt [M, T]: the outliers' values
   for (int64_t m = 0; m < M; ++m) {
+    std::copy(xp + m * K, xp + (m + 1) * K, rest.begin());
+    double ao = 0.0;
+    for (int64_t t = 0; t < T; ++t) {
+      xt[m * T + t] = rest[outl[t]];
+      ao += std::fabs(rest[outl[t]]);
+      rest[outl[t]] = 0.f;
+    }
     float sl;
-    if (!superslm_vnni::split_int8(xp + m * K, K, hs.data(), ls.data(), &sh[m], &sl)) return {none, false};
+    if (!superslm_vnni::split_int8(rest.data(), K, hs.data(), ls.data(), &sh[m], &sl)) return {none, false};
     double rr = 0.0;
     for (int64_t k = 0; k < K; ++k) {
-      const double r = static_cast<double>(xp[m * K + k]) - static_cast<double>(sh[m]) * hs[k];
+      const double r = static_cast<double>(rest[k]) - static_cast<double>(sh[m]) * hs[k];
       rr += r * r;
       hi[m * K + k] = static_cast<uint8_t>(hs[k] + 128);
     }
     err[m] = static_cast<float>((std::sqrt(rr) + 0.5 * sl * std::sqrt(static_cast<double>(K))) * 1.001);
+    // the float sum of T products of |x_t| * |c| <= 128 |x_t|: its rounding, with room to spare
+    xo[m] = static_cast<float>(ao * 128.0 / 65536.0);
   }
   at::Tensor sc = scale.contiguous(), rs = rowsum.contiguous(), wc = w2.contiguous();
   const int8_t* cp = codes.data_ptr<int8_t>();
@@ -125,15 +148,28 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
       }
       const __m512 sv = _mm512_broadcast_f32x4(_mm_loadu_ps(s4)), ov = _mm512_broadcast_f32x4(_mm_loadu_ps(o4));
       const __m512 wv2 = _mm512_broadcast_f32x4(_mm_loadu_ps(w4));
+      __m512 cw[16];  // per outlier channel: lane 4j + i = codes[n + i][channel]
+      for (int64_t t = 0; t < T; ++t) {
+        float c4[4];
+        for (int i = 0; i < 4; ++i) c4[i] = static_cast<float>(w[i][outl[t]]);
+        cw[t] = _mm512_broadcast_f32x4(_mm_loadu_ps(c4));
+      }
       for (int64_t m = 0; m < M; m += 4) {
         const int64_t mm = std::min<int64_t>(4, M - m);
         const uint8_t* xr[4];
-        float h4[4], e4[4];
+        float h4[4], e4[4], f4[4];
+        __m512 outv = _mm512_setzero_ps();  // lane 4j + i: sum over outlier channels of x[row j] * codes[n + i]
         for (int j = 0; j < 4; ++j) {
           const int64_t r = m + std::min<int64_t>(j, mm - 1);
           xr[j] = hi.data() + r * K;
           h4[j] = sh[r];
           e4[j] = err[r];
+          f4[j] = xo[r];
+        }
+        for (int64_t t = 0; t < T; ++t) {
+          float x4[4];
+          for (int j = 0; j < 4; ++j) x4[j] = xt[(m + std::min<int64_t>(j, mm - 1)) * T + t];
+          outv = _mm512_fmadd_ps(_mm512_permutexvar_ps(row_of, _mm512_castps128_ps512(_mm_loadu_ps(x4))), cw[t], outv);
         }
         __m512i acc[16];  // [output i][row j]
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
@@ -148,8 +184,9 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
         const __m512 sum = _mm512_sub_ps(_mm512_cvtepi32_ps(superslm_vnni::reduce16(acc)), ov);
         const __m512 hv = _mm512_permutexvar_ps(row_of, _mm512_castps128_ps512(_mm_loadu_ps(h4)));
         const __m512 ev = _mm512_mul_ps(_mm512_permutexvar_ps(row_of, _mm512_castps128_ps512(_mm_loadu_ps(e4))), wv2);
-        const __m512 a = _mm512_mul_ps(sv, _mm512_mul_ps(hv, sum));
-        const __m512 b = bound16(a, ev);
+        const __m512 a = _mm512_mul_ps(sv, _mm512_fmadd_ps(hv, sum, outv));
+        const __m512 fv = _mm512_mul_ps(sv, _mm512_permutexvar_ps(row_of, _mm512_castps128_ps512(_mm_loadu_ps(f4))));
+        const __m512 b = _mm512_add_ps(bound16(a, ev), fv);
         alignas(64) float lo16[16], up16[16];
         _mm512_store_ps(lo16, _mm512_sub_ps(a, b));
         _mm512_store_ps(up16, _mm512_add_ps(a, b));
