@@ -90,6 +90,50 @@ def test_an_outlier_channel_is_taken_exactly() -> None:
     assert torch.equal(cpu_decode.greedy_head(head, x), _exact(head, x).argmax(dim=1))
 
 
+def test_the_exact_kernels_second_part_is_bounded_with_their_step() -> None:
+    """The bound's second-part term uses the step of the full row's split (what int8_gemm uses), not of the
+    row without its outlier channels: a token whose exact logit rests on that rounding stays a candidate.
+    (From a review: with the rest's step the argmax, token 0, was dropped.)"""
+    import numpy as np
+
+    ext = cext.vnni()
+    k = 64
+    np.random.seed(0)
+    j = np.random.randint(-127, 128, size=k).astype(np.float64)
+    j[1:6] = [127, -127, 127, -127, 127]
+    x = j * 2.0**-7  # the rest sits on the one-part grid exactly: its own residual is 0
+    x[0] = float(torch.tensor(60 * np.sqrt(np.mean(x[1:] ** 2))).bfloat16().float())  # an outlier channel: 37.5
+    assert x[0] == 37.5
+    xf = torch.tensor(x, dtype=torch.float32).numpy()
+    sh = np.float32(np.abs(xf).max() / np.float32(127))
+    sl = np.float32(sh / np.float32(254))
+    qh = np.clip(np.rint(xf / sh), -127, 127)
+    e = xf.astype(np.float64) - qh * np.float64(sh) - np.clip(np.rint((xf - qh * sh) / sl), -127, 127) * np.float64(sl)
+    c0 = np.zeros(k, dtype=np.int64)
+    c0[1:] = np.where(e[1:] > 0, -127, 127)
+    c0[0] = int(np.clip(-round((x[1:] * c0[1:]).sum() / x[0]), -127, 127))
+    rows, scales = [c0], [0.01]
+    for t in np.linspace(0.0, 0.072, 200):  # tokens on the outlier channel alone, graded just below token 0
+        cb = np.zeros(k, dtype=np.int64)
+        cb[0] = 1
+        rows.append(cb)
+        scales.append(t / 37.5)
+    codes = torch.tensor(np.stack(rows), dtype=torch.int8)
+    head = Int8Linear(codes, torch.tensor(scales).to(torch.bfloat16), k, codes.shape[0])
+    xs = torch.tensor(x, dtype=torch.float32).to(torch.bfloat16).repeat(4, 1)
+    want = _exact(head, xs).argmax(dim=1)
+    assert want.tolist() == [0, 0, 0, 0]
+    assert torch.equal(cpu_decode.greedy_head(head, xs), want)
+    # a row the exact kernels cannot split (one channel at ~200x the rest) is not certified at all
+    other = _head(512, 64, 22)
+    wild = _hidden(4, 64, 21).float()
+    wild[:, 5] = 200.0
+    w2 = ext.int8_rownorm(other.codes, other.scale)
+    cands, ok = ext.int8_greedy_candidates(wild.to(torch.bfloat16), other.codes, other.scale,
+                                           ext.int8_rowsum(other.codes), w2, 4096)
+    assert not ok and cands.numel() == 0
+
+
 def test_candidates_hold_every_tied_maximum() -> None:
     ext = cext.vnni()
     head = _head(2048, 256, 3, ties=7)

@@ -529,3 +529,18 @@ def test_shape_mismatch_rejected() -> None:
     with pytest.raises(InvalidArgument):
         narrow = torch.zeros(1, 2, dtype=torch.int32)  # covers 64 of 70 tokens
         sample(torch.randn(1, 70), [SamplerState.create(Sampling())], bitmask=narrow)
+
+
+def test_triton_requested_on_a_cpu_without_the_interpreter_samples_staged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SUPERSLM_KERNELS=triton cannot run on CPU tensors without TRITON_INTERPRET=1: sample() keeps its
+    staged path instead of raising."""
+    from superslm.sampling import SamplerState, Sampling, sample
+
+    monkeypatch.setenv("SUPERSLM_KERNELS", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    rows = [SamplerState(Sampling(), seed=0), SamplerState(Sampling(temperature=0.7, seed=3), seed=3)]
+    rows.append(SamplerState(Sampling(top_k=5, temperature=1.0, seed=4), seed=4))
+    got = sample(logits, rows).tokens
+    monkeypatch.setenv("SUPERSLM_KERNELS", "torch")
+    assert torch.equal(got, sample(logits, rows).tokens)

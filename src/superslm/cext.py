@@ -72,7 +72,9 @@ def extension() -> Any:
         return None
     src = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     # -march=native code must never be reused on another CPU: the name carries the CPU's and build's flags
-    build = " ".join([_cpu_flags(), torch.__version__, *_CFLAGS, *_LDFLAGS]).encode()
+    # ... and the interpreter's ABI: two venvs of different Pythons share the cache folder
+    abi = sys.implementation.cache_tag or ""
+    build = " ".join([_cpu_flags(), torch.__version__, abi, *_CFLAGS, *_LDFLAGS]).encode()
     tag = hashlib.sha256(src + build).hexdigest()[:12]
     name = f"superslm_decode_{tag}"
     build_dir = _build_dir(name)
@@ -81,8 +83,9 @@ def extension() -> Any:
         try:
             _ext = _import_built(name, built)
             return _ext
-        except Exception as e:  # a damaged build: cpp_extension rebuilds it below
+        except Exception as e:  # a damaged build: removed, so cpp_extension (ninja) rebuilds it below
             log.warning("superslm: rebuilding the C++ kernels (%s)", str(e).splitlines()[0])
+            built.unlink(missing_ok=True)
     try:
         from torch.utils.cpp_extension import load
 

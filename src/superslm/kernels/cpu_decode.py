@@ -273,7 +273,7 @@ def greedy_head(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None
     A one-part int8 pass bounds every logit (kernels/cpu/greedy.cpp); only the candidates that can be a
     row's argmax get their exact logits, from the same kernels as the full head: the same tokens for half
     the products. A head whose candidates keep overflowing (a model whose activations quantize coarsely)
-    stops trying once half of its calls (8 at least) fell back."""
+    stops trying once more than half of its calls (8 at least) fell back."""
     from superslm.quant.dense import Int8Linear
 
     rows = x.shape[0]
@@ -294,7 +294,7 @@ def greedy_head(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None
     rowsum = module._rowsum
     stats[0] += 1
     union, ok = ext.int8_greedy_candidates(x, module.codes, module.scale, rowsum, w2, GREEDY_MAX_CANDIDATES)
-    if not ok:
+    if not ok or union.numel() == 0:  # none: every bound NaN (a NaN scale), the full head says what it says
         stats[1] += 1
         return None
     y = ext.int8_gemm(x, module.codes.index_select(0, union).contiguous(), module.scale.index_select(0, union),

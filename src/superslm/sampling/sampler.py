@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from superslm.errors import InvalidArgument
+from superslm.errors import InvalidArgument, SuperSLMError
 from superslm.kernels import dispatch
 from superslm.sampling._device import upload
 from superslm.sampling.batch import sampling_batch
@@ -184,7 +184,10 @@ def sample(logits: Tensor, rows: Sequence[SamplerState], *, bitmask: Tensor | No
     device = logits.device
     params = [r.params for r in rows]
     if fused is None:
-        fused = dispatch.backend(device) == "triton"
+        try:
+            fused = dispatch.backend(device) == "triton"
+        except SuperSLMError:  # SUPERSLM_KERNELS=triton on a CPU without the interpreter: the staged path
+            fused = False
     if fused and all(p.logprobs is None for p in params):
         if bitmask is not None and (bitmask.shape[0] != n_rows or bitmask.shape[-1] * 32 < vocab):
             raise InvalidArgument(f"bitmask {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}")

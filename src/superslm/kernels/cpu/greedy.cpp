@@ -2,10 +2,16 @@
 //
 // At 16 decode rows an int8 head is compute-bound: the exact kernels (int8_gemv / int8_gemm) multiply each
 // code by both int8 parts of the activation. Here only the first part runs (x ~ sh * hi), and every
-// approximate logit carries a rigorous error bound:
-//   |exact - approx| <= scale_n * |sum_k (x_k - sh hi_k) c_nk| + the second part's rounding + bf16 output
-//                    <= (||r||_2 + sl sqrt(K) / 2) * w2_n * 1.001 + 2^-8 (|approx| + that)
-// (Cauchy-Schwarz, r = x - sh hi, w2_n = ||c_n||_2 * scale_n). A token whose upper bound is below the best
+// approximate logit carries a rigorous error bound. Each row's largest channels (the set O) are multiplied
+// exactly in float; the rest, x', is one int8 part x' ~ sh hi:
+//   approx = scale_n (sh sum_k hi_k c_nk + sum_{o in O} x_o c_no)
+//   |exact - approx| <= scale_n |sum_k (x'_k - sh hi_k) c_nk|   the dropped part
+//                     + scale_n (sl / 2) sqrt(K) ||c_n||_2      the exact kernels' own second-part rounding
+//                                                               (sl of the full row's split, as they use)
+//                     + 2^-8 |exact|                            their bf16 output, float32 sums
+//                     + scale_n 2^-9 sum_O |x_o|                 the float sum over O (|c| <= 128, 2^-24 each)
+//   so b = 1.001 (||r||_2 + sl sqrt(K) / 2) w2_n + 2^-8 (|approx| + that) + that last term, with
+// Cauchy-Schwarz, r = x' - sh hi, w2_n = ||c_n||_2 * scale_n. A token whose upper bound is below the best
 // lower bound cannot be the argmax, so the candidates hold every token that can be a row's argmax, ties
 // included; the caller computes the exact logits of the candidates alone (the exact kernels give each
 // output from exact integer sums, so a gathered row has the bits it has in the full head).
@@ -48,8 +54,8 @@ at::Tensor int8_rownorm(const at::Tensor& codes, const at::Tensor& scale) {
 // x [M, K] (rounded to bf16, as the exact kernels see it), codes int8 [N, K], scale bf16 [N], rowsum int32
 // [N] (int8_rowsum), w2 float32 [N] (||codes_n||_2 * scale_n, rounded up) -> (candidates int64 [U], ok): the
 // union over the rows of the tokens that can be a row's argmax, ascending. ok is false (and the union empty)
-// when a row cannot be split into int8 parts (NaN, inf, an outlier) or the union would exceed `limit`: the
-// caller computes the whole head then.
+// when a row cannot be split into the exact kernels' two int8 parts (NaN, inf, an outlier past them) or the
+// union would exceed `limit`: the caller computes the whole head then.
 std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const at::Tensor& codes,
                                                     const at::Tensor& scale, const at::Tensor& rowsum,
                                                     const at::Tensor& w2, int64_t limit) {
@@ -61,7 +67,7 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
               "int8_greedy_candidates: rows of K against codes int8 [N, K], scale bf16 [N], rowsum int32 [N], "
               "w2 float32 [N]");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % 64 == 0, "int8_greedy_candidates: K must be a multiple of 64");
+  TORCH_CHECK(K % 64 == 0 && K <= 1024, "int8_greedy_candidates: K must be a multiple of 64, at most 1024");
   TORCH_CHECK(N < (int64_t{1} << 31) && M < (int64_t{1} << 31), "int8_greedy_candidates: too many rows");
   const at::Tensor none = at::empty({0}, at::kLong);
   if (!vnni_available() || M == 0 || N == 0) return {none, false};
@@ -92,8 +98,11 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
       ao += std::fabs(rest[outl[t]]);
       rest[outl[t]] = 0.f;
     }
-    float sl;
-    if (!superslm_vnni::split_int8(rest.data(), K, hs.data(), ls.data(), &sh[m], &sl)) return {none, false};
+    // the exact kernels split the whole row: a row they send to torch's kernel (NaN, inf, an outlier past
+    // what two parts carry) is not certified here, and their second part's step sl is the full row's
+    float sl, sh_full, sl_rest;
+    if (!superslm_vnni::split_int8(xp + m * K, K, hs.data(), ls.data(), &sh_full, &sl)) return {none, false};
+    if (!superslm_vnni::split_int8(rest.data(), K, hs.data(), ls.data(), &sh[m], &sl_rest)) return {none, false};
     double rr = 0.0;
     for (int64_t k = 0; k < K; ++k) {
       const double r = static_cast<double>(rest[k]) - static_cast<double>(sh[m]) * hs[k];
@@ -101,7 +110,8 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
       hi[m * K + k] = static_cast<uint8_t>(hs[k] + 128);
     }
     err[m] = static_cast<float>((std::sqrt(rr) + 0.5 * sl * std::sqrt(static_cast<double>(K))) * 1.001);
-    // the float sum of T products of |x_t| * |c| <= 128 |x_t|: its rounding, with room to spare
+    // the float sum over the outlier channels, |x_o c| <= 128 |x_o| each: its rounding (2^-24 relative a
+    // step), with room to spare
     xo[m] = static_cast<float>(ao * 128.0 / 65536.0);
   }
   at::Tensor sc = scale.contiguous(), rs = rowsum.contiguous(), wc = w2.contiguous();
@@ -138,15 +148,17 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
     for (int64_t n = t0 * 4; n < std::min(N, t1 * 4) && !gave_up.load(std::memory_order_relaxed); n += 4) {
       const int64_t nn = std::min<int64_t>(4, N - n);
       const int8_t* w[4];
-      float s4[4], o4[4], w4[4];  // per output: scale, 128 * rowsum, w2 (a short tile repeats its last)
+      float s4[4], w4[4];  // per output: scale, w2 (a short tile repeats its last)
+      int32_t o4[4];       // 128 * rowsum
       for (int i = 0; i < 4; ++i) {
         const int64_t r = n + std::min<int64_t>(i, nn - 1);
         w[i] = cp + r * K;
         s4[i] = static_cast<float>(sp[r]);
-        o4[i] = 128.f * static_cast<float>(rp[r]);
+        o4[i] = 128 * rp[r];
         w4[i] = wp[r];
       }
-      const __m512 sv = _mm512_broadcast_f32x4(_mm_loadu_ps(s4)), ov = _mm512_broadcast_f32x4(_mm_loadu_ps(o4));
+      const __m512 sv = _mm512_broadcast_f32x4(_mm_loadu_ps(s4));
+      const __m512i ov = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o4)));
       const __m512 wv2 = _mm512_broadcast_f32x4(_mm_loadu_ps(w4));
       __m512 cw[16];  // per outlier channel: lane 4j + i = codes[n + i][channel]
       for (int64_t t = 0; t < T; ++t) {
@@ -180,8 +192,8 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
           for (int i = 0; i < 4; ++i)
             for (int j = 0; j < 4; ++j) acc[i * 4 + j] = _mm512_dpbusd_epi32(acc[i * 4 + j], xv[j], wv[i]);
         }
-        // |sum - 128 rowsum| < 2^24 for K <= 1024 (255 * 128 * K): exact in float32
-        const __m512 sum = _mm512_sub_ps(_mm512_cvtepi32_ps(superslm_vnni::reduce16(acc)), ov);
+        // the offset removed in int32: |sum hi c| <= 127 * 128 * K < 2^24 for K <= 1032, exact in float32
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(superslm_vnni::reduce16(acc), ov));
         const __m512 hv = _mm512_permutexvar_ps(row_of, _mm512_castps128_ps512(_mm_loadu_ps(h4)));
         const __m512 ev = _mm512_mul_ps(_mm512_permutexvar_ps(row_of, _mm512_castps128_ps512(_mm_loadu_ps(e4))), wv2);
         const __m512 a = _mm512_mul_ps(sv, _mm512_fmadd_ps(hv, sum, outv));
