@@ -12,6 +12,7 @@ import torch
 
 from superslm.cache.kv import KVCache, slot_mapping
 from superslm.engine.request import Sequence
+from superslm.kernels import cpu_decode
 from superslm.kernels.attention import AttnMetadata
 from superslm.models.transformer import Transformer
 
@@ -89,7 +90,7 @@ def step_greedy(net: Transformer, work: StepWork) -> torch.Tensor | None:
     logits (`Transformer.greedy_tokens`), else None."""
     rows = [r for r in work.sample_rows if r >= 0]
     assert work.h is not None
-    if not rows:
+    if len(rows) < cpu_decode.GREEDY_MIN_ROWS:  # a decode step at batch 1 pays nothing for asking
         return None
     idx = torch.tensor(rows, dtype=torch.long, device=work.h.device)
     return net.greedy_tokens(work.h.index_select(0, idx), work.meta.deterministic)
