@@ -118,14 +118,7 @@ void int8_rows(const uint8_t* hi, const uint8_t* lo, const std::vector<int64_t>&
       const int64_t m1 = std::min(m + 1, R - 1);  // an odd last row pairs with itself
       const uint8_t* x[4] = {hi + rows[m] * K, lo + rows[m] * K, hi + rows[m1] * K, lo + rows[m1] * K};
       __m512i acc[16];  // [n][m][part]
-      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
-      for (int64_t k = 0; k < K; k += 64) {
-        __m512i xv[4], wv[4];
-        for (int i = 0; i < 4; ++i) xv[i] = _mm512_loadu_si512(x[i] + k);
-        for (int i = 0; i < 4; ++i) wv[i] = _mm512_loadu_si512(w[i] + k);
-        for (int i = 0; i < 4; ++i)
-          for (int j = 0; j < 4; ++j) acc[i * 4 + j] = _mm512_dpbusd_epi32(acc[i * 4 + j], xv[j], wv[i]);
-      }
+      superslm_vnni::dot_tile4x4(x, w, K, acc);
       alignas(64) int32_t sum[16];
       _mm512_store_si512(sum, superslm_vnni::reduce16(acc));
       // acc index 4i + j sits in lane 4j + i (reduce16): j = 2 * (row pair index) + part

@@ -184,14 +184,7 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
           outv = _mm512_fmadd_ps(_mm512_permutexvar_ps(row_of, _mm512_castps128_ps512(_mm_loadu_ps(x4))), cw[t], outv);
         }
         __m512i acc[16];  // [output i][row j]
-        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
-        for (int64_t k = 0; k < K; k += 64) {
-          __m512i xv[4], wv[4];
-          for (int j = 0; j < 4; ++j) xv[j] = _mm512_loadu_si512(xr[j] + k);
-          for (int i = 0; i < 4; ++i) wv[i] = _mm512_loadu_si512(w[i] + k);
-          for (int i = 0; i < 4; ++i)
-            for (int j = 0; j < 4; ++j) acc[i * 4 + j] = _mm512_dpbusd_epi32(acc[i * 4 + j], xv[j], wv[i]);
-        }
+        superslm_vnni::dot_tile4x4(xr, w, K, acc);
         // the offset removed in int32: |sum hi c| <= 127 * 128 * K < 2^24 for K <= 1032, exact in float32
         const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(superslm_vnni::reduce16(acc), ov));
         const __m512 hv = _mm512_permutexvar_ps(row_of, _mm512_castps128_ps512(_mm_loadu_ps(h4)));

@@ -109,6 +109,19 @@ inline int lane_row(int acc, int lane) {
 }
 
 #ifdef SUPERSLM_VNNI
+// acc[4i + j] = the VNNI products of activation bytes x[j] (unsigned, K of them) with code row w[i] (signed),
+// 16 lanes each, K % 64 == 0: a tile of 4 code rows x 4 activation rows, every code load used 4 times
+inline void dot_tile4x4(const uint8_t* const x[4], const int8_t* const w[4], int64_t K, __m512i acc[16]) {
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 64) {
+    __m512i xv[4], wv[4];
+    for (int j = 0; j < 4; ++j) xv[j] = _mm512_loadu_si512(x[j] + k);
+    for (int i = 0; i < 4; ++i) wv[i] = _mm512_loadu_si512(w[i] + k);
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 4; ++j) acc[i * 4 + j] = _mm512_dpbusd_epi32(acc[i * 4 + j], xv[j], wv[i]);
+  }
+}
+
 // the 16 lane sums of v[0..15] in one vector (integer sums: exact in any order); lane 4q + r holds the
 // sum of v[4r + q]
 inline __m512i reduce16(const __m512i v[16]) {
