@@ -236,16 +236,12 @@ def int8_gemv_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tenso
     return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), codes, scale)
 
 
-def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor | None:
-    """module(x) through the VNNI int8 kernels (kernels/cpu/gemv.cpp, gemm.cpp), or None where they do not
-    apply (another format, a rotation, a CPU or build without AVX-512 VNNI), or where torch's kernel is
-    as fast: several rows outside deterministic mode. A row gets the same bits alone or in a batch."""
+def _vnni_int8(module: torch.nn.Module) -> tuple[Any, torch.Tensor] | None:
+    """(extension, the codes' row sums, cached on the module) where the VNNI int8 kernels run `module` as it
+    is: an Int8Linear without rotation, its K unpadded and a multiple of 64, the kernels built with VNNI."""
     from superslm.quant.dense import Int8Linear
 
-    rows = x.shape[0]
-    if rows == 0 or (rows > 1 and not deterministic):
-        return None
-    if x.device.type != "cpu" or type(module) is not Int8Linear or module.rotation is not None:
+    if type(module) is not Int8Linear or module.rotation is not None:
         return None
     ext = cext.vnni()
     if ext is None or module.k_pad != module.in_features or module.k_pad % 64:
@@ -253,6 +249,20 @@ def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = 
     rowsum = getattr(module, "_rowsum", None)
     if rowsum is None or rowsum.shape[0] != module.codes.shape[0]:
         rowsum = module._rowsum = ext.int8_rowsum(module.codes)
+    return ext, rowsum
+
+
+def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor | None:
+    """module(x) through the VNNI int8 kernels (kernels/cpu/gemv.cpp, gemm.cpp), or None where they do not
+    apply (another format, a rotation, a CPU or build without AVX-512 VNNI), or where torch's kernel is
+    as fast: several rows outside deterministic mode. A row gets the same bits alone or in a batch."""
+    rows = x.shape[0]
+    if rows == 0 or (rows > 1 and not deterministic) or x.device.type != "cpu":
+        return None
+    got = _vnni_int8(module)
+    if got is None:
+        return None
+    ext, rowsum = got
     kernel = ext.int8_gemv if rows == 1 else ext.int8_gemm
     y = kernel(x, module.codes, module.scale, rowsum)
     if module.bias is not None:
@@ -274,24 +284,18 @@ def greedy_head(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None
     row's argmax get their exact logits, from the same kernels as the full head: the same tokens for half
     the products. A head whose candidates keep overflowing (a model whose activations quantize coarsely)
     stops trying once more than half of its calls (8 at least) fell back."""
-    from superslm.quant.dense import Int8Linear
-
-    rows = x.shape[0]
-    if rows < GREEDY_MIN_ROWS or x.device.type != "cpu" or type(module) is not Int8Linear:
+    if x.shape[0] < GREEDY_MIN_ROWS or x.device.type != "cpu" or getattr(module, "bias", None) is not None:
         return None
-    if module.rotation is not None or module.bias is not None or module.k_pad != module.in_features:
+    got = _vnni_int8(module)
+    if got is None:
         return None
-    ext = cext.vnni()
-    if ext is None or module.k_pad % 64:
-        return None
+    ext, rowsum = got
     stats = module.__dict__.setdefault("_greedy_stats", [0, 0])  # [calls, fallbacks]
     if stats[0] >= 8 and stats[1] * 2 > stats[0]:
         return None
     w2 = getattr(module, "_greedy_w2", None)
     if w2 is None or w2.shape[0] != module.codes.shape[0]:
         w2 = module._greedy_w2 = ext.int8_rownorm(module.codes, module.scale)  # ||codes_n||_2 * scale_n, rounded up
-        module._rowsum = ext.int8_rowsum(module.codes)
-    rowsum = module._rowsum
     stats[0] += 1
     union, ok = ext.int8_greedy_candidates(x, module.codes, module.scale, rowsum, w2, GREEDY_MAX_CANDIDATES)
     if not ok or union.numel() == 0:  # none: every bound NaN (a NaN scale), the full head says what it says

@@ -259,19 +259,22 @@ class Transformer(nn.Module):
             linears.append(self.head)
         return 1 if all(getattr(m, "row_invariant", False) for m in linears) else BLOCK
 
+    def _head_input(self, h: torch.Tensor, deterministic: bool) -> torch.Tensor:
+        """final_norm(h), padded to BLOCK rows in deterministic mode where a linear rounds by row count."""
+        if deterministic and self.row_multiple > 1:
+            h = pad_rows(h, BLOCK)
+        return self.final_norm(h)
+
     def logits(self, h: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
         """Residual rows [n, dim] -> logits [n, vocab] in float32."""
         n = h.shape[0]
-        if deterministic and self.row_multiple > 1:
-            h = pad_rows(h, BLOCK)
-        x = self.final_norm(h)
+        x = self._head_input(h, deterministic)
         # the VNNI int8 kernels: one row at memory speed; in deterministic mode every row count, so a
         # row's logits do not depend on its batch (kernels/cpu/gemm.cpp)
         y = cpu_decode.vnni_linear(self.head, x[:n], deterministic)
         if y is not None:
             return y.float()
         return self.head(x)[:n].float()
-
 
     def greedy_tokens(self, h: torch.Tensor, deterministic: bool = False) -> torch.Tensor | None:
         """Residual rows [n, dim] -> each row's argmax token (int64 [n], first index on ties) where the head
@@ -281,10 +284,7 @@ class Transformer(nn.Module):
         tie within one bf16 ulp the other way."""
         if not self.has_head:
             return None
-        n = h.shape[0]
-        if deterministic and self.row_multiple > 1:
-            h = pad_rows(h, BLOCK)
-        return cpu_decode.greedy_head(self.head, self.final_norm(h)[:n])
+        return cpu_decode.greedy_head(self.head, self._head_input(h, deterministic)[: h.shape[0]])
 
 
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
