@@ -375,3 +375,54 @@ def test_metadata_digest_follows_the_metadata_bytes(smollm2_gguf: Path, tmp_path
     a.close()
     with pytest.raises(GGUFError):
         a.metadata_digest()
+
+
+def test_long_arrays_stay_in_the_map(tmp_path: Path) -> None:
+    """Arrays past LAZY_ITEMS are GGUFArrays read from the map on access: equal to gguf-py's lists, plain
+    Python items, invalid UTF-8 replaced as in the eager parse, still readable after close()."""
+    from superslm.formats.gguf_array import LAZY_ITEMS, GGUFArray
+
+    n = LAZY_ITEMS + 5
+    strs = [f"tok{i}" + "▁é" * (i % 3) for i in range(n)]
+    strs[7] = "marker"
+    path = tmp_path / "long.gguf"
+    w = gguf.GGUFWriter(path, arch="gemma3")
+    w.add_array("long.strs", strs)
+    w.add_array("long.ints", list(range(-3, n - 3)))
+    w.add_array("long.floats", [i / 4 for i in range(n)])
+    w.add_array("long.bools", [i % 2 == 0 for i in range(n)])
+    w.add_array("short.strs", strs[:LAZY_ITEMS])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = gguf.GGUFReader(path)
+    f = GGUFFile(path)
+    md = f.metadata
+    assert isinstance(md["short.strs"], list)  # at the threshold: parsed as before
+    for key in ("long.strs", "long.ints", "long.floats", "long.bools"):
+        arr = md[key]
+        assert isinstance(arr, GGUFArray) and len(arr) == n
+        expected = reader.fields[key].contents()
+        assert arr == expected and arr.tolist() == expected and list(arr) == expected, key
+        assert [type(v) for v in arr[:3]] == [type(v) for v in expected[:3]], key
+        assert arr[-1] == expected[-1] and arr[5:9] == expected[5:9] and arr[::1000] == expected[::1000]
+        with pytest.raises(IndexError):
+            arr[n]
+    assert md["long.strs"][7] == "marker" and md["long.strs"].raw(2) == "tok2▁é▁é".encode()
+    assert md["long.ints"] != md["long.floats"] and md["long.ints"] != strs
+    assert md["long.ints"].numpy().dtype == np.int32 and md["long.bools"].numpy().dtype == bool
+    with pytest.raises(TypeError):
+        md["long.strs"].numpy()
+    f.close()
+    assert md["long.strs"][n - 1] == strs[-1]  # the arrays keep their view of the map
+    bad = tmp_path / "bad.gguf"
+    data = path.read_bytes()
+    at = data.find(b"marker")
+    bad.write_bytes(data[:at] + b"\xff" + data[at + 1 :])
+    with GGUFFile(bad) as g:
+        assert g.metadata["long.strs"][7] == "\ufffdarker"
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: data.find(b"tok4000")])
+    with pytest.raises(GGUFError, match="truncated"):
+        GGUFFile(cut)

@@ -170,14 +170,14 @@ def test_gemma_build_is_fast(gemma3_gguf: Path) -> None:
 
 def test_a_cached_gguf_tokenizer_equals_the_built_one(gemma3_pair: tuple[Tokenizer, Any], gemma3_gguf: Path,
                                                       tmp_path: Path) -> None:
-    """The built tokenizer is stored once (tokenizer.json + facts) and read back equal: ids, text, specials;
-    a damaged entry is rebuilt, never an error."""
+    """The built `tokenizers` backend is stored once (tokenizer.json + facts) and read back equal to the lean
+    backend Gemma loads with: ids, text, specials; a damaged entry is rebuilt, never an error."""
     from superslm.tokenizer import gguf_cache
 
     built = gemma3_pair[0]
     g = GGUFFile(gemma3_gguf)
     folder = tmp_path / gguf_cache.cache_key(g.metadata_digest())
-    first = Tokenizer.from_gguf(g.metadata, cache=folder)
+    first = Tokenizer.from_gguf(g.metadata, cache=folder, lean=False)
     assert (folder / "facts.json").is_file() and (folder / "tokenizer.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".partial-")]
     cached = Tokenizer.from_gguf({}, cache=folder)  # no metadata needed: the entry is complete
@@ -191,7 +191,7 @@ def test_a_cached_gguf_tokenizer_equals_the_built_one(gemma3_pair: tuple[Tokeniz
     (folder / "tokenizer.json").write_text("{not json")
     with pytest.raises(TokenizerError):
         Tokenizer.from_gguf({}, cache=folder)  # damaged and no metadata to rebuild from
-    assert Tokenizer.from_gguf(g.metadata, cache=folder).encode(CORPUS[2]) == built.encode(CORPUS[2])
+    assert Tokenizer.from_gguf(g.metadata, cache=folder, lean=False).encode(CORPUS[2]) == built.encode(CORPUS[2])
     assert Tokenizer.from_gguf({}, cache=folder).encode(CORPUS[2]) == built.encode(CORPUS[2])  # rewritten
 
 

@@ -168,7 +168,7 @@ def _write_tokenizer(source: Source, folder: Path) -> None:
         return
     from superslm.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_gguf(source.gguf.metadata)
+    tok = Tokenizer.from_gguf(source.gguf.metadata, lean=False)  # saved as tokenizer.json
     tok.backend.save(str(folder / "tokenizer.json"))
     text = tok.backend.id_to_token
     config = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos_token": tok.add_bos,
@@ -200,9 +200,9 @@ def _source_config(source: Source) -> dict[str, Any]:
         return dict(source.config)
     out = {}
     for k, v in source.config.items():
-        v = v.tolist() if hasattr(v, "tolist") else v
-        if k.startswith("tokenizer.ggml.") or isinstance(v, (list, tuple)) and len(v) > 256:
+        if k.startswith("tokenizer.ggml.") or hasattr(v, "__len__") and not isinstance(v, str) and len(v) > 256:
             continue
+        v = v.tolist() if hasattr(v, "tolist") else v
         try:
             json.dumps(v)
         except (TypeError, ValueError):

@@ -203,10 +203,12 @@ def load_tokenizer(source: Source) -> Tokenizer:
     if source.is_hf or source.format == "native":
         return Tokenizer.from_folder(source.path)
     from superslm.tokenizer.gguf_cache import cache_key
+    from superslm.tokenizer.gguf_vocab import has_lean_backend
 
     md = source.gguf.metadata
     cache = None
-    if len(md.get("tokenizer.ggml.tokens", ())) >= 32768:  # a small vocabulary builds faster than it reads
+    # a small vocabulary builds faster than it reads; a Gemma one gets the lean backend, never cached
+    if len(md.get("tokenizer.ggml.tokens", ())) >= 32768 and not has_lean_backend(md):
         cache = hub.cache_dir() / "tokenizers" / cache_key(source.gguf.metadata_digest())
     return Tokenizer.from_gguf(md, cache=cache)
 

@@ -26,6 +26,7 @@ import torch
 
 from superslm.errors import GGUFError, InvalidArgument, ModelNotFound
 from superslm.formats.blocks import BlockType, block_type
+from superslm.formats.gguf_array import LAZY_ITEMS, GGUFArray
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -81,6 +82,13 @@ class _Cursor:
         self.buf = buf
         self.size = size
         self.pos = 0
+        self._bytes: np.ndarray | None = None
+
+    def view(self) -> np.ndarray:
+        """The whole buffer as read-only uint8 (what lazy arrays keep)."""
+        if self._bytes is None:
+            self._bytes = np.frombuffer(self.buf, dtype=np.uint8, count=self.size)
+        return self._bytes
 
     def left(self) -> int:
         return self.size - self.pos
@@ -136,7 +144,7 @@ class _Cursor:
             raise GGUFError(f"{what}: bool value byte is {v}, not 0 or 1")
         return bool(v)
 
-    def array(self, what: str) -> list[Any]:
+    def array(self, what: str) -> list[Any] | GGUFArray:
         itype = self.u32(f"item type of {what}")
         n = self.u64(f"length of {what}")
         if itype == _ARRAY:
@@ -153,20 +161,23 @@ class _Cursor:
             )
         values = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos)
         self.pos += n * dtype.itemsize
-        if itype == _BOOL:
-            if n and int(values.max()) > 1:
-                raise GGUFError(f"{what}: bool array holds a byte other than 0 or 1")
-            return values.astype(bool).tolist()
-        return values.tolist()
+        if itype == _BOOL and n and int(values.max()) > 1:
+            raise GGUFError(f"{what}: bool array holds a byte other than 0 or 1")
+        if n > LAZY_ITEMS:
+            return GGUFArray.numbers(values, boolean=itype == _BOOL)
+        return values.astype(bool).tolist() if itype == _BOOL else values.tolist()
 
-    def string_array(self, n: int, what: str) -> list[str]:
+    def string_array(self, n: int, what: str) -> list[str] | GGUFArray:
         # each string takes at least its 8-byte length: cap n before allocating the list
         if n * 8 > self.left():
             raise GGUFError(
                 f"truncated file: {what}: array of {n} strings cannot fit in the {self.left()} bytes left"
             )
         buf, pos, end, unpack = self.buf, self.pos, self.size, _U64.unpack_from
-        out: list[str] = [""] * n
+        lazy = n > LAZY_ITEMS
+        # a long array keeps each string's start (read on access), a short one its decoded strings
+        starts = np.empty(n if lazy else 0, dtype=np.int64)
+        out: list[str] = [] if lazy else [""] * n
         for i in range(n):
             if end - pos < 8:
                 raise GGUFError(f"truncated file: {what}: string {i} of {n} starts past the end")
@@ -177,10 +188,13 @@ class _Cursor:
                     f"truncated file: {what}: string {i} of {n} has length {length}, "
                     f"only {end - pos} bytes are left"
                 )
-            out[i] = buf[pos : pos + length].decode("utf-8", "replace")
+            if lazy:
+                starts[i] = pos
+            else:
+                out[i] = buf[pos : pos + length].decode("utf-8", "replace")
             pos += length
         self.pos = pos
-        return out
+        return GGUFArray.strings(self.view(), starts, pos) if lazy else out
 
 
 def _type_name(vtype: int, item_type: int | None) -> str:
@@ -197,7 +211,8 @@ class GGUFFile:
 
     version: int
     alignment: int
-    #: key -> plain Python value (int, float, bool, str, or a list of one of those), in file order
+    #: key -> plain Python value (int, float, bool, str, or a list of one of those; arrays longer than
+    #: LAZY_ITEMS are a `GGUFArray`, read from the map on access), in file order
     metadata: dict[str, Any]
     #: key -> GGUF value type name: "UINT32", "STRING", "ARRAY[INT32]", ...
     metadata_types: dict[str, str]

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer as Backend
 
 from superslm.errors import InvalidArgument, ModelNotFound, TokenizerError, TokenOutOfRange
 from superslm.tokenizer import gguf_cache
-from superslm.tokenizer.gguf_vocab import build_from_gguf, bytes_to_unicode, template_processor
+from superslm.tokenizer.gguf_vocab import build_from_gguf, bytes_to_unicode, has_lean_backend, template_processor
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 #: the constructor's arguments a GGUF build decides (stop_ids apart: a set)
@@ -118,7 +118,7 @@ class Tokenizer:
     # --- construction ---------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, metadata: Mapping[str, Any], cache: str | Path | None = None) -> Tokenizer:
+    def from_gguf(cls, metadata: Mapping[str, Any], cache: str | Path | None = None, lean: bool = True) -> Tokenizer:
         """Build the tokenizer a GGUF file describes, from its metadata (`GGUFFile(path).metadata`).
 
         Supports `tokenizer.ggml.model` "gpt2" (byte-level BPE; the split regex is chosen by
@@ -126,7 +126,13 @@ class Tokenizer:
         fallback; Gemma architectures get Gemma's whitespace handling). Raises TokenizerError.
         `cache`: a folder for this metadata (the loader names it by `GGUFFile.metadata_digest()` and
         `gguf_cache.cache_key`): read when complete, else written after the build.
+        `lean`: a Gemma vocabulary runs on `spm_bpe.SentencePieceBPE` (plain Python, ~8 MB where
+        `tokenizers` takes ~100 MB for Gemma 3; built in well under a second, so never cached); False
+        keeps the `tokenizers` backend (what `superslm convert` saves as tokenizer.json).
         """
+        if lean and has_lean_backend(metadata):
+            v = build_from_gguf(metadata, lean=True)
+            return cls(v.backend, **{k: getattr(v, k) for k in _FACTS}, stop_ids=v.stop_ids)
         folder = None if cache is None else Path(cache)
         hit = None if folder is None else gguf_cache.read(folder)
         if hit is not None:
