@@ -45,6 +45,8 @@ FORMATS: list[tuple[str, dict[str, Any] | None]] = [
     ("int4 g32, int8 head, not rotated", {"format": "int4", "group": 32, "rotate": False}),
     ("int4 g128, int8 head, rotated", {"format": "int4", "group": 128}),
     ("int4 g128, int8 head, not rotated", {"format": "int4", "group": 128, "rotate": False}),
+    ("int4 g128 GPTQ, int8 head, rotated", {"format": "int4", "group": 128, "calibrate": True}),
+    ("int4 g128 GPTQ, int8 head, not rotated", {"format": "int4", "group": 128, "rotate": False, "calibrate": True}),
 ]  # fmt: skip
 
 

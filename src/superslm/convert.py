@@ -100,8 +100,10 @@ def _float_dtype(stored: Stored, exact: bool) -> torch.dtype:
 class _Writer:
     """Collects the converted tensors and the linears' metadata, one layer at a time."""
 
-    def __init__(self, source: Source, names: Mapping[str, Stored], opts: dict[str, Any], adapter: Any) -> None:
+    def __init__(self, source: Source, names: Mapping[str, Stored], opts: dict[str, Any], adapter: Any,
+                 calibrator: Any = None) -> None:
         self.source, self.names, self.opts, self.adapter = source, names, opts, adapter
+        self.calibrator = calibrator  # calibration.LayerCalibrator: GPTQ for int4 linears
         self.tensors: dict[str, torch.Tensor] = {}
         self.linears: dict[str, dict[str, Any]] = {}
 
@@ -110,9 +112,10 @@ class _Writer:
         self.tensors.update({f"{name}.{k}": v for k, v in t.items()})
         self.linears[name] = meta
 
-    def make(self, fmt: str, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFormat:
+    def make(self, fmt: str, weight: torch.Tensor, bias: torch.Tensor | None,
+             hessian: torch.Tensor | None = None) -> LinearFormat:
         o = self.opts
-        return make_linear(fmt, weight, bias, o["group"], o["rotate"], o["seed"])
+        return make_linear(fmt, weight, bias, o["group"], o["rotate"], o["seed"], hessian)
 
     def layer(self, i: int) -> None:
         prefix, body, arch = f"layers.{i}.", self.opts["format"], self.source.arch
@@ -134,11 +137,12 @@ class _Writer:
             return
         biases = {"qkv": torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if arch.qkv_bias else None,
                   "o": w["o_bias"] if arch.o_bias else None}
+        hessians = self.calibrator.layer(i) if self.calibrator is not None else {}
         for attr, parts in LAYER_LINEARS.items():
             if body == "gguf":
                 module = linear_from_gguf(gguf_parts(self.source, self.names, prefix, parts), biases.get(attr))
             else:
-                module = self.make(body, torch.cat([w[p] for p in parts]), biases.get(attr))
+                module = self.make(body, torch.cat([w[p] for p in parts]), biases.get(attr), hessians.get(attr))
             self.put(prefix + attr, module)
 
     def globals(self, head: str) -> None:
@@ -224,13 +228,17 @@ def convert(
     schemas: Mapping[str, str | Path] | None = None,
     overwrite: bool = False,
     progress: bool = False,
+    calibrate: str | Path | bool | None = None,
+    calibration_tokens: int = 2048,
 ) -> Path:
     """Convert SRC (a HF folder or a GGUF file) into the folder `dst`; returns `dst`.
 
     `format`: auto | int4 | int8 | bf16 | gguf | dense (see BODY_FORMATS); `group`: int4's group size;
     `head`: see HEAD_FORMATS (default per format, `resolve_formats`); `rotate`/`seed`: the block
     Hadamard rotation of int4/int8 weights; `lora`: a PEFT folder merged first; `layers`: keep the
-    first N layers; `schemas`: {NAME: json file}. Atomic: `dst` appears complete or not at all.
+    first N layers; `schemas`: {NAME: json file}; `calibrate` (int4 only): GPTQ against
+    `calibration_tokens` of a text file's inputs (True: Python's reference docs, `calibration.py`);
+    a merged LoRA is calibrated with the base model's inputs. Atomic: `dst` appears complete or not at all.
     """
     source = open_source(src)
     if source.format == "native":
@@ -253,12 +261,19 @@ def convert(
                             torch.device("cpu"))
         lora_info = {"name": Path(lora).name, "rank": adapter.rank, "scale": adapter.scale,
                      "sha256": native.sha256_file(Path(lora) / "adapter_model.safetensors")}
+    calibrator = None
+    if calibrate not in (None, False):
+        if body != "int4":
+            raise InvalidArgument(f"calibration (GPTQ) is for --format int4, not {body}")
+        from superslm.calibration import LayerCalibrator
+
+        calibrator = LayerCalibrator(source.path, n, calibrate, int(calibration_tokens))
     rotated = rotate and (body in ("int4", "int8") or head in ("int4", "int8"))
     opts = {"format": body, "group": int(group), "rotate": rotate, "seed": int(seed)}
     header = {"format": body, "group": int(group) if "int4" in (body, head) else None, "head": head,
               "rotation": {"seed": int(seed)} if rotated else None, "layers": n, "lora": lora_info,
               "source": {"format": source.format, "name": source.path.name, "sha256": source_sha256(source)},
-              "int4_layout": INT4_PACKED}
+              "int4_layout": INT4_PACKED, "calibration": calibrator.info if calibrator is not None else None}
     config = {"superslm_format": native.FORMAT_VERSION, "model_type": source.recipe.hf_types[0],
               "arch": arch.summary(), "layers": n, "source_config": _source_config(source)}
     from tqdm import tqdm
@@ -267,7 +282,7 @@ def convert(
         native.write_json(tmp / native.CONFIG, config)
         _write_tokenizer(source, tmp)
         _write_schemas(schemas or {}, tmp)
-        writer = _Writer(source, names, opts, adapter)
+        writer = _Writer(source, names, opts, adapter, calibrator)
         for i in tqdm(range(n + 1), desc=f"converting to {body}", unit="layer", disable=not progress):
             writer.layer(i) if i < n else writer.globals(head)
         native.write_tensors(tmp / native.WEIGHTS, writer.tensors, dict(header, linears=writer.linears))
@@ -366,6 +381,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (hidden states)")
     p.add_argument("--schema", action="extend", nargs="+", default=[], metavar="NAME=FILE",
                    help="ship a JSON schema under NAME (repeatable)")
+    p.add_argument("--calibrate", nargs="?", const=True, default=None, metavar="TEXT_FILE",
+                   help="int4 by GPTQ on calibration text (default text: Python's reference docs)")
+    p.add_argument("--calibration-tokens", type=int, default=2048, metavar="N", help="calibration tokens")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
@@ -383,7 +401,8 @@ def cmd_convert(ns: argparse.Namespace) -> int:
     start = time.perf_counter()
     dst = convert(resolve_path(ns.src), ns.dst, format=ns.format, group=ns.group, head=ns.head, rotate=not ns.no_rotate,
                   seed=ns.seed, lora=ns.lora, layers=ns.layers, schemas=schemas, overwrite=ns.force,
-                  progress=not ns.quiet and sys.stderr.isatty())
+                  progress=not ns.quiet and sys.stderr.isatty(), calibrate=ns.calibrate,
+                  calibration_tokens=ns.calibration_tokens)
     size = sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
     print(f"{dst}: {size / 2**20:.1f} MiB in {time.perf_counter() - start:.1f} s")
     return 0

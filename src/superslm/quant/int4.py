@@ -191,6 +191,7 @@ class Int4Linear(LinearFormat):
         block: int | None = None,
         note: str = "",
         search: bool = False,
+        hessian: torch.Tensor | None = None,
     ) -> Int4Linear:
         """Quantize a float weight [out, in] (or parts to fuse, stacked along out).
 
@@ -198,7 +199,8 @@ class Int4Linear(LinearFormat):
         `block` = the largest power of two <= 128 dividing it by default); `in` is zero-padded to a
         multiple of `group`. `search`: fit each group's range for the lowest squared error
         (`fit_groups`) instead of plain min/max; off by default: measured on SmolLM2 with real
-        activations it clips the large weights that matter (docs/quantization.md).
+        activations it clips the large weights that matter (docs/quantization.md). `hessian`: the
+        inputs' mean x x^T [in, in] from calibration text: codes by GPTQ (`quant.gptq`), not rounding.
         """
         if group not in GROUPS:
             raise InvalidArgument(f"int4 group must be one of {GROUPS}, not {group}")
@@ -210,7 +212,13 @@ class Int4Linear(LinearFormat):
         if rotate is not None:
             rot = (int(rotate), pick_block(k_pad) if block is None else block)
             w = rotate_weight(w, *rot)
-        codes, scale, zero = quantize_groups(w, group, search)
+        if hessian is None:
+            codes, scale, zero = quantize_groups(w, group, search)
+        else:
+            from superslm.quant.gptq import gptq_int4, rotated_hessian
+
+            h = torch.nn.functional.pad(hessian.float(), (0, k_pad - k, 0, k_pad - k))
+            codes, scale, zero = gptq_int4(w, rotated_hessian(h, *rot) if rot else h, group)
         return cls(codes, scale, zero, group, k, n, as_bias(bias, n), rot, note)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:

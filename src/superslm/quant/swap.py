@@ -26,12 +26,16 @@ _ROTATED = ("int4", "int8")
 
 
 def make_linear(
-    fmt: str, weight: torch.Tensor, bias: torch.Tensor | None, group: int, rotate: bool, seed: int
+    fmt: str, weight: torch.Tensor, bias: torch.Tensor | None, group: int, rotate: bool, seed: int,
+    hessian: torch.Tensor | None = None,
 ) -> LinearFormat:
-    """A `fmt` module from a dense weight [out, in], with the options that format takes."""
+    """A `fmt` module from a dense weight [out, in], with the options that format takes (`hessian`, the
+    inputs' mean x x^T from calibration, makes int4 codes by GPTQ)."""
     options: dict[str, Any] = {}
     if fmt == "int4":
         options["group"] = group
+        if hessian is not None:
+            options["hessian"] = hessian
     if rotate and fmt in _ROTATED:
         options["rotate"] = seed
     return format_class(fmt).from_dense(weight, bias, **options)
