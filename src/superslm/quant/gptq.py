@@ -85,9 +85,13 @@ def gptq_int4(w: torch.Tensor, h: torch.Tensor, group: int,
     w = w.clone().float()
     h = h.clone().double()
     dead = torch.diagonal(h) <= 0
-    h[dead, dead] = 1.0  # an input that is always 0: its column is free, any code will do
+    live = torch.diagonal(h)[~dead]
+    mean_diag = live.mean() if live.numel() else torch.tensor(1.0, dtype=h.dtype)
+    # an input that is always 0 (or padding): its column is free, any code will do; its diagonal takes
+    # the live mean so that neither it nor the damping depends on how many such columns there are
+    h[dead, dead] = mean_diag
     w[:, dead] = 0.0
-    h.diagonal().add_(damp * torch.diagonal(h).mean())
+    h.diagonal().add_(damp * mean_diag)
     # the upper Cholesky factor of H^-1: row i holds how column i's error spreads to the columns after it
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
     codes = torch.empty(n, k, dtype=torch.uint8)

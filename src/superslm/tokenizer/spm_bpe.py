@@ -23,12 +23,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from superslm.errors import TokenizerError
+from superslm.errors import InvalidArgument, TokenizerError
 
 _SPACE = "\u2581"
 _SPACE_BYTES = _SPACE.encode("utf-8")
-#: distinct words kept tokenized; the cache is dropped whole when full
+#: distinct words kept tokenized (the cache is dropped whole when full), up to _CACHE_CHARS characters each:
+#: text without spaces (CJK) is one long word
 _CACHE_WORDS = 16384
+_CACHE_CHARS = 256
 
 
 class AddedToken(NamedTuple):
@@ -42,13 +44,15 @@ class Encoding(NamedTuple):
     ids: list[int]
 
 
+#: what Rust's u8::from_str_radix(_, 16) accepts in the two bytes the ByteFallback decoder reads
+_HEX_BYTE = re.compile(rb"\+[0-9A-Fa-f]|[0-9A-Fa-f]{2}")
+
+
 def _byte_value(piece: str) -> int | None:
-    """The byte of a "<0xNN>" piece (as the ByteFallback decoder tests it), else None."""
-    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-        try:
-            return int(piece[3:5], 16)
-        except ValueError:
-            return None
+    """The byte of a "<0xNN>" piece, tested as the ByteFallback decoder does (6 bytes long), else None."""
+    b = piece.encode("utf-8")
+    if len(b) == 6 and b.startswith(b"<0x") and b.endswith(b">") and _HEX_BYTE.fullmatch(b[3:5]):
+        return int(b[3:5], 16)
     return None
 
 
@@ -157,6 +161,10 @@ class SentencePieceBPE:
         return i if i >= 0 else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> Encoding:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidArgument(f"text is not valid Unicode: {e.reason} at {e.start}") from None
         ids: list[int] = []
         if add_special_tokens and self.bos is not None:
             ids.append(self.bos)
@@ -231,8 +239,8 @@ class SentencePieceBPE:
         j = text.find(_SPACE, 1)
         while j > 0:
             c = text[j - 1]
-            # a char outside the vocabulary is spelled by its <0xNN> pieces, which end in ">"
-            if c != _SPACE and c not in self._crossing and (">" not in self._crossing or self._lookup(c.encode()) >= 0):
+            # a char outside the vocabulary is spelled by other pieces (<0xNN>, unknown): never cut after it
+            if c != _SPACE and c not in self._crossing and self._lookup(c.encode("utf-8")) >= 0:
                 words.append(text[start:j])
                 start = j
             j = text.find(_SPACE, j + 1)
@@ -240,12 +248,20 @@ class SentencePieceBPE:
         return [w for w in words if w]
 
     def _symbols(self, word: str) -> tuple[list[int], list[bytes]]:
+        """The word's first symbols, as the `tokenizers` BPE makes them: a char's piece, else its <0xNN>
+        pieces, else one unknown token for a run of such chars (fuse_unk), held back until the next char
+        in the vocabulary (byte pieces come out before it); without an unknown token the char is dropped."""
         ids: list[int] = []
         pieces: list[bytes] = []
+        unk = False
         for ch in word:
             b = ch.encode("utf-8")
             t = self._lookup(b)
             if t >= 0:
+                if unk:
+                    ids.append(self.unk_id)  # type: ignore[arg-type]
+                    pieces.append(self._piece(self.unk_id))  # type: ignore[arg-type]
+                    unk = False
                 ids.append(t)
                 pieces.append(b)
                 continue
@@ -253,11 +269,11 @@ class SentencePieceBPE:
             if min(byte_ids) >= 0:
                 ids += byte_ids
                 pieces += [self._piece(x) for x in byte_ids]
-            elif self.unk_id is None:
-                raise TokenizerError(f"{ch!r} is not in the vocabulary, which has no unknown token")
-            elif not ids or ids[-1] != self.unk_id:  # fuse_unk: one unknown token per run
-                ids.append(self.unk_id)
-                pieces.append(self._piece(self.unk_id))
+            elif self.unk_id is not None:
+                unk = True
+        if unk:
+            ids.append(self.unk_id)  # type: ignore[arg-type]
+            pieces.append(self._piece(self.unk_id))  # type: ignore[arg-type]
         return ids, pieces
 
     def _merge(self, left: bytes, right: bytes) -> tuple[int, int] | None:
@@ -271,6 +287,8 @@ class SentencePieceBPE:
             return cached
         ids, pieces = self._symbols(word)
         n = len(ids)
+        if n == 0:  # every char dropped (no unknown token)
+            return []
         nxt = list(range(1, n + 1))
         nxt[-1] = -1
         prv = list(range(-1, n - 1))
@@ -307,9 +325,10 @@ class SentencePieceBPE:
                 if m is not None:
                     heappush(heap, (m[0], o, m[1]))
         out = [ids[i] for i in range(n) if alive[i]]
-        if len(self._cache) >= _CACHE_WORDS:
-            self._cache.clear()
-        self._cache[word] = out
+        if len(word) <= _CACHE_CHARS:
+            if len(self._cache) >= _CACHE_WORDS:
+                self._cache.clear()
+            self._cache[word] = out
         return out
 
 
