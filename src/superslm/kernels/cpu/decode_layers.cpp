@@ -47,7 +47,7 @@ struct Lin {
   int64_t kind = 0, group = 0, out = 0, in = 0, kpad = 0;
   at::Tensor a, b, bias;
   // block Hadamard rotation of the input (quant/hadamard.py Rotation): signs [kpad], H [block, block]
-  at::Tensor signs, hadamard;
+  at::Tensor signs, hadamard, signs_f;  // signs_f: the signs as float, for rotate_rows
   // INT5: the fifth-bit masks (int64 [N / 64, K / 4, 4])
   at::Tensor extra;
   // int8: sum of each output row's codes, for the VNNI GEMV's offset correction
@@ -73,6 +73,11 @@ struct Lin {
     l.out = ints[ioff + 2];
     l.in = ints[ioff + 3];
     l.kpad = ints[ioff + 4];
+    if (l.signs.defined()) {
+      TORCH_CHECK(l.hadamard.defined() && l.signs.numel() == l.kpad && l.kpad % l.hadamard.size(0) == 0,
+                  "DecodePlan: a rotation that does not fit the linear's input");
+      l.signs_f = l.signs.to(at::kFloat).contiguous();
+    }
     TORCH_CHECK(l.kind >= DENSE_MODULE && l.kind <= INT5, "DecodePlan: unknown linear kind ", l.kind);
     TORCH_CHECK(l.kind != INT5 || (l.extra.defined() && l.b.defined()), "DecodePlan: an int5 linear without its bits");
     TORCH_CHECK(l.kind == CONCAT || l.a.defined(), "DecodePlan: a linear without its weight");
@@ -81,8 +86,25 @@ struct Lin {
     return l;
   }
 
-  // deterministic: every row gets the same bits whatever the other rows (dense GEMMs and the rotation
-  // see a multiple of 16 rows, as models/transformer.py pads them; the VNNI kernels at every row count)
+  // x [rows, in] -> [rows, kpad] of type ht, padded and rotated in one pass (rowops.h rotate_rows)
+  at::Tensor rotated(const at::Tensor& x, at::ScalarType ht) const {
+    at::Tensor xc = x.contiguous();
+    TORCH_CHECK(xc.size(1) == in, "DecodePlan: a linear's input has ", xc.size(1), " features, not ", in);
+    TORCH_CHECK(ht == at::kBFloat16 || ht == at::kFloat, "DecodePlan: a rotated linear computes in bf16 or float");
+    at::Tensor h = at::empty({xc.size(0), kpad}, xc.options().dtype(ht));
+    const int64_t block = hadamard.size(0), n = xc.size(0);
+    const float* sp = signs_f.data_ptr<float>();
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, xc.scalar_type(), "rotate_rows", [&] {
+      if (ht == at::kBFloat16)
+        rotate_rows(xc.data_ptr<scalar_t>(), n, in, sp, block, kpad, h.data_ptr<at::BFloat16>());
+      else
+        rotate_rows(xc.data_ptr<scalar_t>(), n, in, sp, block, kpad, h.data_ptr<float>());
+    });
+    return h;
+  }
+
+  // deterministic: every row gets the same bits whatever the other rows (dense GEMMs see a multiple of
+  // 16 rows, as models/transformer.py pads them; the rotation and the VNNI kernels work row by row)
   at::Tensor operator()(const at::Tensor& x, bool deterministic) const {
     if (kind == CONCAT) {
       TORCH_CHECK(!parts.empty(), "DecodePlan: a concatenated linear without parts");
@@ -93,19 +115,20 @@ struct Lin {
       return y;
     }
     const int64_t rows = x.size(0);
-    const bool pad = deterministic && rows % 16 && (kind == DENSE_MODULE || kind == DENSE_FORMAT || signs.defined());
+    const bool pad = deterministic && rows % 16 && (kind == DENSE_MODULE || kind == DENSE_FORMAT);
     at::Tensor xin = pad ? at::constant_pad_nd(x, {0, 0, 0, 16 - rows % 16}) : x;
     if (kind == DENSE_MODULE) {
       at::Tensor y = at::linear(xin.to(a.scalar_type()), a, bias).to(x.scalar_type());
       return pad ? y.narrow(0, 0, rows).contiguous() : y;
     }
-    at::Tensor h = xin.to(kind == DENSE_FORMAT ? a.scalar_type() : at::kBFloat16);
-    if (kpad != in) h = at::constant_pad_nd(h, {0, kpad - in});
+    const at::ScalarType ht = kind == DENSE_FORMAT ? a.scalar_type() : at::kBFloat16;
+    at::Tensor h;
     if (signs.defined()) {
-      const int64_t block = hadamard.size(0);
-      h = at::matmul((h * signs).view({h.size(0), kpad / block, block}), hadamard).view({h.size(0), kpad});
+      h = rotated(xin, ht);
+    } else {
+      h = xin.to(ht);
+      if (kpad != in) h = at::constant_pad_nd(h, {0, kpad - in});
     }
-    if (pad && kind != DENSE_FORMAT) h = h.narrow(0, 0, rows).contiguous();  // int kernels: row-invariant
     at::Tensor y;
     if (kind == INT4) {
       // the VNNI kernels give a row the same bits alone or in a batch (gemm.cpp), so deterministic steps

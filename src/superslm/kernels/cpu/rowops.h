@@ -319,4 +319,34 @@ void act_rows(const T* gu, T* out, int64_t B, int64_t inter, int64_t act) {
   }
 }
 
+// ---- the block Hadamard rotation of a linear's input (quant/hadamard.py Rotation) ----
+
+// x [rows, in] (float or bf16) -> out [rows, kpad] of out's dtype: zero-padded past `in`, times
+// signs_f (float [kpad], +-1), then the orthonormal Walsh-Hadamard transform of each run of `block`
+// values (Sylvester order, as hadamard.py fwht), in float with one rounding at the end. Each row alone:
+// its bits never depend on the other rows. (Torch's form, a bf16 matmul with a bf16 table, costs five
+// calls per linear; the two agree within a bf16 rounding.)
+template <typename T, typename O>
+void rotate_rows(const T* x, int64_t rows, int64_t in, const float* signs_f, int64_t block, int64_t kpad, O* out) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(block));
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(kpad);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * in;
+      for (int64_t k = 0; k < in; ++k) buf[k] = static_cast<float>(xr[k]) * signs_f[k];
+      for (int64_t k = in; k < kpad; ++k) buf[k] = 0.0f;
+      for (int64_t b0 = 0; b0 < kpad; b0 += block)
+        for (int64_t h = 1; h < block; h *= 2)
+          for (int64_t i = b0; i < b0 + block; i += 2 * h)
+            for (int64_t j = i; j < i + h; ++j) {
+              const float a = buf[j], c = buf[j + h];
+              buf[j] = a + c;
+              buf[j + h] = a - c;
+            }
+      O* o = out + r * kpad;
+      for (int64_t k = 0; k < kpad; ++k) o[k] = static_cast<O>(buf[k] * scale);
+    }
+  });
+}
+
 }  // namespace superslm_rows
