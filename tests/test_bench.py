@@ -44,3 +44,12 @@ def test_summary_takes_the_median_of_rounds_that_ran() -> None:
     line = summary(rounds)
     assert line == ("median of 3 rounds vs llama.cpp: prefill 2.00x (2.00-2.00), decode 1.30x (1.20-1.50), "
                     "16 streams vs its single stream 4.00x (4.00-4.00)")
+
+
+def test_table_counts_a_converted_folder_as_the_file(tmp_path: Path) -> None:
+    from superslm.bench import table
+
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 3 * 2**20)
+    (tmp_path / "config.json").write_bytes(b"\0" * 2**20)
+    ours = {"prefill": 1.0, "decode": 1.0, "streams": 1.0, "load_s": 0.1, "rss_mb": 300.0, "kv_mb": 100.0}
+    assert "= file 4 MB + KV 100 MB + 196 MB" in table(str(tmp_path), 2, {"superslm": ours})

@@ -184,3 +184,31 @@ def test_engine_streams_get_the_same_tokens(gemma3_gguf, monkeypatch: pytest.Mon
     monkeypatch.setattr(cpu_decode, "GREEDY_MIN_ROWS", 10**9)
     want = [c.tokens for c in model.engine(slots=8, context=64, deterministic=True).generate(reqs)]
     assert got == want
+
+
+@pytest.mark.parametrize("k", [128, 120])
+def test_a_rotated_head_runs_on_the_vnni_kernels(k: int) -> None:
+    """A Hadamard-rotated int8 head (superslm convert's default): its input rotated row by row in float
+    (hadamard_rows, padded 120 -> 128), then the same kernels; within a rounding of the module's own forward,
+    the same bits for a row in any batch, and greedy tokens equal to the argmax of those logits."""
+    from superslm.kernels.dispatch import hadamard_rotate_reference
+
+    g = torch.Generator().manual_seed(3)
+    head = Int8Linear.from_dense(torch.randn(2001, k, generator=g), rotate=5)
+    assert head.rotation is not None and head.k_pad == 128
+    x = _hidden(9, k, 4)
+    ext = cext.vnni()
+    rot = ext.hadamard_rows(x, head.rotation.signs, head.rotation.block, head.k_pad)
+    padded = torch.nn.functional.pad(x.float(), (0, head.k_pad - k))
+    want_rot = hadamard_rotate_reference(padded.double(), head.rotation.signs.double(), head.rotation.block)
+    assert rot.dtype == torch.bfloat16
+    torch.testing.assert_close(rot.double(), want_rot, atol=0, rtol=2**-8)  # one bf16 rounding
+    one = torch.cat([cpu_decode.vnni_linear(head, x[i : i + 1]) for i in range(9)])
+    many = cpu_decode.vnni_linear(head, x, deterministic=True)
+    assert torch.equal(one, many)  # row by row: batch-invariant
+    ref = head(x).float()
+    assert (one.float() - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
+    logits = ext.int8_gemm(rot, head.codes, head.scale, ext.int8_rowsum(head.codes)).float()
+    assert torch.equal(one.float(), logits.to(torch.bfloat16).float())
+    got = cpu_decode.greedy_head(head, x)
+    assert got is not None and torch.equal(got, logits.argmax(dim=1))

@@ -170,7 +170,10 @@ def table(model: str, threads: int, rows: dict[str, dict[str, Any]]) -> str:
         lines.append(f"vs {peer}: prefill {q['prefill']:.2f}x, decode {q['decode']:.2f}x, "
                      f"16 streams vs its single stream {q['streams']:.2f}x")
     if ours and "error" not in ours:
-        size = Path(model).stat().st_size / 2**20 if Path(model).is_file() else float("nan")
+        path = Path(model)
+        # a converted folder: its files (the weights are memory-mapped as a GGUF's are)
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else []
+        size = sum(p.stat().st_size for p in files) / 2**20 if files else float("nan")
         lines.append(f"superslm peak RSS {ours['rss_mb']:.0f} MB = file {size:.0f} MB + KV {ours['kv_mb']:.0f} MB + "
                      f"{ours['rss_mb'] - size - ours['kv_mb']:.0f} MB")
     return "\n".join(lines)

@@ -237,19 +237,29 @@ def int8_gemv_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tenso
 
 
 def _vnni_int8(module: torch.nn.Module) -> tuple[Any, torch.Tensor] | None:
-    """(extension, the codes' row sums, cached on the module) where the VNNI int8 kernels run `module` as it
-    is: an Int8Linear without rotation, its K unpadded and a multiple of 64, the kernels built with VNNI."""
+    """(extension, the codes' row sums, cached on the module) where the VNNI int8 kernels run `module`: an
+    Int8Linear with K a multiple of 64, unpadded unless rotated (`_vnni_input` pads and rotates), the
+    kernels built with VNNI."""
     from superslm.quant.dense import Int8Linear
 
-    if type(module) is not Int8Linear or module.rotation is not None:
+    if type(module) is not Int8Linear:
         return None
     ext = cext.vnni()
-    if ext is None or module.k_pad != module.in_features or module.k_pad % 64:
+    if ext is None or module.k_pad % 64 or (module.rotation is None and module.k_pad != module.in_features):
         return None
     rowsum = getattr(module, "_rowsum", None)
     if rowsum is None or rowsum.shape[0] != module.codes.shape[0]:
         rowsum = module._rowsum = ext.int8_rowsum(module.codes)
     return ext, rowsum
+
+
+def _vnni_input(ext: Any, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x as the module's kernel takes it: as it is, or for a rotated module padded and rotated row by row in
+    float, bf16 out (decode_layers.cpp hadamard_rows: a row's bits do not depend on the batch)."""
+    rot = module.rotation
+    if rot is None:
+        return x
+    return ext.hadamard_rows(x, rot.signs, rot.block, module.k_pad)
 
 
 def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor | None:
@@ -264,7 +274,7 @@ def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = 
         return None
     ext, rowsum = got
     kernel = ext.int8_gemv if rows == 1 else ext.int8_gemm
-    y = kernel(x, module.codes, module.scale, rowsum)
+    y = kernel(_vnni_input(ext, module, x), module.codes, module.scale, rowsum)
     if module.bias is not None:
         y = y.float() + module.bias
     return y.to(x.dtype)
@@ -297,6 +307,7 @@ def greedy_head(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None
     if w2 is None or w2.shape[0] != module.codes.shape[0]:
         w2 = module._greedy_w2 = ext.int8_rownorm(module.codes, module.scale)  # ||codes_n||_2 * scale_n, rounded up
     stats[0] += 1
+    x = _vnni_input(ext, module, x)
     union, ok = ext.int8_greedy_candidates(x, module.codes, module.scale, rowsum, w2, GREEDY_MAX_CANDIDATES)
     if not ok or union.numel() == 0:  # none: every bound NaN (a NaN scale), the full head says what it says
         stats[1] += 1

@@ -37,6 +37,27 @@ namespace {
 
 using namespace superslm_rows;
 
+// x [rows, in] -> [rows, kpad] of type ht (bf16 or float), zero-padded and rotated in one pass
+// (rowops.h rotate_rows; signs_f float [kpad])
+at::Tensor rotate_input(const at::Tensor& x, const at::Tensor& signs_f, int64_t block, int64_t kpad,
+                        at::ScalarType ht) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= kpad && signs_f.scalar_type() == at::kFloat && signs_f.numel() == kpad &&
+                  block > 0 && (block & (block - 1)) == 0 && kpad % block == 0,
+              "hadamard_rows: x [rows, in <= kpad], float signs [kpad], a power-of-two block dividing kpad");
+  TORCH_CHECK(ht == at::kBFloat16 || ht == at::kFloat, "hadamard_rows: the result is bf16 or float");
+  at::Tensor xc = x.contiguous(), sg = signs_f.contiguous();
+  at::Tensor h = at::empty({xc.size(0), kpad}, xc.options().dtype(ht));
+  const int64_t n = xc.size(0), in = xc.size(1);
+  const float* sp = sg.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, xc.scalar_type(), "rotate_rows", [&] {
+    if (ht == at::kBFloat16)
+      rotate_rows(xc.data_ptr<scalar_t>(), n, in, sp, block, kpad, h.data_ptr<at::BFloat16>());
+    else
+      rotate_rows(xc.data_ptr<scalar_t>(), n, in, sp, block, kpad, h.data_ptr<float>());
+  });
+  return h;
+}
+
 // ---- one linear, as quant/base.py LinearFormat.forward and transformer.DenseLinear compute it ----
 
 // CONCAT: parts of different formats (quant/gguf_map.py ConcatLinear, e.g. Q4_K q, k with a Q6_K v)
@@ -86,21 +107,9 @@ struct Lin {
     return l;
   }
 
-  // x [rows, in] -> [rows, kpad] of type ht, padded and rotated in one pass (rowops.h rotate_rows)
   at::Tensor rotated(const at::Tensor& x, at::ScalarType ht) const {
-    at::Tensor xc = x.contiguous();
-    TORCH_CHECK(xc.size(1) == in, "DecodePlan: a linear's input has ", xc.size(1), " features, not ", in);
-    TORCH_CHECK(ht == at::kBFloat16 || ht == at::kFloat, "DecodePlan: a rotated linear computes in bf16 or float");
-    at::Tensor h = at::empty({xc.size(0), kpad}, xc.options().dtype(ht));
-    const int64_t block = hadamard.size(0), n = xc.size(0);
-    const float* sp = signs_f.data_ptr<float>();
-    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, xc.scalar_type(), "rotate_rows", [&] {
-      if (ht == at::kBFloat16)
-        rotate_rows(xc.data_ptr<scalar_t>(), n, in, sp, block, kpad, h.data_ptr<at::BFloat16>());
-      else
-        rotate_rows(xc.data_ptr<scalar_t>(), n, in, sp, block, kpad, h.data_ptr<float>());
-    });
-    return h;
+    TORCH_CHECK(x.size(1) == in, "DecodePlan: a linear's input has ", x.size(1), " features, not ", in);
+    return rotate_input(x, signs_f, hadamard.size(0), kpad, ht);
   }
 
   // deterministic: every row gets the same bits whatever the other rows (dense GEMMs see a multiple of
@@ -351,6 +360,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_part", &DecodePlan::add_part)
       .def("num_layers", &DecodePlan::num_layers)
       .def("run", &DecodePlan::run, pybind11::call_guard<pybind11::gil_scoped_release>());
+  // the block Hadamard rotation of quant/hadamard.py Rotation, row by row in float, bf16 out
+  m.def(
+      "hadamard_rows",
+      [](const at::Tensor& x, const at::Tensor& signs, int64_t block, int64_t kpad) {
+        return rotate_input(x, signs, block, kpad, at::kBFloat16);
+      },
+      pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("vnni_available", &vnni_available);
   m.def("set_vnni", &set_vnni);
   m.def("int8_rowsum", &int8_rowsum);
