@@ -212,3 +212,11 @@ def test_a_rotated_head_runs_on_the_vnni_kernels(k: int) -> None:
     assert torch.equal(one.float(), logits.to(torch.bfloat16).float())
     got = cpu_decode.greedy_head(head, x)
     assert got is not None and torch.equal(got, logits.argmax(dim=1))
+
+
+def test_a_head_wider_than_the_greedy_kernel_takes_the_full_logits() -> None:
+    """Hidden sizes past 1024 (Qwen2.5-1.5B: 1536, Gemma-3-1B: 1152): no certified tokens, no error."""
+    for rotate in (None, 5):
+        head = Int8Linear.from_dense(torch.randn(300, 1152), rotate=rotate)
+        assert cpu_decode.greedy_head(head, _hidden(4, 1152, 1)) is None
+        assert cpu_decode.vnni_linear(head, _hidden(1, 1152, 1)) is not None

@@ -284,6 +284,8 @@ def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = 
 GREEDY_MAX_CANDIDATES = 4096
 #: rows from which the one-part approximation pays (below, the head is read at memory speed either way)
 GREEDY_MIN_ROWS = 4
+#: the widest head input kernels/cpu/greedy.cpp takes (its per-row channel tables)
+GREEDY_MAX_K = 1024
 
 
 def greedy_head(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
@@ -295,6 +297,8 @@ def greedy_head(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None
     the products. A head whose candidates keep overflowing (a model whose activations quantize coarsely)
     stops trying once more than half of its calls (8 at least) fell back."""
     if x.shape[0] < GREEDY_MIN_ROWS or x.device.type != "cpu" or getattr(module, "bias", None) is not None:
+        return None
+    if getattr(module, "k_pad", GREEDY_MAX_K + 1) > GREEDY_MAX_K:
         return None
     got = _vnni_int8(module)
     if got is None:
