@@ -128,4 +128,5 @@ def test_a_gguf_load_peaks_near_what_it_keeps(smollm2_gguf: Path) -> None:
     before, peak, after = (int(v) for v in out.split()[-3:])
     kept = after - before
     assert kept > 50  # the model is there
-    assert peak - after < 80, (before, peak, after)
+    # 48-81 MB on this machine from run to run (the head's row blocks and the threads' arenas), 196 before
+    assert peak - after < 100, (before, peak, after)

@@ -17,7 +17,6 @@ import contextlib
 import hashlib
 import mmap
 import os
-import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,27 +25,13 @@ import torch
 
 from superslm.errors import GGUFError, InvalidArgument, ModelNotFound
 from superslm.formats.blocks import BlockType, block_type
-from superslm.formats.gguf_array import LAZY_ITEMS, GGUFArray
+from superslm.formats.gguf_values import ARRAY, U32, VALUE_TYPE_NAMES, Cursor, type_name
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-
-#: GGUF metadata value type id -> name
-VALUE_TYPE_NAMES = {
-    0: "UINT8", 1: "INT8", 2: "UINT16", 3: "INT16", 4: "UINT32", 5: "INT32", 6: "FLOAT32",
-    7: "BOOL", 8: "STRING", 9: "ARRAY", 10: "UINT64", 11: "INT64", 12: "FLOAT64",
-}  # fmt: skip
-_STRING, _ARRAY, _BOOL = 8, 9, 7
-# fixed-size value types -> struct format, spelled out: numpy's 64-bit ints are the platform "l",
-# which struct's "<" mode reads as 4 bytes
-_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "B", 10: "Q", 11: "q", 12: "d"}
-_NUMERIC_STRUCT = {t: struct.Struct("<" + c) for t, c in _SCALAR_FORMATS.items()}
-_NUMERIC = {t: np.dtype("<" + c) for t, c in _SCALAR_FORMATS.items()}
 # the fewest bytes a metadata entry (u64 key length, u32 type, 1-byte value) and a tensor info
 # (u64 name length, u32 n_dims, one u64 dim, u32 type, u64 offset) can take
 _MIN_KV_BYTES = 8 + 4 + 1
@@ -73,133 +58,6 @@ class TensorInfo:
         for d in self.shape:
             n *= d
         return n
-
-
-class _Cursor:
-    """Bounds-checked little-endian reads from a buffer; every overrun is a GGUFError."""
-
-    def __init__(self, buf: mmap.mmap, size: int) -> None:
-        self.buf = buf
-        self.size = size
-        self.pos = 0
-        self._bytes: np.ndarray | None = None
-
-    def view(self) -> np.ndarray:
-        """The whole buffer as read-only uint8 (what lazy arrays keep)."""
-        if self._bytes is None:
-            self._bytes = np.frombuffer(self.buf, dtype=np.uint8, count=self.size)
-        return self._bytes
-
-    def left(self) -> int:
-        return self.size - self.pos
-
-    def need(self, n: int, what: str) -> None:
-        if n > self.size - self.pos:
-            raise GGUFError(
-                f"truncated file: {what} needs {n} bytes at offset {self.pos}, "
-                f"but only {self.size - self.pos} are left"
-            )
-
-    def u32(self, what: str) -> int:
-        self.need(4, what)
-        (v,) = _U32.unpack_from(self.buf, self.pos)
-        self.pos += 4
-        return v
-
-    def u64(self, what: str) -> int:
-        self.need(8, what)
-        (v,) = _U64.unpack_from(self.buf, self.pos)
-        self.pos += 8
-        return v
-
-    def string(self, what: str, strict: bool) -> str:
-        n = self.u64(f"length of {what}")
-        self.need(n, what)
-        raw = self.buf[self.pos : self.pos + n]
-        self.pos += n
-        try:
-            return raw.decode("utf-8", "strict" if strict else "replace")
-        except UnicodeDecodeError as e:
-            raise GGUFError(f"{what} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-
-    def value(self, vtype: int, what: str) -> Any:
-        """One metadata value of type `vtype` as a plain Python value."""
-        if vtype == _STRING:
-            return self.string(what, strict=False)
-        if vtype == _ARRAY:
-            return self.array(what)
-        st = _NUMERIC_STRUCT.get(vtype)
-        if st is None:
-            raise GGUFError(f"{what}: unknown value type {vtype}")
-        self.need(st.size, what)
-        (v,) = st.unpack_from(self.buf, self.pos)
-        self.pos += st.size
-        if vtype == _BOOL:
-            return self._bool(v, what)
-        return v
-
-    @staticmethod
-    def _bool(v: int, what: str) -> bool:
-        if v > 1:
-            raise GGUFError(f"{what}: bool value byte is {v}, not 0 or 1")
-        return bool(v)
-
-    def array(self, what: str) -> list[Any] | GGUFArray:
-        itype = self.u32(f"item type of {what}")
-        n = self.u64(f"length of {what}")
-        if itype == _ARRAY:
-            raise GGUFError(f"{what}: arrays of arrays are not supported")
-        if itype == _STRING:
-            return self.string_array(n, what)
-        dtype = _NUMERIC.get(itype)
-        if dtype is None:
-            raise GGUFError(f"{what}: unknown array item type {itype}")
-        if n * dtype.itemsize > self.left():
-            raise GGUFError(
-                f"truncated file: {what}: array of {n} {VALUE_TYPE_NAMES[itype]} needs "
-                f"{n * dtype.itemsize} bytes, only {self.left()} are left"
-            )
-        values = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos)
-        self.pos += n * dtype.itemsize
-        if itype == _BOOL and n and int(values.max()) > 1:
-            raise GGUFError(f"{what}: bool array holds a byte other than 0 or 1")
-        if n > LAZY_ITEMS:
-            return GGUFArray.numbers(values, boolean=itype == _BOOL)
-        return values.astype(bool).tolist() if itype == _BOOL else values.tolist()
-
-    def string_array(self, n: int, what: str) -> list[str] | GGUFArray:
-        # each string takes at least its 8-byte length: cap n before allocating the list
-        if n * 8 > self.left():
-            raise GGUFError(
-                f"truncated file: {what}: array of {n} strings cannot fit in the {self.left()} bytes left"
-            )
-        buf, pos, end, unpack = self.buf, self.pos, self.size, _U64.unpack_from
-        lazy = n > LAZY_ITEMS
-        # a long array keeps each string's start (read on access), a short one its decoded strings
-        starts = np.empty(n if lazy else 0, dtype=np.int64)
-        out: list[str] = [] if lazy else [""] * n
-        for i in range(n):
-            if end - pos < 8:
-                raise GGUFError(f"truncated file: {what}: string {i} of {n} starts past the end")
-            (length,) = unpack(buf, pos)
-            pos += 8
-            if length > end - pos:
-                raise GGUFError(
-                    f"truncated file: {what}: string {i} of {n} has length {length}, "
-                    f"only {end - pos} bytes are left"
-                )
-            if lazy:
-                starts[i] = pos
-            else:
-                out[i] = buf[pos : pos + length].decode("utf-8", "replace")
-            pos += length
-        self.pos = pos
-        return GGUFArray.strings(self.view(), starts, pos) if lazy else out
-
-
-def _type_name(vtype: int, item_type: int | None) -> str:
-    name = VALUE_TYPE_NAMES[vtype]
-    return f"ARRAY[{VALUE_TYPE_NAMES[item_type]}]" if item_type is not None else name
 
 
 class GGUFFile:
@@ -242,7 +100,7 @@ class GGUFFile:
         except OSError as e:
             raise GGUFError(f"cannot read {self.path}: {e}") from None
         try:
-            self._parse(_Cursor(self._map, self.file_size))
+            self._parse(Cursor(self._map, self.file_size))
         except GGUFError as e:
             self.close()
             raise GGUFError(f"{self.path}: {e}") from None
@@ -253,7 +111,7 @@ class GGUFFile:
 
     # --- parsing ---------------------------------------------------------------------------------
 
-    def _parse(self, cur: _Cursor) -> None:
+    def _parse(self, cur: Cursor) -> None:
         magic = bytes(cur.buf[0:4])
         if magic != GGUF_MAGIC:
             raise GGUFError(f"not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
@@ -281,7 +139,7 @@ class GGUFFile:
         self.data_offset = -(-cur.pos // self.alignment) * self.alignment
         self._check_tensors(infos)
 
-    def _parse_metadata(self, cur: _Cursor, n_kv: int) -> None:
+    def _parse_metadata(self, cur: Cursor, n_kv: int) -> None:
         self.metadata = {}
         self.metadata_types = {}
         start = cur.pos
@@ -293,12 +151,12 @@ class GGUFFile:
             if vtype not in VALUE_TYPE_NAMES:
                 raise GGUFError(f"metadata {key!r} has unknown value type {vtype}")
             item_type = None
-            if vtype == _ARRAY:
+            if vtype == ARRAY:
                 # peek at the item type for metadata_types; array() validates it again
                 cur.need(4, f"item type of metadata {key!r}")
-                (item_type,) = _U32.unpack_from(cur.buf, cur.pos)
+                (item_type,) = U32.unpack_from(cur.buf, cur.pos)
             self.metadata[key] = cur.value(vtype, f"metadata {key!r}")
-            self.metadata_types[key] = _type_name(vtype, item_type)
+            self.metadata_types[key] = type_name(vtype, item_type)
         self._metadata_span = (start, cur.pos)
 
     def metadata_digest(self) -> str:
@@ -321,7 +179,7 @@ class GGUFFile:
             raise GGUFError(f"general.alignment {alignment} is not a power of two")
         return alignment
 
-    def _parse_tensor_info(self, cur: _Cursor, i: int) -> tuple[str, tuple[int, ...], int, int]:
+    def _parse_tensor_info(self, cur: Cursor, i: int) -> tuple[str, tuple[int, ...], int, int]:
         """-> (name, ne, type_id, offset relative to the data section)."""
         name = cur.string(f"name of tensor {i}", strict=True)
         n_dims = cur.u32(f"n_dims of tensor {name!r}")
