@@ -114,6 +114,10 @@ def test_gptq_conversion_is_closer_to_the_float_model(smol_layers: dict[str, Pat
     cal = native.read_folder(smol_layers["gptq"]).header["calibration"]
     assert cal["method"] == "gptq" and cal["text"] == "pydoc_data.topics" and 1024 <= cal["tokens"] <= 1026
     assert native.read_folder(smol_layers["rtn"]).header["calibration"] is None
+    # `superslm info` says how a folder was made
+    made = superslm.load(smol_layers["gptq"]).info()["converted"]
+    assert made["calibration"] == cal and made["format"] == "int4" and made["group"] == 128
+    assert "calibration" not in superslm.load(smol_layers["rtn"]).info()["converted"]
 
 
 def test_calibration_refusals(smollm2_gguf: Path, tmp_path: Path) -> None:

@@ -172,7 +172,12 @@ class Model:
         return self._fingerprint
 
     def info(self) -> dict[str, Any]:
-        """What `superslm info` prints."""
+        """What `superslm info` prints (a converted folder adds how it was made: its header's conversion)."""
+        made = {}
+        if self.source.format == "native":
+            header = self.source.config.get("header", {})
+            made = {"converted": {k: header.get(k) for k in ("format", "group", "head", "rotation", "calibration",
+                                                             "lora", "source") if header.get(k) is not None}}
         return {
             "name": self.name,
             "path": str(self.source.path),
@@ -187,6 +192,7 @@ class Model:
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
             "chat_template": self.chat_template,
+            **made,
         }
 
 
