@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import superslm
+from superslm import calibration
 from superslm.cache.kv import KVCache
 from superslm.calibration import default_text
 from superslm.convert import convert
@@ -113,6 +114,7 @@ def test_gptq_conversion_is_closer_to_the_float_model(smol_layers: dict[str, Pat
     assert err["gptq"] < 0.8 * err["rtn"], err
     cal = native.read_folder(smol_layers["gptq"]).header["calibration"]
     assert cal["method"] == "gptq" and cal["text"] == "pydoc_data.topics" and 1024 <= cal["tokens"] <= 1026
+    assert cal["dtype"] == "float32"
     assert native.read_folder(smol_layers["rtn"]).header["calibration"] is None
     # `superslm info` says how a folder was made
     made = superslm.load(smol_layers["gptq"]).info()["converted"]
@@ -130,3 +132,21 @@ def test_calibration_refusals(smollm2_gguf: Path, tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="tokens"):
         convert(smollm2_gguf, tmp_path / "c", format="int4", calibrate=short, layers=2)
     assert not any(p.name in ("a", "b", "c") for p in tmp_path.iterdir())
+
+
+def test_the_dense_copy_fits_memory(smollm2_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                    one_thread: None) -> None:
+    """Calibration runs a dense copy of the model: float32 where it fits, else bf16 (still better than
+    rounding), else a clear refusal before anything is written."""
+    assert calibration.dense_dtype(10**9, 8 * 2**30) == "float32"
+    assert calibration.dense_dtype(10**9, 4 * 2**30) == "bfloat16"
+    with pytest.raises(InvalidArgument, match="GiB available"):
+        calibration.dense_dtype(10**9, 2**30)
+    params = 135_000_000
+    monkeypatch.setattr(calibration, "available_memory", lambda: params * 3)  # bf16 fits, float32 does not
+    dst = convert(smollm2_gguf, tmp_path / "bf16", format="int4", layers=2, calibrate=True, calibration_tokens=512)
+    assert native.read_folder(dst).header["calibration"]["dtype"] == "bfloat16"
+    monkeypatch.setattr(calibration, "available_memory", lambda: params)
+    with pytest.raises(InvalidArgument, match="without --calibrate"):
+        convert(smollm2_gguf, tmp_path / "none", format="int4", layers=2, calibrate=True)
+    assert not (tmp_path / "none").exists()

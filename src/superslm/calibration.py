@@ -18,6 +18,7 @@ import torch
 from superslm.cache.kv import KVCache
 from superslm.errors import InvalidArgument
 from superslm.kernels.attention import AttnMetadata
+from superslm.memory import available_memory
 from superslm.quant.gptq import Calibration
 from superslm.quant.swap import LAYER_LINEARS
 
@@ -48,15 +49,29 @@ def read_text(calibrate: str | Path | bool) -> tuple[str, str]:
         raise InvalidArgument(f"cannot read the calibration text {path}: {e}") from None
 
 
+def dense_dtype(parameters: int, available: int | None = None) -> str:
+    """The dtype of the dense copy calibration runs: float32 where it fits in 70% of the available memory,
+    else bfloat16 (the statistics are summed in float64 either way); InvalidArgument when neither fits."""
+    available = available_memory() if available is None else available
+    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+        if parameters * size <= 0.7 * available:
+            return dtype
+    raise InvalidArgument(f"calibration runs a dense copy of the model: {parameters * 2 / 2**30:.1f} GiB in bf16, "
+                          f"{available / 2**30:.1f} GiB available; convert without --calibrate")
+
+
 class LayerCalibrator:
     """Second moments of each layer's linear inputs on calibration text, computed layer by layer with the
-    model's own forward pass (dense float32, torch modules: the hooks see every linear's input)."""
+    model's own forward pass (dense float32, or bf16 where float32 would not fit; torch modules: the hooks
+    see every linear's input)."""
 
-    def __init__(self, path: Path, layers: int, calibrate: str | Path | bool, tokens: int = TOKENS) -> None:
+    def __init__(self, path: Path, layers: int, calibrate: str | Path | bool, tokens: int = TOKENS,
+                 parameters: int = 0) -> None:
         import superslm
 
         text, name = read_text(calibrate)
-        self.model = superslm.load(path, device="cpu", dtype="float32", quant=None, layers=layers)
+        dtype = dense_dtype(parameters)
+        self.model = superslm.load(path, device="cpu", dtype=dtype, quant=None, layers=layers)
         net = self.model.net
         net.fast_decode = False  # the C++ plan would bypass the modules and their hooks
         ids = self.model.tokenizer.encode(text, add_special_tokens=False)[:tokens]
@@ -66,13 +81,13 @@ class LayerCalibrator:
         self.seqs = [([bos] if bos is not None else []) + ids[i : i + SEQ] for i in range(0, len(ids), SEQ)]
         self.seqs = [s for s in self.seqs if len(s) > 1]
         self.tokens = sum(len(s) for s in self.seqs)
-        self.info: dict[str, Any] = {"method": "gptq", "text": name, "tokens": self.tokens,
+        self.info: dict[str, Any] = {"method": "gptq", "text": name, "tokens": self.tokens, "dtype": dtype,
                                      "sha256": hashlib.sha256(text.encode()).hexdigest()}
         with torch.no_grad():
             self.h = [net.embed(torch.tensor(s)) for s in self.seqs]
         a = net.arch
         longest = max(len(s) for s in self.seqs)
-        self.kv = KVCache(len(net.layers), -(-longest // _PAGE), _PAGE, a.kv_heads, a.head_dim, torch.float32)
+        self.kv = KVCache(len(net.layers), -(-longest // _PAGE), _PAGE, a.kv_heads, a.head_dim, net.dtype)
 
     def layer(self, i: int) -> dict[str, torch.Tensor | None]:
         """{linear attr: mean x x^T of its inputs} for layer i (ask for layers in order); the hidden states

@@ -267,7 +267,7 @@ def convert(
             raise InvalidArgument(f"calibration (GPTQ) is for --format int4, not {body}")
         from superslm.calibration import LayerCalibrator
 
-        calibrator = LayerCalibrator(source.path, n, calibrate, int(calibration_tokens))
+        calibrator = LayerCalibrator(source.path, n, calibrate, int(calibration_tokens), source.parameter_count())
     rotated = rotate and (body in ("int4", "int8") or head in ("int4", "int8"))
     opts = {"format": body, "group": int(group), "rotate": rotate, "seed": int(seed)}
     header = {"format": body, "group": int(group) if "int4" in (body, head) else None, "head": head,

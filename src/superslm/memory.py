@@ -1,6 +1,21 @@
-"""Handing memory a load no longer needs back to the OS (bottom layer: no superslm imports)."""
+"""Host memory: what is available, and handing back what a load no longer needs (bottom layer: no superslm
+imports)."""
 
 from __future__ import annotations
+
+import os
+
+
+def available_memory() -> int:
+    """Bytes of host memory available to this process now (Linux's MemAvailable, else free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def release_freed_memory() -> None:

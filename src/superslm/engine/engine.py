@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from superslm.engine.request import END_CANCELLED, END_LENGTH, Progress, Request
 from superslm.engine.runner import StepWork, build_step, run_layers, step_logits
 from superslm.engine.scheduler import Scheduler
 from superslm.errors import AdapterInUse, AdapterMismatch, ContextLengthExceeded, InvalidArgument, TokenOutOfRange
+from superslm.memory import available_memory
 from superslm.sampling import SamplerState, Sampling, StopChecker, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -49,14 +49,7 @@ def _available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    return available_memory()
 
 
 class Engine(OutputMixin, ContractsMixin):
