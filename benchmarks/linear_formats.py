@@ -92,7 +92,7 @@ def prefill_logits(net: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     a, n, ps = net.arch, len(tokens), 16
     pages = (n + ps - 1) // ps
     kv = KVCache(len(net.layers), pages, ps, a.kv_heads, a.head_dim, net.dtype)
-    meta = AttnMetadata(torch.arange(n), torch.arange(n), (0, n), (n,), (tuple(range(pages)),), ps)
+    meta = AttnMetadata.one_prompt(n, ps)
     with torch.no_grad():
         return net.logits(net.run_layers(net.embed(torch.tensor(tokens)), meta, kv.k, kv.v)).float()
 

@@ -65,7 +65,7 @@ def nll_per_token(net: torch.nn.Module, tokens: list[int], chunk: int = 256) -> 
     a, n, ps = net.arch, len(tokens), 16
     pages = (n + ps - 1) // ps
     kv = KVCache(len(net.layers), pages, ps, a.kv_heads, a.head_dim, net.dtype)
-    meta = AttnMetadata(torch.arange(n), torch.arange(n), (0, n), (n,), (tuple(range(pages)),), ps)
+    meta = AttnMetadata.one_prompt(n, ps)
     target = torch.tensor(tokens[1:])
     nll, kept = [], []
     with torch.no_grad():

@@ -194,7 +194,7 @@ def prefill_logits(net, tokens: list[int], adapter=None) -> torch.Tensor:
     a, n, ps = net.arch, len(tokens), 16
     pages = (n + ps - 1) // ps
     kv = KVCache(len(net.layers), pages, ps, a.kv_heads, a.head_dim, net.dtype)
-    meta = AttnMetadata(torch.arange(n), torch.arange(n), (0, n), (n,), (tuple(range(pages)),), ps)
+    meta = AttnMetadata.one_prompt(n, ps)
     if adapter is not None:
         meta.lora = LoraBatch([(adapter, torch.arange(n))])
     with torch.no_grad():

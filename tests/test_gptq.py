@@ -36,7 +36,7 @@ def _hidden(net: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     """The residual stream [n, dim] after every layer of `net`, one prefill of one sequence."""
     a, n, ps = net.arch, len(tokens), 16
     kv = KVCache(len(net.layers), -(-n // ps), ps, a.kv_heads, a.head_dim, torch.float32)
-    meta = AttnMetadata(torch.arange(n), torch.arange(n), (0, n), (n,), (tuple(range(-(-n // ps))),), ps)
+    meta = AttnMetadata.one_prompt(n, ps)
     with torch.no_grad():
         return net.run_layers(net.embed(torch.tensor(tokens)).float(), meta, kv.k, kv.v).float()
 

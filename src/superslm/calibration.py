@@ -99,7 +99,6 @@ class LayerCalibrator:
         with torch.no_grad(), cal.watch({attr: getattr(layer, attr) for attr in LAYER_LINEARS}):
             for j, seq in enumerate(self.seqs):
                 n = len(seq)
-                meta = AttnMetadata(torch.arange(n), torch.arange(n), (0, n), (n,),
-                                    (tuple(range(-(-n // _PAGE))),), _PAGE)
+                meta = AttnMetadata.one_prompt(n, _PAGE)
                 self.h[j] = net.run_layers(self.h[j], meta, self.kv.k, self.kv.v, start=i, end=i + 1)
         return {attr: cal.pop(attr) for attr in LAYER_LINEARS}

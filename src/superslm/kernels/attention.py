@@ -41,6 +41,13 @@ class AttnMetadata:
     _decode: dict[int | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     _step: dict[Any, Any] = field(default_factory=dict, repr=False)
 
+    @classmethod
+    def one_prompt(cls, n: int, page_size: int, device: torch.device | str | None = None) -> AttnMetadata:
+        """One sequence's first n tokens in one step, its keys on pages 0, 1, ... of the cache (calibration,
+        perplexity and tests run whole texts this way)."""
+        pages = tuple(range(-(-n // page_size)))
+        return cls(torch.arange(n, device=device), torch.arange(n, device=device), (0, n), (n,), (pages,), page_size)
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
