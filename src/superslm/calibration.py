@@ -75,8 +75,8 @@ class LayerCalibrator:
         net = self.model.net
         net.fast_decode = False  # the C++ plan would bypass the modules and their hooks
         ids = self.model.tokenizer.encode(text, add_special_tokens=False)[:tokens]
-        if len(ids) < 2 * SEQ // 4:
-            raise InvalidArgument(f"the calibration text has {len(ids)} tokens; GPTQ needs at least {2 * SEQ // 4}")
+        if len(ids) < SEQ // 2:
+            raise InvalidArgument(f"the calibration text has {len(ids)} tokens; GPTQ needs at least {SEQ // 2}")
         bos = self.model.tokenizer.bos_id if self.model.tokenizer.add_bos else None
         self.seqs = [([bos] if bos is not None else []) + ids[i : i + SEQ] for i in range(0, len(ids), SEQ)]
         self.seqs = [s for s in self.seqs if len(s) > 1]

@@ -46,10 +46,6 @@ class GGUFArray(Sequence):
         sits between them), the last one ends at `end`."""
         return cls(data, None, starts, end, len(starts))
 
-    @property
-    def is_strings(self) -> bool:
-        return self._starts is not None
-
     def __len__(self) -> int:
         return self._n
 

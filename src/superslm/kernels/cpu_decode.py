@@ -264,8 +264,8 @@ def _vnni_input(ext: Any, module: torch.nn.Module, x: torch.Tensor) -> torch.Ten
 
 def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor | None:
     """module(x) through the VNNI int8 kernels (kernels/cpu/gemv.cpp, gemm.cpp), or None where they do not
-    apply (another format, a rotation, a CPU or build without AVX-512 VNNI), or where torch's kernel is
-    as fast: several rows outside deterministic mode. A row gets the same bits alone or in a batch."""
+    apply (another format, K not a multiple of 64, a CPU or build without AVX-512 VNNI), or where torch's
+    kernel is as fast: several rows outside deterministic mode. A row gets the same bits alone or in a batch."""
     rows = x.shape[0]
     if rows == 0 or (rows > 1 and not deterministic) or x.device.type != "cpu":
         return None
@@ -298,10 +298,8 @@ def greedy_head(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None
     stops trying once more than half of its calls (8 at least) fell back."""
     if x.shape[0] < GREEDY_MIN_ROWS or x.device.type != "cpu" or getattr(module, "bias", None) is not None:
         return None
-    if getattr(module, "k_pad", GREEDY_MAX_K + 1) > GREEDY_MAX_K:
-        return None
     got = _vnni_int8(module)
-    if got is None:
+    if got is None or module.k_pad > GREEDY_MAX_K:
         return None
     ext, rowsum = got
     stats = module.__dict__.setdefault("_greedy_stats", [0, 0])  # [calls, fallbacks]

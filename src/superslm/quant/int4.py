@@ -120,6 +120,14 @@ def fit_groups(g: torch.Tensor, search: bool = True) -> tuple[torch.Tensor, torc
     return best_s, best_m
 
 
+def kernel_group_params(g: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) float32 [..., groups] of groups g [..., groups, size] in the kernel's terms (value =
+    (code - 8) * scale + zero), each already rounded to the bf16 the kernel stores."""
+    s, m = fit_groups(g, search)
+    sb = s.to(torch.bfloat16).float()
+    return sb, (m + 8 * sb).to(torch.bfloat16).float()
+
+
 def quantize_groups(
     w: torch.Tensor, group: int, search: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -132,10 +140,8 @@ def quantize_groups(
     zero = torch.empty_like(scale)
     for r in range(0, n, _ROWS):
         g = w[r : r + _ROWS].reshape(-1, k // group, group)  # [rows, groups, group]
-        s, m = fit_groups(g, search)
-        sb = s.to(torch.bfloat16)
-        zb = (m + 8 * sb.float()).to(torch.bfloat16)
-        c = torch.round((g - zb.float()[..., None]) / sb.float()[..., None] + 8).clamp_(0, 15)
+        sb, zb = kernel_group_params(g, search)
+        c = torch.round((g - zb[..., None]) / sb[..., None] + 8).clamp_(0, 15)
         codes[r : r + _ROWS] = c.to(torch.uint8).view(-1, k)
         scale[r : r + _ROWS], zero[r : r + _ROWS] = sb, zb
     return codes, scale, zero

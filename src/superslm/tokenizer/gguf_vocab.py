@@ -256,14 +256,20 @@ def _gemma_spelling(tokens: list[str]) -> list[str]:
     return ["▁" * len(t) if " " in t and not t.strip(" ") else t for t in tokens]
 
 
-def _sentencepiece_model(md: Mapping[str, Any], tokens: list[str], unk_id: int | None) -> tuple[Backend, list[str]]:
-    gemma = md.get("general.architecture") in _GEMMA_ARCHS
-    if gemma:
-        tokens = _gemma_spelling(tokens)
+def _ids_of(tokens: list[str]) -> dict[str, int]:
+    """{token: id}; TokenizerError naming the first token spelled twice."""
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):
         if vocab.setdefault(tok, i) != i:
             raise TokenizerError(f"duplicate token {tok!r} in GGUF vocabulary (ids {vocab[tok]} and {i})")
+    return vocab
+
+
+def _sentencepiece_model(md: Mapping[str, Any], tokens: list[str], unk_id: int | None) -> tuple[Backend, list[str]]:
+    gemma = md.get("general.architecture") in _GEMMA_ARCHS
+    if gemma:
+        tokens = _gemma_spelling(tokens)
+    vocab = _ids_of(tokens)
     scores = None
     if not gemma:
         scores = _get_list(md, "tokenizer.ggml.scores")
@@ -342,10 +348,7 @@ def build_from_gguf(md: Mapping[str, Any], lean: bool = False) -> GGUFVocab:
     if lean:
         from superslm.tokenizer.spm_bpe import SentencePieceBPE
 
-        if len(set(spelled)) != n:
-            seen: dict[str, int] = {}
-            i, tok = next((i, t) for i, t in enumerate(spelled) if seen.setdefault(t, i) != i)
-            raise TokenizerError(f"duplicate token {tok!r} in GGUF vocabulary (ids {seen[tok]} and {i})")
+        _ids_of(spelled)  # the backend's own table keeps ids by piece: each must be unique
         backend = SentencePieceBPE(spelled, special, user, unk_id, bos_id if add_bos else None,
                                    eos_id if add_eos else None)
     else:

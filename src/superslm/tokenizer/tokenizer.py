@@ -130,15 +130,13 @@ class Tokenizer:
         `tokenizers` takes ~100 MB for Gemma 3; built in well under a second, so never cached); False
         keeps the `tokenizers` backend (what `superslm convert` saves as tokenizer.json).
         """
-        if lean and has_lean_backend(metadata):
-            v = build_from_gguf(metadata, lean=True)
-            return cls(v.backend, **{k: getattr(v, k) for k in _FACTS}, stop_ids=v.stop_ids)
-        folder = None if cache is None else Path(cache)
+        lean = lean and has_lean_backend(metadata)
+        folder = None if cache is None or lean else Path(cache)
         hit = None if folder is None else gguf_cache.read(folder)
         if hit is not None:
             backend, facts = hit
             return cls(backend, **{k: facts.get(k) for k in _FACTS}, stop_ids=facts.get("stop_ids", ()))
-        v = build_from_gguf(metadata)
+        v = build_from_gguf(metadata, lean=lean)
         facts = {k: getattr(v, k) for k in _FACTS}
         if folder is not None:
             gguf_cache.write(folder, v.backend, {**facts, "stop_ids": sorted(v.stop_ids)})
