@@ -92,6 +92,8 @@ class Run:
     decode_tps: float
     e2e_tps: float
     outputs: list[list[int]] = field(default_factory=list)
+    #: seconds spent capturing decode graphs before the run (not in wall_s)
+    capture_s: float = 0.0
 
 
 def make_config(name: str, tiny: bool) -> Any:
@@ -208,11 +210,15 @@ def rates(events: list[tuple[float, int]], t_all: float, t0: float, t_end: float
     return decode, tokens / (t_end - t0)
 
 
-def run_superslm(model: superslm.Model, wl: Workload, rows: int) -> Run:
-    """The workload through the public engine API: add every request, advance until done."""
+def run_superslm(model: superslm.Model, wl: Workload, rows: int, graphs: bool | None = None) -> Run:
+    """The workload through the public engine API: add every request, advance until done. Decode graphs
+    (default: on a CUDA device) are captured for every batch bucket before the clock starts."""
     device, n = model.device, len(wl.prompts)
     context = max(len(p) + o for p, o in zip(wl.prompts, wl.outputs, strict=True)) + 1
-    engine = model.engine(slots=n, context=context, rows=max(rows, n), prefix_caching=False)
+    engine = model.engine(slots=n, context=context, rows=max(rows, n), prefix_caching=False, graphs=graphs)
+    capture_s = engine.warm_up_graphs()
+    if engine.graphs is not None and engine.graphs.capture_error:
+        print(f"  superslm decode graphs run eagerly: {engine.graphs.capture_error}", flush=True)
     greedy = Sampling(ignore_eos=True)
     engine.generate([Request(p[:4], 2, greedy) for p in wl.prompts])  # warm-up at this batch size (JIT)
     sync(device)
@@ -241,7 +247,7 @@ def run_superslm(model: superslm.Model, wl: Workload, rows: int) -> Run:
     if short or t_all is None:
         raise RuntimeError(f"superslm stopped early on {len(short)} of {n} sequences (ignore_eos should prevent it)")
     tokens = sum(wl.outputs)
-    return Run(tokens, t_end - t0, *rates(events, t_all, t0, t_end, tokens), outputs)
+    return Run(tokens, t_end - t0, *rates(events, t_all, t0, t_end, tokens), outputs, capture_s)
 
 
 class Clock(BaseStreamer):
@@ -294,7 +300,7 @@ def load_int4(folder: str, device: torch.device) -> tuple[superslm.Model | None,
 
     try:
         w = torch.randn(64, 128, device=device, dtype=torch.bfloat16)
-        y = Int4Linear.from_dense(w)(torch.randn(1, 128, device=device, dtype=torch.bfloat16))
+        y = Int4Linear.from_dense(w).to(device)(torch.randn(1, 128, device=device, dtype=torch.bfloat16))
         if y.device.type != device.type:
             return None, f"Int4Linear returned its output on {y.device}"
         return superslm.load(folder, device=device, quant="int4"), ""
@@ -342,7 +348,7 @@ def bench_model(name: str, ns: argparse.Namespace, device: torch.device) -> list
                 row = dict(model=name, workload=wl.key, label=wl.label, precision=prec, seqs=len(wl.prompts),
                            note=why, weight_bytes=wbytes.get(prec, 0))
                 if model is not None:
-                    row["superslm"] = run_superslm(model, wl, rows)
+                    row["superslm"] = run_superslm(model, wl, rows, graphs=False if ns.no_graphs else None)
                     free(device)
                 if prec == precision and not ns.no_peer:
                     row["transformers"] = run_transformers(hf, wl)
@@ -385,6 +391,8 @@ def report(results: list[dict[str, Any]], copy_bps: float, tiny: bool, quick: bo
                 if run is not None:
                     print(f"{label:22} {engine:13} {r['seqs']:5d} {run.tokens:8d} {run.decode_tps:13.1f} "
                           f"{run.e2e_tps:11.1f} {run.wall_s:8.3f}  {bandwidth(r, run, copy_bps)}")
+                    if run.capture_s:
+                        print(f"{'':22} {'':13} decode graphs captured in {run.capture_s:.2f} s, before the clock")
             dec = f"{a.decode_tps / b.decode_tps:.2f}x" if b else "-"
             e2e = f"{a.e2e_tps / b.e2e_tps:.2f}x" if b else "-"
             if b:
@@ -416,6 +424,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--tiny", action="store_true", help="shrunk configs and workloads (runs on a CPU in seconds)")
     ap.add_argument("--no-int4", action="store_true", help="skip the int4 batch-1 decode")
     ap.add_argument("--no-peer", action="store_true", help="skip transformers")
+    ap.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs (to measure what they give)")
     ns = ap.parse_args(argv)
     for given, known in ((ns.models, CONFIGS), (ns.workloads, WORKLOADS)):
         if set(given) - set(known):

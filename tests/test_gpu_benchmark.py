@@ -72,7 +72,7 @@ def test_greedy_tokens_match_transformers(gpu_bench, name):
 
 
 def test_int4_unavailable_is_reported(gpu_bench, capsys, monkeypatch):
-    # where quant="int4" does not run on the device (today: CUDA), the int4 row says n/a and why
+    # where quant="int4" does not run on the device, the int4 row says n/a and why
     monkeypatch.setattr(gpu_bench, "load_int4", lambda folder, device: (None, "no int4 kernel here"))
     results = gpu_bench.main(["--device", "cpu", "--tiny", "--models", "qwen3-0.6b", "--workloads", "decode1"])
     out = capsys.readouterr().out

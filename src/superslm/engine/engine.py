@@ -29,6 +29,7 @@ from superslm.memory import available_memory
 from superslm.sampling import SamplerState, Sampling, StopChecker, TokenLogprobs
 
 if TYPE_CHECKING:
+    from superslm.engine.graphs import DecodeGraphs
     from superslm.model import Model
 
 
@@ -66,6 +67,9 @@ class Engine(OutputMixin, ContractsMixin):
     (batch-invariant kernels; see kernels/attention_invariant.py). The default mode gives the same
     tokens for the same inputs and batch, and seeded sampling independent of the batch, but float
     rounding may differ between batch compositions (and so, rarely, a greedy token).
+
+    `graphs`: decode steps replay CUDA graphs captured per bucketed batch size (engine/graphs.py); on by
+    default on a CUDA device with the Triton kernels, outside deterministic mode; False turns them off.
     """
 
     def __init__(
@@ -80,6 +84,7 @@ class Engine(OutputMixin, ContractsMixin):
         chunk: int | None = None,
         deterministic: bool = False,
         jump_forward: bool = True,
+        graphs: bool | None = None,
     ) -> None:
         a = model.arch
         context = min(a.context, 4096) if context is None else context
@@ -126,6 +131,21 @@ class Engine(OutputMixin, ContractsMixin):
         self.deterministic = bool(deterministic)
         #: append the tokens a grammar forces without sampling them (off: mask and sample each)
         self.jump_forward = bool(jump_forward)
+        self._graphs = self._decode_graphs(graphs)
+
+    def _decode_graphs(self, graphs: bool | None) -> DecodeGraphs | None:
+        """Decode steps from static buffers (CUDA graphs on a GPU: engine/graphs.py) where they can run:
+        by default on CUDA devices; graphs=True asks for them (an error where they cannot run), False never."""
+        if graphs is False or (graphs is None and self.net.device.type != "cuda"):
+            return None
+        from superslm.engine.graphs import BUCKETS, DecodeGraphs, graph_reason
+
+        why = graph_reason(self.net, self.deterministic)
+        if why is not None:
+            if graphs:
+                raise InvalidArgument(f"graphs=True: decode graphs cannot run here: {why}")
+            return None
+        return DecodeGraphs(self.net, self.kv, min(self.slots, BUCKETS[-1]), self.context)
 
     # --- requests ---------------------------------------------------------------------------------
 
@@ -265,6 +285,12 @@ class Engine(OutputMixin, ContractsMixin):
                 self._finish(seq, END_LENGTH, into=out)
             if not sched.chunks:
                 return out
+            if self._graphs is not None and layer_budget is None and self._graphs.usable(sched.chunks):
+                with torch.inference_mode():
+                    work, logits = self._graphs.run(sched.chunks)
+                self.steps += 1
+                out.extend(self._accept(work, logits))
+                return out
             self._work = build_step(sched.chunks, self.page_size, self.net.device, self.deterministic)
         with torch.inference_mode():
             done = run_layers(self.net, self.kv, self._work, layer_budget)
@@ -276,6 +302,16 @@ class Engine(OutputMixin, ContractsMixin):
         self.steps += 1
         out.extend(self._accept(work, logits, tokens))
         return out
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The decode graphs (engine/graphs.py: buckets, `capture`, `capture_error`), None when off."""
+        return self._graphs
+
+    def warm_up_graphs(self) -> float:
+        """Capture the decode graphs of every batch bucket now (otherwise each at its first use); the seconds
+        it took, 0.0 where this engine runs without graphs."""
+        return 0.0 if self._graphs is None else self._graphs.make_all()
 
     # --- low-level use ----------------------------------------------------------------------------
 

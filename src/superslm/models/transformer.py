@@ -17,7 +17,7 @@ from superslm.kernels import cpu_decode
 from superslm.kernels.attention import AttnMetadata
 from superslm.kernels.attention_invariant import BLOCK
 from superslm.kernels.cpu_decode import decode_layers, row_key_slots
-from superslm.kernels.dispatch import add_rms_norm, apply_rope, paged_attention, rms_norm, store_kv
+from superslm.kernels.dispatch import add_rms_norm, apply_rope, backend, paged_attention, rms_norm, store_kv
 from superslm.kernels.rope import rope_cos_sin
 from superslm.models.arch import Arch
 
@@ -228,6 +228,8 @@ class Transformer(nn.Module):
         deterministic mode, else all-decode steps and prompt chunks where it is faster (`_plan_pays`)."""
         if meta.lora is not None or h.device.type != "cpu" or not self.fast_decode:
             return False
+        if backend(h.device) != "torch":
+            return False  # the Triton kernels were asked for (SUPERSLM_KERNELS=triton: the interpreter's tests)
         if h.shape[0] != meta.query_start[-1]:
             return False  # rows padded by a caller
         if not meta.deterministic and not self._plan_pays(meta):

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from superslm.kernels import dispatch
 from superslm.quant.base import LinearFormat, as_bias, as_parts, register_format
 from superslm.quant.hadamard import pick_block, rotate_weight
 from superslm.quant.int4 import round_up
@@ -144,7 +145,9 @@ class Int8Linear(LinearFormat):
         return cls(codes, scale, k, bias=as_bias(bias, w.shape[0]), rotation=rot, note=note)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
+        if x.device.type == "cpu" and dispatch.backend(x.device) == "torch":
+            return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
+        return dispatch.int8_matmul(x, self.codes, self.scale)  # GPUs (and the kernel tests on the CPU)
 
     def dequantize_stored(self) -> torch.Tensor:
         return self.codes.float() * self.scale.float()[:, None]

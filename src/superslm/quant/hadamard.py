@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from superslm.errors import InvalidArgument
+from superslm.kernels import dispatch
 
 #: the default (and largest) Hadamard block: the issue's 128 inputs
 BLOCK = 128
@@ -136,6 +137,8 @@ class Rotation(nn.Module):
         return got
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dispatch.backend(x.device) == "triton":  # one kernel on a GPU (butterflies in registers)
+            return dispatch.hadamard_rotate(x, self.signs, self.block)
         signs, h = self._tables(x.dtype)
         lead = x.shape[:-1]
         y = (x * signs).view(*lead, self.k // self.block, self.block)  # [..., blocks, b]

@@ -21,6 +21,7 @@ import torch
 
 from superslm.errors import InternalError, InvalidArgument, UnsupportedModel
 from superslm.formats.blocks import BlockType, Int4BlockType
+from superslm.kernels import dispatch
 from superslm.quant.base import LinearFormat, as_bias, as_parts, register_format
 from superslm.quant.hadamard import pick_block, rotate_weight
 
@@ -154,6 +155,9 @@ class Int4Linear(LinearFormat):
     row_invariant: ClassVar[bool] = True
 
     name: ClassVar[str] = "int4"
+    #: "cpu": torch's packed CPU layout (qweight, scales_zeros); "nibbles": on other devices, the stored
+    #: order (qweight [N, k_pad / 2], scale and zero [N, groups]) that the dispatcher's int4_matmul reads
+    layout: str = "cpu"
 
     def __init__(
         self,
@@ -170,6 +174,7 @@ class Int4Linear(LinearFormat):
         """codes uint8 [N, k_pad], scale and zero bf16 [N, k_pad / group] (any N: rows are padded here)."""
         if group not in GROUPS:
             raise InvalidArgument(f"int4 group must be one of {GROUPS}, not {group}")
+        codes, scale, zero = codes.cpu(), scale.cpu(), zero.cpu()  # packed with numpy
         n, k_pad = codes.shape
         if k_pad % group or scale.shape != (n, k_pad // group) or zero.shape != scale.shape or n != out_features:
             raise InvalidArgument(f"int4: codes {tuple(codes.shape)} and scales {tuple(scale.shape)} do not match")
@@ -228,19 +233,51 @@ class Int4Linear(LinearFormat):
         return cls(codes, scale, zero, group, k, n, as_bias(bias, n), rot, note)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group, self.scales_zeros)
-        return y if y.shape[1] == self._out else y[:, : self._out]
+        if self.layout == "cpu" and dispatch.backend(x.device) == "torch":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group, self.scales_zeros)
+            return y if y.shape[1] == self._out else y[:, : self._out]
+        if self.layout == "nibbles":
+            return dispatch.int4_matmul(x, self.qweight, self.scale, self.zero, self.group)
+        # the kernels on a CPU tensor (TRITON_INTERPRET=1 tests): the codes re-read per call
+        codes, scale, zero = self._params()
+        q = torch.from_numpy(store_nibbles(codes.numpy()))
+        return dispatch.int4_matmul(x, q, scale, zero, self.group)
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def, override]
+        # .to(device): the packed CPU layout runs only on the CPU; elsewhere the kernels read nibbles
+        want = "cpu" if fn(torch.zeros(0, dtype=torch.uint8)).device.type == "cpu" else "nibbles"
+        if want != self.layout:
+            self._relayout(want)
+        return super()._apply(fn, recurse)
+
+    def _relayout(self, want: str) -> None:
+        """Rebuild the buffers in layout `want` ("cpu" or "nibbles") from this module's codes and scales."""
+        codes, scale, zero = (t.cpu() for t in self._params())
+        for name in ("qweight", "scales_zeros", "scale", "zero"):
+            self._buffers.pop(name, None)
+        if want == "nibbles":
+            self.register_buffer("qweight", torch.from_numpy(store_nibbles(codes.numpy())))
+            self.register_buffer("scale", scale)
+            self.register_buffer("zero", zero)
+        else:
+            fresh = Int4Linear(codes, scale, zero, self.group, self.in_features, self._out)
+            self.register_buffer("qweight", fresh.qweight)
+            self.register_buffer("scales_zeros", fresh.scales_zeros)
+        self.layout = want
 
     def _params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes uint8 [N, k_pad], scale bf16 [N, groups], zero bf16 [N, groups]), padding rows dropped."""
         n = self._out
+        if self.layout == "nibbles":
+            codes = torch.from_numpy(load_nibbles(self.qweight.cpu().numpy()))
+            return codes, self.scale, self.zero
         sz = self.scales_zeros[:, :n].transpose(0, 1)  # [N, groups, 2]
         return unpack_int4(self.qweight)[:n], sz[..., 0].contiguous(), sz[..., 1].contiguous()
 
     def dequantize_stored(self) -> torch.Tensor:
         codes, scale, zero = self._params()
         n = self._out
-        c = codes.float().view(n, -1, self.group)  # [N, groups, group]
+        c = codes.to(scale.device).float().view(n, -1, self.group)  # [N, groups, group]
         w = (c - 8) * scale.float()[..., None] + zero.float()[..., None]
         return w.view(n, self.k_pad)
 
@@ -249,7 +286,7 @@ class Int4Linear(LinearFormat):
 
     def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         codes, scale, zero = self._params()
-        packed = torch.from_numpy(store_nibbles(codes.numpy()))
+        packed = torch.from_numpy(store_nibbles(codes.cpu().numpy()))
         return {"qweight": packed, "scales": scale, "zeros": zero}, {"group": self.group}
 
     @classmethod

@@ -32,7 +32,7 @@ def linear_state(module: LinearFormat) -> tuple[dict[str, torch.Tensor], dict[st
             tensors.update({f"part{i}.{k}": v for k, v in t.items()})
             metas.append(m)
         return tensors, dict(meta, parts=metas)
-    if isinstance(module, Int4Linear):
+    if isinstance(module, Int4Linear) and module.layout == "cpu":
         tensors = {"qweight": module.qweight, "scales_zeros": module.scales_zeros}
         if module.bias is not None:
             tensors["bias"] = module.bias

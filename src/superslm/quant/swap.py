@@ -38,7 +38,8 @@ def make_linear(
             options["hessian"] = hessian
     if rotate and fmt in _ROTATED:
         options["rotate"] = seed
-    return format_class(fmt).from_dense(weight, bias, **options)
+    # formats pack on the CPU; the module then goes where the weight was (int4 takes its GPU layout there)
+    return format_class(fmt).from_dense(weight, bias, **options).to(weight.device)
 
 
 def quantize_linears(

@@ -90,3 +90,9 @@ def paged_args(meta: AttnMetadata, device: torch.device | str) -> PagedArgs:
         # AttnMetadata is a plain dataclass: an extra attribute lives as long as the step's metadata
         setattr(meta, _CACHE_ATTR, hit)
     return hit
+
+
+def preset_paged_args(meta: AttnMetadata, args: PagedArgs) -> None:
+    """Make `args` what `paged_args(meta, ...)` returns: static buffers a captured graph replays
+    (engine/graphs.py) instead of tensors built from the metadata's host tuples."""
+    setattr(meta, _CACHE_ATTR, args)

@@ -1,0 +1,107 @@
+"""The int4/int8 formats and the rotation off the CPU's packed kernels: on a GPU they run the dispatcher's
+kernels (Triton, or the torch references), int4 in the stored nibble order. Under TRITON_INTERPRET=1 on the
+CPU the same kernels run on CPU tensors (SUPERSLM_KERNELS=triton); the nibble layout is built and checked
+on the CPU and on the meta device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.triton_interpret import DEV, ON_GPU, import_kernels
+
+tk = import_kernels()
+pytestmark = pytest.mark.usefixtures("triton_interpret")
+
+import superslm  # noqa: E402
+from superslm import Request, Sampling  # noqa: E402
+from superslm.kernels import dispatch  # noqa: E402
+from superslm.quant.dense import Int8Linear  # noqa: E402
+from superslm.quant.hadamard import Rotation  # noqa: E402
+from superslm.quant.int4 import Int4Linear  # noqa: E402
+from superslm.quant.stored import linear_from_state, linear_state  # noqa: E402
+from tests.tiny_models import SingleSequence, build_hf_model  # noqa: E402
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """bf16 outputs of the same products summed in another order: one bf16 rounding apart, relative to the
+    largest output."""
+    scale = b.float().abs().amax().item()
+    torch.testing.assert_close(a.float(), b.float(), atol=2 ** -7 * scale, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("rotate", [None, 3])
+def test_int4_nibble_layout_round_trip(rotate: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.randn(100, 200, generator=gen(1))  # out off the packed kernel's 64 rows, in off the group
+    lin = Int4Linear.from_dense(w, group=32, rotate=rotate)
+    x = torch.randn(5, 200, generator=gen(2)).to(torch.bfloat16)
+    packed = lin(x)
+    state = {k: v.clone() for k, v in lin.to_tensors()[0].items()}
+    stored = lin.dequantize_stored()
+    lin._relayout("nibbles")
+    assert lin.layout == "nibbles" and lin.qweight.shape == (100, 224 // 2) and lin.scale.shape == (100, 7)
+    assert not hasattr(lin, "scales_zeros")
+    assert all(torch.equal(state[k], v) for k, v in lin.to_tensors()[0].items())
+    assert torch.equal(lin.dequantize_stored(), stored)
+    saved = linear_from_state(*linear_state(lin))  # a GPU model saved: stored order, loaded packed
+    assert saved.layout == "cpu" and torch.equal(saved(x), packed)
+    monkeypatch.setenv(dispatch.ENV, "torch")
+    close(lin(x), packed)  # the reference on the nibbles
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    close(lin(x), packed)  # the Triton kernel on the nibbles
+    lin._relayout("cpu")
+    monkeypatch.setenv(dispatch.ENV, "torch")
+    assert lin.layout == "cpu" and torch.equal(lin(x), packed)
+
+
+def test_moving_the_module_changes_the_layout() -> None:
+    lin = Int4Linear.from_dense(torch.randn(64, 128, generator=gen(3)), group=128)
+    lin.float()  # a dtype change keeps the device and the layout
+    assert lin.layout == "cpu"
+    moved = lin.to("meta")
+    assert moved.layout == "nibbles" and moved.qweight.device.type == "meta" and moved.qweight.shape == (64, 64)
+    if ON_GPU:
+        back = Int4Linear.from_dense(torch.randn(64, 128, generator=gen(3)), group=128).to("cuda").cpu()
+        assert back.layout == "cpu" and back.qweight.device.type == "cpu"
+
+
+def test_cpu_modules_run_the_kernels_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(3, 256, generator=gen(4)).to(torch.bfloat16)
+    int4 = Int4Linear.from_dense(torch.randn(80, 256, generator=gen(5)), group=128, rotate=1)
+    int8 = Int8Linear.from_dense(torch.randn(80, 256, generator=gen(6)), rotate=2)
+    rot = Rotation(256, seed=4)
+    monkeypatch.setenv(dispatch.ENV, "torch")
+    want = [int4(x), int8(x), rot(x)]
+    calls: list[str] = []
+    for name in ("int4_matmul", "int8_matmul", "hadamard_rotate"):
+        real = getattr(tk, name)
+        monkeypatch.setattr(tk, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    for got, ref in zip([int4(x), int8(x), rot(x)], want, strict=True):
+        close(got, ref)
+    assert calls == ["hadamard_rotate", "int4_matmul", "hadamard_rotate", "int8_matmul", "hadamard_rotate"]
+
+
+def test_int4_model_on_the_kernels(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model re-quantized to int4 (int8 head) on the dispatcher's kernels: logits within bf16 of the CPU's
+    packed kernels, and the same greedy tokens with decode graphs as without."""
+    build_hf_model("qwen3", tmp_path)
+    model = superslm.load(tmp_path, device=DEV, quant="int4")
+    layouts = {m.layout for m in model.net.modules() if isinstance(m, Int4Linear)}
+    assert layouts == {"nibbles" if ON_GPU else "cpu"}
+    prompt = [5, 17, 42, 99, 3, 250, 7]
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    engine = model.engine(slots=2, context=32, page_size=4, graphs=True)
+    with_graphs = engine.generate([Request(prompt, 6, Sampling(ignore_eos=True))])[0].tokens
+    assert engine.graphs is not None and engine.graphs._made
+    plain = model.engine(slots=2, context=32, page_size=4, graphs=False)
+    assert plain.generate([Request(prompt, 6, Sampling(ignore_eos=True))])[0].tokens == with_graphs
+    if not ON_GPU:  # the same model on the CPU's packed kernels
+        got = SingleSequence(model.net).step(prompt)
+        monkeypatch.setenv(dispatch.ENV, "torch")
+        want = SingleSequence(model.net).step(prompt)
+        assert got.shape == (len(prompt), 300) and (got - want).norm() / want.norm() < 2e-2
