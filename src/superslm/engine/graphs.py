@@ -54,16 +54,18 @@ def graph_reason(net: Transformer, deterministic: bool) -> str | None:
         return "a hidden-state model (no head) has no logits to sample"
     if any(r is not None and r.kind == "dynamic" for r in (net.arch.rope, net.arch.rope_local)):
         return "dynamic NTK rope computes each row's frequencies on the host"
+    if net.embed_rows is not None:
+        return "embedding rows decoded from GGUF blocks on the host"
+    if any(t.device.type != net.device.type for t in (*net.parameters(), *net.buffers())):
+        return f"some weights are not on {net.device.type} (GGUF blocks run on the CPU)"
     return None
 
 
 @dataclass
 class _Bucket:
-    """One bucket's static metadata, outputs and (on a GPU) its captured graph."""
+    """One bucket's static metadata and (on a GPU) its captured graph, None where it runs eagerly."""
 
     meta: AttnMetadata
-    hidden: torch.Tensor
-    logits: torch.Tensor
     graph: torch.cuda.CUDAGraph | None
 
 
@@ -102,10 +104,13 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(top, dtype=torch.int32, device=dev)
         self.block_table = torch.zeros(top, self.max_pages, dtype=torch.int32, device=dev)
         self.query_start = torch.arange(top + 1, dtype=torch.int32, device=dev)  # one query per sequence
+        # every bucket's graph writes its outputs here (one [top, vocab] buffer, not one per bucket)
+        self.hidden = torch.zeros(top, net.arch.dim, dtype=net.dtype, device=dev)
+        self.logits = torch.zeros(top, net.arch.vocab, dtype=torch.float32, device=dev)
         self._host_rows = np.zeros((top, _ROW_COLUMNS), dtype=np.int64)
         self._host_tables = np.zeros((top, self.max_pages), dtype=np.int32)
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
-        #: why capturing failed (the steps then run eagerly on the static buffers), or None
+        #: why the last failed capture failed (that bucket's steps then run eagerly on the static buffers)
         self.capture_error: str | None = None
         self._made: dict[int, _Bucket] = {}
 
@@ -114,6 +119,8 @@ class DecodeGraphs:
         adapters, and fits the buckets and the tables."""
         if not chunks or len(chunks) > self.buckets[-1]:
             return False
+        if dispatch.backend(self.net.device) != "triton":
+            return False  # SUPERSLM_KERNELS changed since: the torch path reads the real host metadata
         for seq, n in chunks:
             if n != 1 or seq.num_computed_tokens != len(seq.tokens) - 1 or seq.request.adapter is not None:
                 return False
@@ -144,20 +151,21 @@ class DecodeGraphs:
         if bucket.graph is not None:
             bucket.graph.replay()
         else:
-            self._forward(b, bucket.meta, bucket.hidden, bucket.logits)
+            self._forward(b, bucket.meta)
         layers = len(self.net.layers)
         for seq, _ in chunks:
             seq.layers_run += layers
-        work = StepWork(chunks, self.tokens[:n], bucket.meta, list(range(n)), bucket.hidden[:n], layers)
-        return work, bucket.logits[:n]
+        work = StepWork(chunks, self.tokens[:n], bucket.meta, list(range(n)), self.hidden[:n], layers)
+        return work, self.logits[:n]
 
     def make_all(self) -> float:
         """Build (on a GPU: capture) every bucket's step now rather than at its first use, as servers do at
         start-up so no request waits for a capture; returns the seconds it took."""
         t0 = time.perf_counter()
-        for b in reversed(self.buckets):  # largest first: the smaller graphs reuse its pool's memory
-            if b not in self._made:
-                self._make(b)
+        with torch.inference_mode():
+            for b in reversed(self.buckets):  # largest first: the smaller graphs reuse its pool's memory
+                if b not in self._made:
+                    self._make(b)
         if self.capture:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
@@ -190,9 +198,9 @@ class DecodeGraphs:
         preset_paged_args(meta, args)
         return meta
 
-    def _forward(self, b: int, meta: AttnMetadata, hidden: torch.Tensor | None = None,
-                 logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """The step on the static buffers: split the row inputs, embed, every layer, the head."""
+    def _forward(self, b: int, meta: AttnMetadata) -> None:
+        """The step on the static buffers: split the row inputs, embed, every layer, the head; the outputs
+        land in the shared `hidden` and `logits` rows 0..b-1."""
         rows = self.rows_in[:b]
         self.tokens[:b].copy_(rows[:, 0])
         self.positions[:b].copy_(rows[:, 1])
@@ -200,38 +208,35 @@ class DecodeGraphs:
         self.seq_lens[:b].copy_(rows[:, 3])
         net = self.net
         h = net.run_layers(net.embed(self.tokens[:b]), meta, self.kv.k, self.kv.v)
-        y = net.logits(h)
-        if hidden is not None and logits is not None:  # eager replays write the same outputs
-            hidden.copy_(h)
-            logits.copy_(y)
-            return hidden, logits
-        return h, y
+        self.hidden[:b].copy_(h)
+        self.logits[:b].copy_(net.logits(h))
 
     def _make(self, b: int) -> _Bucket:
         meta = self._meta(b)
-        self.rows_in[:b].copy_(torch.tensor((0, 0, -1, 0), device=self.rows_in.device))
-        # one eager run on padding rows: compiles the kernels for these shapes, builds the cached tables
         with torch.inference_mode():
-            hidden, logits = (t.clone() for t in self._forward(b, meta))
+            self.rows_in[:b].copy_(torch.tensor((0, 0, -1, 0), device=self.rows_in.device))
+            # one eager run on padding rows: compiles the kernels for these shapes, builds the cached tables
+            self._forward(b, meta)
         graph = None
         if self.capture:
             try:
-                graph, hidden, logits = self._capture(lambda: self._forward(b, meta))
+                graph = self._capture(lambda: self._forward(b, meta))
             except RuntimeError as e:
-                # a kernel that cannot be captured: the static steps still run, eagerly, and say why
-                self.capture, self.capture_error = False, f"{type(e).__name__}: {str(e).strip()[:300]}"
+                # a kernel that cannot be captured: this bucket's steps still run, eagerly, and say why
+                self.capture_error = f"bucket {b}: {type(e).__name__}: {str(e).strip()[:300]}"
                 warnings.warn(f"decode graphs run eagerly: capture failed ({self.capture_error})", stacklevel=2)
-        made = self._made[b] = _Bucket(meta, hidden, logits, graph)
+        made = self._made[b] = _Bucket(meta, graph)
         return made
 
-    def _capture(self, fn: Callable[[], tuple[torch.Tensor, torch.Tensor]]
-                 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:  # fmt: skip
+    def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.inference_mode():
             fn()  # warm-up on a side stream, as torch.cuda.graphs recommends
         torch.cuda.current_stream().wait_stream(side)
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
-            hidden, logits = fn()
-        return graph, hidden, logits
+        # thread_local: another thread's CUDA calls (the server's encoder worker) neither break the capture
+        # nor fail themselves
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            fn()
+        return graph

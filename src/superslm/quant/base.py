@@ -113,6 +113,16 @@ class LinearFormat(nn.Module):
     def out_features(self) -> int:
         return self._out
 
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def, override]
+        # .float() / .to(dtype) on a model must not widen packed scales: the kernels read them in bf16
+        kept = {k: b.dtype for k, b in self._buffers.items() if b is not None and b.dtype == torch.bfloat16}
+        out = super()._apply(fn, recurse)
+        for k, dtype in kept.items():
+            b = self._buffers.get(k)
+            if b is not None and b.dtype != dtype:
+                self._buffers[k] = b.to(dtype)
+        return out
+
     # --- what each format provides -------------------------------------------------------------
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -244,18 +244,33 @@ class Int4Linear(LinearFormat):
         return dispatch.int4_matmul(x, q, scale, zero, self.group)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def, override]
-        # .to(device): the packed CPU layout runs only on the CPU; elsewhere the kernels read nibbles
-        want = "cpu" if fn(torch.zeros(0, dtype=torch.uint8)).device.type == "cpu" else "nibbles"
+        # .to(device): the packed CPU layout runs only on the CPU; elsewhere the kernels read nibbles. The
+        # probe lives where qweight does, so a dtype-only change (.float(), .to(dtype)) keeps the layout.
+        want = "cpu" if fn(self.qweight.new_empty(0)).device.type == "cpu" else "nibbles"
         if want != self.layout:
             self._relayout(want)
         return super()._apply(fn, recurse)
 
     def _relayout(self, want: str) -> None:
-        """Rebuild the buffers in layout `want` ("cpu" or "nibbles") from this module's codes and scales."""
-        codes, scale, zero = (t.cpu() for t in self._params())
+        """Rebuild the buffers in layout `want` ("cpu" or "nibbles") from this module's codes and scales
+        (on the meta device, which holds no values: empty buffers of the new layout's shapes)."""
+        n, groups = self._out, self.k_pad // self.group
+        if self.qweight.device.type == "meta":
+            codes = torch.empty(n, self.k_pad, dtype=torch.uint8, device="meta")
+            scale = zero = torch.empty(n, groups, dtype=torch.bfloat16, device="meta")
+        else:
+            codes, scale, zero = (t.cpu() for t in self._params())
         for name in ("qweight", "scales_zeros", "scale", "zero"):
             self._buffers.pop(name, None)
-        if want == "nibbles":
+        if codes.device.type == "meta":
+            n_pad = round_up(n, _BLOCK_N)
+            shapes = {"qweight": ((n, self.k_pad // 2), torch.uint8), "scale": ((n, groups), torch.bfloat16),
+                      "zero": ((n, groups), torch.bfloat16)} if want == "nibbles" else \
+                     {"qweight": ((n_pad, self.k_pad // 2), torch.uint8),
+                      "scales_zeros": ((groups, n_pad, 2), torch.bfloat16)}  # fmt: skip
+            for name, (shape, dtype) in shapes.items():
+                self.register_buffer(name, torch.empty(shape, dtype=dtype, device="meta"))
+        elif want == "nibbles":
             self.register_buffer("qweight", torch.from_numpy(store_nibbles(codes.numpy())))
             self.register_buffer("scale", scale)
             self.register_buffer("zero", zero)

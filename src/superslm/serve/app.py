@@ -192,6 +192,9 @@ def create_app(
             raise bad("engine", "engine: an encoder or cross-encoder is served without an engine")
     elif engine is None:
         engine = model.engine(slots=slots, context=context, **engine_kwargs)
+    if engine is not None:
+        # decode graphs (a GPU) captured before the engine thread starts: no request waits for a capture
+        engine.warm_up_graphs()
     if served_model_name is None:
         names = [model.name]
     elif isinstance(served_model_name, str):
