@@ -1,6 +1,6 @@
 """Perplexity of every stored format on a fixed English text, against the fp32 model.
 
-    python benchmarks/perplexity.py [--model PATH] [--tokens 2048] [--threads 1] [--keep DIR]
+    python benchmarks/perplexity.py [--model PATH] [--tokens 2048] [--threads 1] [--keep DIR] [--only TEXT]
 
 The text is the Apache License 2.0 as the `safetensors` wheel ships it (a hard dependency of
 SuperSLM, so every install has it; the license text itself never changes): the file named
@@ -47,6 +47,8 @@ FORMATS: list[tuple[str, dict[str, Any] | None]] = [
     ("int4 g128, int8 head, not rotated", {"format": "int4", "group": 128, "rotate": False}),
     ("int4 g128 GPTQ, int8 head, rotated", {"format": "int4", "group": 128, "calibrate": True}),
     ("int4 g128 GPTQ, int8 head, not rotated", {"format": "int4", "group": 128, "rotate": False, "calibrate": True}),
+    ("int4 g128 GPTQ + tuned scales (60 steps), int8 head, rotated",
+     {"format": "int4", "group": 128, "calibrate": True, "tune_steps": 60}),
 ]  # fmt: skip
 
 
@@ -87,6 +89,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="evaluate the text's first N tokens")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--keep", default=None, help="keep the converted folders here")
+    ap.add_argument("--only", default=None, help="only the formats whose label contains one of these comma-"
+                    "separated texts (the fp32 reference always runs)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     src = Path(args.model) if args.model else hub.fetch(hub.DEFAULT_MODEL)
@@ -103,6 +107,8 @@ def main() -> None:
     ref_ppl = math.exp(ref_nll.mean().item())
     del ref_model
     for label, options in FORMATS:
+        if options is not None and args.only and not any(t in label for t in args.only.split(",")):
+            continue
         if options is None:
             nll, logits, size, conv_s, load_s = ref_nll, ref_logits, float(src.stat().st_size) / 2**20, 0.0, 0.0
         else:

@@ -112,3 +112,22 @@ def test_int4_model_on_the_kernels(tmp_path, monkeypatch: pytest.MonkeyPatch) ->
     if not ON_GPU:  # the same model on the CPU's packed kernels
         got = SingleSequence(model.net).step([5, 17, 42])
         assert got.shape == (3, 300) and (got - want_cpu).norm() / want_cpu.norm() < 2e-2
+
+
+def test_converted_folder_keeps_its_formats_off_the_cpu(tmp_path) -> None:
+    """A converted int4 folder loaded on another device (meta here: no values) keeps int4 in the kernels'
+    layout and its int8 head, instead of dequantizing them into dense weights."""
+    from superslm.convert import convert
+    from superslm.converted import converted_net
+    from superslm.models.loader import open_source
+    from superslm.models.transformer import DenseLinear
+
+    build_hf_model("qwen3", tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "int4", format="int4")
+    net = converted_net(open_source(tmp_path / "int4"), torch.device("meta"))
+    assert not any(isinstance(m, DenseLinear) for m in net.modules())
+    int4 = [m for m in net.modules() if isinstance(m, Int4Linear)]
+    assert len(int4) == 4 * len(net.layers) and {m.layout for m in int4} == {"nibbles"}
+    assert isinstance(net.head, Int8Linear) and net.head.codes.device.type == "meta"
+    dense = converted_net(open_source(tmp_path / "int4"), torch.device("meta"), quant=None)
+    assert isinstance(dense.head, DenseLinear)

@@ -74,12 +74,11 @@ class LayerCalibrator:
         self.model = superslm.load(path, device="cpu", dtype=dtype, quant=None, layers=layers)
         net = self.model.net
         net.fast_decode = False  # the C++ plan would bypass the modules and their hooks
-        ids = self.model.tokenizer.encode(text, add_special_tokens=False)[:tokens]
+        self._ids = self.model.tokenizer.encode(text, add_special_tokens=False)
+        ids = self._ids[:tokens]
         if len(ids) < SEQ // 2:
             raise InvalidArgument(f"the calibration text has {len(ids)} tokens; GPTQ needs at least {SEQ // 2}")
-        bos = self.model.tokenizer.bos_id if self.model.tokenizer.add_bos else None
-        self.seqs = [([bos] if bos is not None else []) + ids[i : i + SEQ] for i in range(0, len(ids), SEQ)]
-        self.seqs = [s for s in self.seqs if len(s) > 1]
+        self.seqs = self._cut(ids)
         self.tokens = sum(len(s) for s in self.seqs)
         self.info: dict[str, Any] = {"method": "gptq", "text": name, "tokens": self.tokens, "dtype": dtype,
                                      "sha256": hashlib.sha256(text.encode()).hexdigest()}
@@ -88,6 +87,17 @@ class LayerCalibrator:
         a = net.arch
         longest = max(len(s) for s in self.seqs)
         self.kv = KVCache(len(net.layers), -(-longest // _PAGE), _PAGE, a.kv_heads, a.head_dim, net.dtype)
+
+    def _cut(self, ids: list[int]) -> list[list[int]]:
+        """ids in sequences of SEQ tokens, each after BOS where the model adds one."""
+        bos = self.model.tokenizer.bos_id if self.model.tokenizer.add_bos else None
+        seqs = [([bos] if bos is not None else []) + ids[i : i + SEQ] for i in range(0, len(ids), SEQ)]
+        return [s for s in seqs if len(s) > 1]
+
+    def tuning_seqs(self, steps: int) -> list[list[int]]:
+        """steps + 1 sequences of the calibration text from its start (the last one held out by
+        `quant.tune.tune_int4`); fewer where the text is shorter (the steps then cycle over them)."""
+        return self._cut(self._ids[: (steps + 1) * SEQ])
 
     def layer(self, i: int) -> dict[str, torch.Tensor | None]:
         """{linear attr: mean x x^T of its inputs} for layer i (ask for layers in order); the hidden states

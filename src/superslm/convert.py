@@ -23,12 +23,11 @@ from typing import Any
 
 import torch
 
-from superslm.errors import FormatError, InvalidArgument, ModelNotFound
+from superslm.errors import InvalidArgument, ModelNotFound
 from superslm.formats import native
 from superslm.models.loader import Source, Stored, canonical_names, open_source
-from superslm.models.transformer import DenseLinear, Transformer
-from superslm.quant import ConcatLinear, LinearFormat, linear_from_gguf
-from superslm.quant.stored import INT4_PACKED, linear_from_state, linear_state
+from superslm.quant import LinearFormat, linear_from_gguf
+from superslm.quant.stored import INT4_PACKED, linear_state
 from superslm.quant.swap import LAYER_LINEARS, gguf_parts, make_linear
 
 #: --format: the body's linears; "gguf" runs a GGUF file's int4 blocks as they are (others nearest),
@@ -73,18 +72,6 @@ def source_sha256(source: Source) -> str:
 # --- linears <-> stored tensors --------------------------------------------------------------------
 
 
-def _bias_of(module: LinearFormat) -> torch.Tensor | None:
-    if isinstance(module, ConcatLinear):
-        parts = [_bias_of(p) for p in module.parts]  # type: ignore[arg-type]
-        if all(b is None for b in parts):
-            return None
-        return torch.cat([torch.zeros(p.out_features) if b is None else b for p, b in zip(module.parts, parts)])
-    return module.bias
-
-
-# --- conversion ----------------------------------------------------------------------------------
-
-
 def _fixed(source: Source, key: str, stored: Stored) -> torch.Tensor:
     """A canonical weight as float32 with the recipe's fix applied (what `materialize` computes)."""
     fix = source.recipe.fix_hf if source.is_hf else source.recipe.fix_gguf
@@ -106,6 +93,8 @@ class _Writer:
         self.calibrator = calibrator  # calibration.LayerCalibrator: GPTQ for int4 linears
         self.tensors: dict[str, torch.Tensor] = {}
         self.linears: dict[str, dict[str, Any]] = {}
+        #: GPTQ's int4 linears by name, kept for end-to-end tuning (`tune`)
+        self.gptq: dict[str, LinearFormat] = {}
 
     def put(self, name: str, module: LinearFormat) -> None:
         t, meta = linear_state(module)
@@ -143,7 +132,28 @@ class _Writer:
                 module = linear_from_gguf(gguf_parts(self.source, self.names, prefix, parts), biases.get(attr))
             else:
                 module = self.make(body, torch.cat([w[p] for p in parts]), biases.get(attr), hessians.get(attr))
+                if hessians.get(attr) is not None:
+                    self.gptq[prefix + attr] = module
             self.put(prefix + attr, module)
+
+    def tune(self, steps: int, progress: bool) -> dict[str, Any]:
+        """GPTQ's int4 scales and zeros tuned end to end against the calibrator's dense model
+        (`quant.tune`); the tuned linears replace the stored ones. Returns what the header records."""
+        from tqdm import tqdm
+
+        from superslm.quant.tune import tune_int4
+
+        cal = self.calibrator
+        cal.h = []  # the calibration hidden states are done with
+        bar = tqdm(total=steps, desc="tuning int4 scales", unit="step", disable=not progress)
+        try:
+            tuned, info = tune_int4(cal.model.net, self.gptq, cal.tuning_seqs(steps), steps,  # type: ignore[arg-type]
+                                    report=lambda step, kl: bar.update(1))
+        finally:
+            bar.close()
+        for name, module in tuned.items():
+            self.put(name, module)
+        return info
 
     def globals(self, head: str) -> None:
         exact = self.opts["format"] == "dense"
@@ -230,6 +240,7 @@ def convert(
     progress: bool = False,
     calibrate: str | Path | bool | None = None,
     calibration_tokens: int = 2048,
+    tune_steps: int = 0,
 ) -> Path:
     """Convert SRC (a HF folder or a GGUF file) into the folder `dst`; returns `dst`.
 
@@ -238,7 +249,9 @@ def convert(
     Hadamard rotation of int4/int8 weights; `lora`: a PEFT folder merged first; `layers`: keep the
     first N layers; `schemas`: {NAME: json file}; `calibrate` (int4 only): GPTQ against
     `calibration_tokens` of a text file's inputs (True: Python's reference docs, `calibration.py`);
-    a merged LoRA is calibrated with the base model's inputs. Atomic: `dst` appears complete or not at all.
+    a merged LoRA is calibrated with the base model's inputs; `tune_steps` (with `calibrate`): then tune the
+    int4 scales and zeros end to end for that many sequences of the same text (`quant.tune`).
+    Atomic: `dst` appears complete or not at all.
     """
     source = open_source(src)
     if source.format == "native":
@@ -262,6 +275,12 @@ def convert(
         lora_info = {"name": Path(lora).name, "rank": adapter.rank, "scale": adapter.scale,
                      "sha256": native.sha256_file(Path(lora) / "adapter_model.safetensors")}
     calibrator = None
+    if not isinstance(tune_steps, int) or tune_steps < 0:
+        raise InvalidArgument(f"tune_steps must be a non-negative integer, got {tune_steps!r}")
+    if tune_steps and calibrate in (None, False):
+        raise InvalidArgument("--tune-steps tunes GPTQ's int4 scales: it needs --calibrate")
+    if tune_steps and n < arch.layers:
+        raise InvalidArgument("--tune-steps distils next-token distributions: it needs every layer (no --layers)")
     if calibrate not in (None, False):
         if body != "int4":
             raise InvalidArgument(f"calibration (GPTQ) is for --format int4, not {body}")
@@ -285,81 +304,10 @@ def convert(
         writer = _Writer(source, names, opts, adapter, calibrator)
         for i in tqdm(range(n + 1), desc=f"converting to {body}", unit="layer", disable=not progress):
             writer.layer(i) if i < n else writer.globals(head)
+        if tune_steps:
+            header["calibration"] = dict(header["calibration"], tune=writer.tune(tune_steps, progress))
         native.write_tensors(tmp / native.WEIGHTS, writer.tensors, dict(header, linears=writer.linears))
     return Path(dst)
-
-
-# --- loading a converted folder ------------------------------------------------------------------
-
-
-def converted_net(
-    source: Source,
-    device: torch.device,
-    dtype: str | torch.dtype | None = None,
-    layers: int | None = None,
-    quant: str | None = "auto",
-) -> Transformer:
-    """The forward pass of a converted folder (`open_source` of it), its linears built from their stored
-    formats (no re-quantization; int4 from its packed layout). `quant`: "auto" or the stored format
-    runs them as stored (bf16 activations: dtype defaults to bf16); None/"none" dequantizes them into
-    dense weights of `dtype` (as every non-CPU device does: the packed kernels are CPU ones)."""
-    from superslm.model import pick_dtype
-
-    header = source.config["header"]
-    body, kept = header["format"], int(header["layers"])
-    if quant not in ("auto", None, "none", body):
-        raise InvalidArgument(f"{source.path} holds {body} linears; convert again for {quant} (or pass quant='auto')")
-    n = kept if layers is None else layers
-    if not 0 < n <= kept:
-        raise InvalidArgument(f"layers={n}: the converted folder keeps {kept} layers")
-    as_dense = quant in (None, "none") or device.type != "cpu"
-    dt = pick_dtype(dtype, device) if dtype is not None or as_dense or body == "dense" else torch.bfloat16
-    a, stored = source.arch, {name: s.load() for name, s in source.tensors.items()}
-
-    def get(name: str) -> torch.Tensor:
-        if name not in stored:
-            raise FormatError(f"{source.path}: tensor {name} is missing")
-        return stored[name].to(device=device, dtype=dt)
-
-    weights = {"embed": get("embed")}
-    if n == a.layers:
-        weights.update({k: get(k) for k in ("norm", "head") if k in stored})
-    norms = [k for k in NORMS if k in ("attn_norm", "ffn_norm") or a.qk_norm and k in ("q_norm", "k_norm")
-             or a.post_norms and k.startswith("post_")]
-    biases = ["q_bias", "k_bias", "v_bias"] * a.qkv_bias + ["o_bias"] * a.o_bias
-    for i in range(n):
-        weights.update({f"layers.{i}.{k}": get(f"layers.{i}.{k}") for k in norms})
-        if body == "dense":
-            weights.update({f"layers.{i}.{k}": get(f"layers.{i}.{k}") for k in (*PARTS, *biases)})
-        else:  # empty placeholders: the module swap below replaces these linears
-            weights.update({f"layers.{i}.{k}": torch.empty(0, a.dim, device=device, dtype=dt) for k in PARTS})
-            weights.update({f"layers.{i}.{k}": torch.empty(0, device=device, dtype=dt) for k in biases})
-    net = Transformer(a, weights, n)
-    q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
-    shapes = {"qkv": (a.dim, q + 2 * kv), "o": (q, a.dim), "gate_up": (a.dim, 2 * a.ffn), "down": (a.ffn, a.dim),
-              "head": (a.dim, a.vocab)}
-    linears = header.get("linears", {})
-
-    def build(name: str) -> torch.nn.Module:
-        if name not in linears:
-            raise FormatError(f"{source.path}: linear {name} is missing from the header")
-        pre = name + "."
-        module = linear_from_state({k[len(pre):]: v for k, v in stored.items() if k.startswith(pre)}, linears[name])
-        if (module.in_features, module.out_features) != shapes[name.rsplit(".", 1)[-1]]:
-            raise FormatError(f"{source.path}: linear {name} is {module.in_features} -> {module.out_features}, "
-                              f"the arch implies {shapes[name.rsplit('.', 1)[-1]]}")
-        if not as_dense:
-            return module
-        bias = _bias_of(module)
-        return DenseLinear(module.dequantize().to(device, dt), None if bias is None else bias.to(device, dt))
-
-    if body != "dense":
-        for i, layer in enumerate(net.layers):
-            for attr in LAYER_LINEARS:
-                setattr(layer, attr, build(f"layers.{i}.{attr}"))
-    if net.has_head and "head" in linears:
-        net.head = build("head")
-    return net
 
 
 # --- the command ---------------------------------------------------------------------------------
@@ -384,6 +332,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--calibrate", nargs="?", const=True, default=None, metavar="TEXT_FILE",
                    help="int4 by GPTQ on calibration text (default text: Python's reference docs)")
     p.add_argument("--calibration-tokens", type=int, default=2048, metavar="N", help="calibration tokens")
+    p.add_argument("--tune-steps", type=int, default=0, metavar="N",
+                   help="with --calibrate: tune int4 scales end to end for N sequences of 512 tokens")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
@@ -402,7 +352,7 @@ def cmd_convert(ns: argparse.Namespace) -> int:
     dst = convert(resolve_path(ns.src), ns.dst, format=ns.format, group=ns.group, head=ns.head, rotate=not ns.no_rotate,
                   seed=ns.seed, lora=ns.lora, layers=ns.layers, schemas=schemas, overwrite=ns.force,
                   progress=not ns.quiet and sys.stderr.isatty(), calibrate=ns.calibrate,
-                  calibration_tokens=ns.calibration_tokens)
+                  calibration_tokens=ns.calibration_tokens, tune_steps=ns.tune_steps)
     size = sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
     print(f"{dst}: {size / 2**20:.1f} MiB in {time.perf_counter() - start:.1f} s")
     return 0

@@ -258,7 +258,7 @@ def load(
     tokenizer = load_tokenizer(source)
     if source.format == "native":
         # a converted folder: linears built from their stored formats, nothing re-quantized
-        from superslm.convert import converted_net
+        from superslm.converted import converted_net
 
         net = converted_net(source, dev, dtype, layers, quant)
         quant = None
