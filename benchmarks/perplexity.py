@@ -101,8 +101,8 @@ def main() -> None:
     print(f"model {src.name}; text {text_path} (sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}, "
           f"{len(tokens)} tokens); torch {torch.__version__}, {args.threads} thread(s), {platform.machine()}, "
           f"{time.strftime('%Y-%m-%d')}\n")
-    print("| format | perplexity | vs fp32 | rel. logits error | top-1 agree | folder MiB | convert s | load s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| format | perplexity | vs fp32 | KL | rel. logits error | top-1 agree | folder MiB | convert s | load s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     ref_nll, ref_logits = nll_per_token(ref_model.net, tokens)
     ref_ppl = math.exp(ref_nll.mean().item())
     del ref_model
@@ -127,9 +127,12 @@ def main() -> None:
             del model
         ppl = math.exp(nll.mean().item())
         rel = ((logits.float() - ref_logits.float()).norm() / ref_logits.float().norm()).item()
+        # KL(fp32 || format) per token: how far the format's next-token distributions are from the reference's
+        kl = F.kl_div(F.log_softmax(logits.float(), -1), F.log_softmax(ref_logits.float(), -1), log_target=True,
+                      reduction="batchmean").item()
         top1 = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
-        print(f"| {label} | {ppl:.3f} | {100 * (ppl / ref_ppl - 1):+.1f}% | {rel:.4f} | {top1:.3f} | {size:.0f} | "
-              f"{conv_s:.1f} | {load_s:.2f} |", flush=True)
+        print(f"| {label} | {ppl:.3f} | {100 * (ppl / ref_ppl - 1):+.1f}% | {kl:.4f} | {rel:.4f} | {top1:.3f} | "
+              f"{size:.0f} | {conv_s:.1f} | {load_s:.2f} |", flush=True)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
 

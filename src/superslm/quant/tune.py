@@ -4,10 +4,10 @@ the dense model's next-token distributions on calibration text (EfficientQAT's E
 GPTQ chooses codes linear by linear against each one's inputs; the errors of 200 such choices add up through
 the layers (SmolLM2: spread evenly over layers and linears, no few of them carry it). Here the dense model's
 own forward pass runs twice per step over one calibration sequence: with the dense linears (the teacher,
-no gradients) and with every int4 linear's weight rebuilt from its codes and trainable float32 scale and
-zero (the student); Adam lowers KL(teacher || student) per token. Scale and zero pass through bf16 rounding
-in the forward (straight-through), as the kernels store them. Nothing else changes: the norms, the head
-and the codes keep their values, so the stored format is the same.
+no gradients) and with every int4 linear's weight rebuilt from its codes and trainable scale and zero (the
+student, float32, in steps relative to each group's scale); Adam lowers KL(teacher || student) per token.
+Scale and zero pass through bf16 rounding in the forward (straight-through), as the kernels store them.
+Nothing else changes: the norms, the head and the codes keep their values, so the stored format is the same.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from superslm.kernels.attention import AttnMetadata
 from superslm.models.transformer import Transformer
 from superslm.quant.int4 import Int4Linear
 
-#: Adam's step size for scales and zeros (SmolLM2: 1e-5 too slow, 2e-4 drifts away from the teacher)
-LR = 5e-5
+#: Adam's step size, relative to each group's scale (SmolLM2: 5e-5 absolute, ~6e-4 of its scales, was the
+#: best of 1e-5 .. 2e-4; larger steps drift away from the teacher)
+LR = 6e-4
 _PAGE = 16
 
 
@@ -43,15 +44,24 @@ class _Tunable(nn.Module):
         super().__init__()
         codes, scale, zero = quant._params()
         self.register_buffer("codes", codes.float() - 8)  # [N, k_pad]
-        self.scale = nn.Parameter(scale.float().clone())
-        self.zero = nn.Parameter(zero.float().clone())
+        self.register_buffer("scale0", scale.float().clone())  # [N, groups]
+        self.register_buffer("zero0", zero.float().clone())
+        # relative steps: scale = scale0 (1 + a), zero = zero0 + scale0 b, so one learning rate means the same
+        # for every model (Gemma-3's weights are 5-10x smaller than SmolLM2's; absolute steps made it drift)
+        self.a = nn.Parameter(torch.zeros_like(self.scale0))
+        self.b = nn.Parameter(torch.zeros_like(self.scale0))
         self.quant, self.dense, self.teacher = quant, dense, False
+
+    def scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current (scale, zero) float32 [N, groups], each rounded to bf16 (straight-through)."""
+        return _bf16(self.scale0 * (1 + self.a)), _bf16(self.zero0 + self.scale0 * self.b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.teacher:
             return self.dense(x)
         q, g = self.quant, self.quant.group
-        w = self.codes * _bf16(self.scale).repeat_interleave(g, 1) + _bf16(self.zero).repeat_interleave(g, 1)
+        scale, zero = self.scale_zero()
+        w = self.codes * scale.repeat_interleave(g, 1) + zero.repeat_interleave(g, 1)
         h = x.reshape(-1, x.shape[-1]).float()  # [M, in]
         if q.k_pad != q.in_features:
             h = F.pad(h, (0, q.k_pad - q.in_features))
@@ -67,8 +77,8 @@ class _Tunable(nn.Module):
         q = self.quant
         codes = (self.codes + 8).to(torch.uint8)
         rot = None if q.rotation is None else (q.rotation.seed, q.rotation.block)
-        return Int4Linear(codes, self.scale.detach().to(torch.bfloat16), self.zero.detach().to(torch.bfloat16),
-                          q.group, q.in_features, q.out_features, q.bias, rot, q.note)
+        scale, zero = (t.detach().to(torch.bfloat16) for t in self.scale_zero())
+        return Int4Linear(codes, scale, zero, q.group, q.in_features, q.out_features, q.bias, rot, q.note)
 
 
 def _log_probs(net: Transformer, tokens: list[int]) -> torch.Tensor:
@@ -121,7 +131,7 @@ def tune_int4(
         return F.kl_div(_log_probs(net, tokens), target, log_target=True, reduction="batchmean")
 
     try:
-        opt = torch.optim.Adam([p for t in tunable.values() for p in (t.scale, t.zero)], lr=lr)
+        opt = torch.optim.Adam([p for t in tunable.values() for p in (t.a, t.b)], lr=lr)
         with torch.inference_mode(False), torch.enable_grad():
             with torch.no_grad():
                 before = kl(held).item()
