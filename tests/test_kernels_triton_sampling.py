@@ -242,6 +242,16 @@ def test_the_sampler_runs_fused_on_the_kernels(env: str, monkeypatch: pytest.Mon
     calls.clear()
     res = sample(logits[:2], with_lp, fused=True)
     assert calls == [] and res.chosen_logprobs is not None
+    # plain greedy rows: the first argmax, no kernel (ties included: the kernels take the first index too)
+    greedy = [SamplerState(Sampling(), seed=0)] * 3
+    tied = logits[:3].clone()
+    tied[:, 7] = tied[:, 700] = tied.max() + 1
+    got = sample(tied, greedy, fused=True).tokens
+    assert calls == [] and got.tolist() == [7, 7, 7]
+    assert torch.equal(got, sample(tied, greedy, fused=False).tokens)
+    b = sampling_batch(greedy, 777, tied.device)
+    assert torch.equal(got, dispatch.select_tokens(dispatch.shape_logits(tied, b.temperature), b.temperature,
+                                                   b.log_min_p, b.top_k, b.top_p, b.keys))
 
 
 # --- dispatcher -----------------------------------------------------------------------------------
