@@ -113,7 +113,8 @@ def cases(everything: bool = False) -> list[Case]:
         int4 = dict(x_ptr=t, qw_ptr="u8", s_ptr="bf16", z_ptr="bf16", o_ptr=t)
         for m in (1, 16, 64):
             c = int4_config(m, False)
-            cx = dict(BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_KH=64, DOT=c["block_m"] > 1, F32_DOT=f32)
+            cx = dict(BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_KH=c["block_kh"], DOT=c["block_m"] > 1,
+                      F32_DOT=f32)  # fmt: skip
             out.append(Case(f"int4_matmul {t} m={m}", _int4_kernel, int4, c["num_warps"], cx))
         int8 = dict(x_ptr=t, c_ptr="i8", s_ptr="bf16", o_ptr=t)
         for m in (1, 16, 64):

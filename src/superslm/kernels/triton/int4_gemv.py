@@ -59,9 +59,10 @@ def int4_config(m: int, interp: bool) -> dict[str, int]:
     """Tiles of `_int4_kernel` for m activation rows. Up to 4 rows: one GEMV program per row (the
     others re-read the weight from L2, not memory); more: tl.dot tiles of 16 or 64 rows."""
     if m <= 4:
-        return {"block_m": 1, "block_n": 32 if interp else 16, "num_warps": 4}
+        # 128 bytes of K per step: on an H200 (M = 1) down 896x4864 60.8 -> 39.6 us, gate_up 9728x896 20.6 -> 21.9
+        return {"block_m": 1, "block_n": 32 if interp else 16, "block_kh": 128, "num_warps": 4}
     block_m = 16 if m <= 16 else 64
-    return {"block_m": block_m, "block_n": 32, "num_warps": 8 if block_m == 64 else 4}
+    return {"block_m": block_m, "block_n": 32, "block_kh": 64, "num_warps": 8 if block_m == 64 else 4}
 
 
 def int4_matmul(
@@ -92,7 +93,7 @@ def int4_matmul(
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _int4_kernel[grid](
         x2, qweight, scale, zero, out, m, n, k, x2.stride(0), qweight.stride(0), scale.stride(0), out.stride(0), group,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KH=64, DOT=block_m > 1, F32_DOT=interp or x.dtype == torch.float32,
-        num_warps=cfg["num_warps"], enable_fp_fusion=True,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KH=cfg["block_kh"], DOT=block_m > 1,
+        F32_DOT=interp or x.dtype == torch.float32, num_warps=cfg["num_warps"], enable_fp_fusion=True,
     )  # fmt: skip
     return out.view(*x.shape[:-1], n)
