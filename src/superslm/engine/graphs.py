@@ -133,7 +133,7 @@ class DecodeGraphs:
         views of static outputs, valid until the next run. `usable(chunks)` must hold."""
         n = len(chunks)
         b = bucket_for(n, self.buckets)
-        assert b is not None and self.usable(chunks)
+        assert b is not None  # the caller checked `usable(chunks)`
         rows, tables = self._host_rows[:b], self._host_tables[:b]
         rows[n:] = (0, 0, -1, 0)  # padding: no KV written, no key read
         width = 1

@@ -238,10 +238,9 @@ class Int4Linear(LinearFormat):
             return y if y.shape[1] == self._out else y[:, : self._out]
         if self.layout == "nibbles":
             return dispatch.int4_matmul(x, self.qweight, self.scale, self.zero, self.group)
-        # the kernels on a CPU tensor (TRITON_INTERPRET=1 tests): the codes re-read per call
-        codes, scale, zero = self._params()
-        q = torch.from_numpy(store_nibbles(codes.numpy()))
-        return dispatch.int4_matmul(x, q, scale, zero, self.group)
+        # the kernels on a CPU tensor (TRITON_INTERPRET=1 tests): the stored order, rebuilt per call
+        state, _ = self._state()
+        return dispatch.int4_matmul(x, state["qweight"], state["scales"], state["zeros"], self.group)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def, override]
         # .to(device): the packed CPU layout runs only on the CPU; elsewhere the kernels read nibbles. The
@@ -254,30 +253,24 @@ class Int4Linear(LinearFormat):
     def _relayout(self, want: str) -> None:
         """Rebuild the buffers in layout `want` ("cpu" or "nibbles") from this module's codes and scales
         (on the meta device, which holds no values: empty buffers of the new layout's shapes)."""
-        n, groups = self._out, self.k_pad // self.group
         if self.qweight.device.type == "meta":
-            codes = torch.empty(n, self.k_pad, dtype=torch.uint8, device="meta")
-            scale = zero = torch.empty(n, groups, dtype=torch.bfloat16, device="meta")
-        else:
-            codes, scale, zero = (t.cpu() for t in self._params())
-        for name in ("qweight", "scales_zeros", "scale", "zero"):
-            self._buffers.pop(name, None)
-        if codes.device.type == "meta":
-            n_pad = round_up(n, _BLOCK_N)
+            n, groups, n_pad = self._out, self.k_pad // self.group, round_up(self._out, _BLOCK_N)
             shapes = {"qweight": ((n, self.k_pad // 2), torch.uint8), "scale": ((n, groups), torch.bfloat16),
                       "zero": ((n, groups), torch.bfloat16)} if want == "nibbles" else \
                      {"qweight": ((n_pad, self.k_pad // 2), torch.uint8),
                       "scales_zeros": ((groups, n_pad, 2), torch.bfloat16)}  # fmt: skip
-            for name, (shape, dtype) in shapes.items():
-                self.register_buffer(name, torch.empty(shape, dtype=dtype, device="meta"))
+            bufs = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in shapes.items()}
         elif want == "nibbles":
-            self.register_buffer("qweight", torch.from_numpy(store_nibbles(codes.numpy())))
-            self.register_buffer("scale", scale)
-            self.register_buffer("zero", zero)
+            state, _ = self._state()  # the stored order is the nibble layout
+            bufs = {"qweight": state["qweight"], "scale": state["scales"].cpu(), "zero": state["zeros"].cpu()}
         else:
+            codes, scale, zero = (t.cpu() for t in self._params())
             fresh = Int4Linear(codes, scale, zero, self.group, self.in_features, self._out)
-            self.register_buffer("qweight", fresh.qweight)
-            self.register_buffer("scales_zeros", fresh.scales_zeros)
+            bufs = {"qweight": fresh.qweight, "scales_zeros": fresh.scales_zeros}
+        for name in ("qweight", "scales_zeros", "scale", "zero"):
+            self._buffers.pop(name, None)
+        for name, t in bufs.items():
+            self.register_buffer(name, t)
         self.layout = want
 
     def _params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -188,8 +188,9 @@ def sample(logits: Tensor, rows: Sequence[SamplerState], *, bitmask: Tensor | No
             fused = dispatch.backend(device) == "triton"
         except SuperSLMError:  # SUPERSLM_KERNELS=triton on a CPU without the interpreter: the staged path
             fused = False
+    shaped = bitmask is not None or any(p.logit_bias or p.uses_penalties or not p.greedy for p in params)
     if fused and all(p.logprobs is None for p in params):
-        if bitmask is None and all(p.greedy and not p.logit_bias and not p.uses_penalties for p in params):
+        if not shaped:
             # plain greedy rows: the kernels' token is the logits' first argmax; one reduction instead of the
             # two kernels (~0.2 ms a step on an H200 at a 152k vocabulary, 13% of a batch-1 decode step)
             return SampleResult(logits.argmax(dim=-1), (), (), None, None, None, None)
@@ -206,7 +207,6 @@ def sample(logits: Tensor, rows: Sequence[SamplerState], *, bitmask: Tensor | No
         raw = logits if len(lp_rows) == n_rows else logits[_index(lp_rows, device)]
         raw_logprobs = torch.log_softmax(raw.to(torch.float32), dim=-1)  # [R, V]
 
-    shaped = bitmask is not None or any(p.logit_bias or p.uses_penalties or not p.greedy for p in params)
     # plain greedy rows read the logits as they are (float32 argmax of bf16 is the same index): a
     # [16, 262k] copy cost Gemma-3 17 MB and ~2 ms a step at 16 streams
     x = logits.to(torch.float32, copy=True) if shaped else logits
