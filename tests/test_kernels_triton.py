@@ -255,10 +255,13 @@ def test_int4_reference_is_the_int4_format() -> None:
     torch.testing.assert_close(ref, x @ lin.dequantize_stored().T, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("m,group", [(1, 32), (3, 128), (8, 32), (20, 128)])
+@pytest.mark.parametrize(
+    "m,group,k",
+    [(1, 32, 1088), (3, 128, 640), (4, 64, 256), (1, 48, 192), (8, 32, 256), (20, 128, 256)],
+)  # GEMV (up to 4 rows): groups past one step of the tile (1088, 640); 48: bytes not a power of two, GEMM tiles
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_matmul(m: int, group: int, dtype: torch.dtype) -> None:
-    n, k = 40, 256  # n not a multiple of the tile
+def test_int4_matmul(m: int, group: int, k: int, dtype: torch.dtype) -> None:
+    n = 40  # not a multiple of the tile
     qweight, scale, zero = random_int4(n, k, group, seed=m)
     x = torch.randn(m, k, generator=gen(12)).to(DEV, dtype)
     out = tk.int4_matmul(x, qweight, scale, zero, group)

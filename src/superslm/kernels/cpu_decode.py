@@ -149,7 +149,7 @@ def decode_layers_reference(
     sequence; seq_lens [B] keys visible to each row; tables[kind] = (cos, sin) [B, rotary_dim]; caches
     [layers, slots, kv_heads, head_dim].
     """
-    from superslm.models.transformer import activation
+    from superslm.kernels.fused import gated_act
 
     a = net.arch
     n = h.shape[0]
@@ -182,8 +182,7 @@ def decode_layers_reference(
             o = layer.norm(o, "post_attn_norm")
         h = h + o
         x = layer.norm(h, "ffn_norm")
-        gate, up = layer.gate_up(x).chunk(2, dim=-1)
-        act = activation(a.act, gate) * up
+        act = gated_act(layer.gate_up(x), a.act)
         y = layer.down(act)
         if a.post_norms:
             y = layer.norm(y, "post_ffn_norm")

@@ -21,6 +21,7 @@ import torch
 
 from superslm.errors import InvalidArgument, UnsupportedModel
 from superslm.kernels import attention as _attention
+from superslm.kernels import fused as _fused
 from superslm.kernels import norm as _norm
 from superslm.kernels import rope as _rope
 from superslm.kernels.attention import AttnMetadata
@@ -258,6 +259,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """kernels.rope.apply_rope on the chosen backend."""
     t = _kernels(x.device)
     return (t.apply_rope if t else _rope.apply_rope)(x, cos, sin)
+
+
+def prepare_qkv(
+    qkv: torch.Tensor,
+    bias: torch.Tensor | None,
+    heads: int,
+    kv_heads: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    norm_float: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """kernels.fused.prepare_qkv on the chosen backend: bias, q/k norms, RoPE and the KV store in one pass."""
+    t = _kernels(qkv.device)
+    fn = t.prepare_qkv if t else _fused.prepare_qkv
+    return fn(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """kernels.fused.gated_act on the chosen backend."""
+    t = _kernels(gate_up.device)
+    return (t.gated_act if t else _fused.gated_act)(gate_up, act)
 
 
 def int4_matmul(

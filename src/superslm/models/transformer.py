@@ -17,7 +17,7 @@ from superslm.kernels import cpu_decode
 from superslm.kernels.attention import AttnMetadata
 from superslm.kernels.attention_invariant import BLOCK
 from superslm.kernels.cpu_decode import decode_layers, row_key_slots
-from superslm.kernels.dispatch import add_rms_norm, apply_rope, backend, paged_attention, rms_norm, store_kv
+from superslm.kernels.dispatch import add_rms_norm, backend, gated_act, paged_attention, prepare_qkv, rms_norm
 from superslm.kernels.rope import rope_cos_sin
 from superslm.models.arch import Arch
 
@@ -39,15 +39,6 @@ class DenseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
-
-
-def activation(name: str, x: torch.Tensor) -> torch.Tensor:
-    """The MLP's gate activation by Arch name: silu, gelu_tanh, or gelu (erf)."""
-    if name == "silu":
-        return F.silu(x)
-    if name == "gelu_tanh":
-        return F.gelu(x, approximate="tanh")
-    return F.gelu(x)
 
 
 class Layer(nn.Module):
@@ -83,26 +74,32 @@ class Layer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-    ) -> torch.Tensor:
+        pending: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream h, this layer's MLP output y) for h [N, dim]: the stream after the layer is h + y,
+        which the next layer adds in its first norm (`pending`, this y), one kernel fewer per layer."""
         a = self.arch
         n = h.shape[0]
         lora = meta.lora
-        x = self.norm(h, "attn_norm")
-        qkv = self.qkv(x)
-        if lora is not None:
-            qkv = lora.apply(self.index, "qkv", x, qkv)
-        q_size, kv_size = a.heads * a.head_dim, a.kv_heads * a.head_dim
-        q = qkv[:, :q_size].view(n, a.heads, a.head_dim)
-        k = qkv[:, q_size : q_size + kv_size].view(n, a.kv_heads, a.head_dim)
-        v = qkv[:, q_size + kv_size :].view(n, a.kv_heads, a.head_dim)
-        if a.qk_norm:
-            q, k = self.norm(q, "q_norm"), self.norm(k, "k_norm")
+        if pending is None:
+            x = self.norm(h, "attn_norm")
+        else:
+            x, h = add_rms_norm(pending, h, self.attn_norm, a.norm_eps, a.norm_float)
+        lin = self.qkv
+        bias = None
+        if lora is None and type(lin) is DenseLinear and lin.bias is not None and backend(x.device) == "triton":
+            # the bias joins the fused kernel below: torch's matmul with a bias is two launches at one row
+            qkv, bias = F.linear(x, lin.weight), lin.bias
+        else:
+            qkv = lin(x)
+            if lora is not None:
+                qkv = lora.apply(self.index, "qkv", x, qkv)
+        q_norm, k_norm = (self.q_norm, self.k_norm) if a.qk_norm else (None, None)
         cos, sin = cos_sin
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        rows = meta.slot_mapping.shape[0]  # rows past this are padding (deterministic mode)
-        store_kv(k_cache, v_cache, k[:rows], v[:rows], meta.slot_mapping)
+        q = prepare_qkv(qkv, bias, a.heads, a.kv_heads, q_norm, k_norm, a.norm_eps, a.norm_float, cos, sin, k_cache,
+                        v_cache, meta.slot_mapping)  # fmt: skip
         o = paged_attention(q, k_cache, v_cache, meta, self.window, a.attn_scale)
-        o_in = o.reshape(n, q_size)
+        o_in = o.reshape(n, a.heads * a.head_dim)
         o = self.o(o_in)
         if lora is not None:
             o = lora.apply(self.index, "o", o_in, o)
@@ -112,14 +109,13 @@ class Layer(nn.Module):
         gu = self.gate_up(x)
         if lora is not None:
             gu = lora.apply(self.index, "gate_up", x, gu)
-        gate, up = gu.chunk(2, dim=-1)
-        act = activation(a.act, gate) * up
+        act = gated_act(gu, a.act)
         y = self.down(act)
         if lora is not None:
             y = lora.apply(self.index, "down", act, y)
         if a.post_norms:
             y = self.norm(y, "post_ffn_norm")
-        return h + y
+        return h, y
 
 
 class Transformer(nn.Module):
@@ -219,9 +215,10 @@ class Transformer(nn.Module):
             # fixed-shape matmuls: every row gets the same bits wherever it sits in the step
             h, positions = pad_rows(h, BLOCK), pad_rows(positions, BLOCK)
         tables = self._rope_tables(positions)
+        y = None
         for i in range(start, end):
-            h = self.layers[i](h, meta, tables[self._rope_key(i)], k_cache[i], v_cache[i])
-        return h
+            h, y = self.layers[i](h, meta, tables[self._rope_key(i)], k_cache[i], v_cache[i], y)
+        return h if y is None else h + y
 
     def _plan_step(self, h: torch.Tensor, meta: AttnMetadata, k_cache: torch.Tensor) -> bool:
         """Whether this step runs through the C++ plan: on the CPU, without LoRA; every step in

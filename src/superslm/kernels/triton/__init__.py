@@ -4,6 +4,7 @@ Importing this package imports triton; on a CPU tensor the kernels only run unde
 interpreter (TRITON_INTERPRET=1 set before the import).
 """
 
+from superslm.kernels.triton.fused import gated_act, prepare_qkv
 from superslm.kernels.triton.hadamard import hadamard_rotate
 from superslm.kernels.triton.int4_gemv import int4_matmul
 from superslm.kernels.triton.int8_gemv import int8_matmul
@@ -18,6 +19,7 @@ __all__ = [
     "PagedArgs",
     "add_rms_norm",
     "apply_rope",
+    "gated_act",
     "hadamard_rotate",
     "int4_matmul",
     "int8_matmul",
@@ -26,6 +28,7 @@ __all__ = [
     "paged_args",
     "paged_attention",
     "paged_attention_args",
+    "prepare_qkv",
     "select_tokens",
     "shape_logits",
     "store_kv",

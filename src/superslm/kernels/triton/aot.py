@@ -18,8 +18,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from superslm.kernels.triton._util import next_pow2
+from superslm.kernels.triton.fused import _gated_act_kernel, _prepare_qkv_kernel
 from superslm.kernels.triton.hadamard import _hadamard_kernel, hadamard_config
-from superslm.kernels.triton.int4_gemv import _int4_kernel, int4_config
+from superslm.kernels.triton.int4_gemv import _int4_gemv_kernel, _int4_kernel, gemv_config, int4_config
 from superslm.kernels.triton.int8_gemv import _int8_kernel, int8_config
 from superslm.kernels.triton.paged_attention import _attn_kernel, _merge_kernel, attn_config
 from superslm.kernels.triton.rmsnorm import _rms_norm_kernel
@@ -110,8 +111,23 @@ def cases(everything: bool = False) -> list[Case]:
                             dict(ADD=add, WEIGHT_IN_FLOAT=wf, BLOCK=1024), False))  # fmt: skip
         rope = dict(x_ptr=t, cos_ptr=t, sin_ptr=t, o_ptr=t)
         out.append(Case(f"rope {t}", _rope_kernel, rope, 4, dict(BLOCK_H=16, BLOCK_D=64), False))
+        pq = dict(qkv_ptr=t, bias_ptr=t, qn_ptr=t, kn_ptr=t, cos_ptr=t, sin_ptr=t, kc_ptr=t, vc_ptr=t, slot_ptr="i64",
+                  q_ptr=t)  # fmt: skip
+        # Qwen2.5-0.5B (bias), Qwen3-0.6B (q/k norms), Gemma-3 (norms, weight in float32, head_dim 256)
+        for bias, nrm, wf, hq, hk, d in ((True, False, False, 16, 2, 64), (False, True, False, 16, 8, 128),
+                                         (False, True, True, 4, 1, 256)):
+            cx = dict(HAS_BIAS=bias, NORM=nrm, WEIGHT_IN_FLOAT=wf, BLOCK_HQ=hq, BLOCK_HK=hk, BLOCK_D=d)
+            out.append(Case(f"prepare_qkv {t} bias={bias} norm={nrm} D={d}", _prepare_qkv_kernel, pq, 4, cx, False))
+        for act in (0, 1, 2):
+            out.append(Case(f"gated_act {t} act={act}", _gated_act_kernel, dict(gu_ptr=t, o_ptr=t), 4,
+                            dict(ACT=act, BLOCK=1024), False))  # fmt: skip
         int4 = dict(x_ptr=t, qw_ptr="u8", s_ptr="bf16", z_ptr="bf16", o_ptr=t)
-        for m in (1, 16, 64):
+        for n, group in ((896, 128), (9728, 128), (896, 32)):
+            c = gemv_config(n, group, False)
+            assert c is not None
+            cx = dict(BLOCK_N=c["block_n"], GROUPS=c["groups"], HALF_G=c["half_g"])
+            out.append(Case(f"int4 gemv {t} n={n} g={group}", _int4_gemv_kernel, int4, c["num_warps"], cx))
+        for m in (16, 64):
             c = int4_config(m, False)
             cx = dict(BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_KH=c["block_kh"], DOT=c["block_m"] > 1,
                       F32_DOT=f32)  # fmt: skip

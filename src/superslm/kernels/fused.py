@@ -1,0 +1,74 @@
+"""Torch references of the per-layer steps the GPU runs as one kernel each (kernels/triton/fused.py).
+
+`prepare_qkv`: a fused qkv matmul's output -> bias, per-head q/k norms, RoPE, k and v into the paged
+cache, q out; `gated_act`: the MLP's act(gate) * up from the fused gate_up output. Each is the plain
+composition of the layer's own steps, so the torch backend computes exactly what it did before.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from superslm.kernels.attention import store_kv
+from superslm.kernels.norm import rms_norm
+from superslm.kernels.rope import apply_rope
+
+#: the activations `gated_act` knows, by Arch name
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+
+
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's gate activation by Arch name: silu, gelu_tanh, or gelu (erf)."""
+    if name == "silu":
+        return F.silu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    return F.gelu(x)
+
+
+def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """gate_up [N, 2 I] (gate then up) -> act(gate) * up [N, I] in gate_up's dtype."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return activation(act, gate) * up
+
+
+def split_qkv(qkv: torch.Tensor, heads: int, kv_heads: int,
+              head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [N, (heads + 2 kv_heads) head_dim] -> views q [N, heads, D], k and v [N, kv_heads, D]."""
+    n, qs, ks = qkv.shape[0], heads * head_dim, kv_heads * head_dim
+    return (qkv[:, :qs].view(n, heads, head_dim), qkv[:, qs : qs + ks].view(n, kv_heads, head_dim),
+            qkv[:, qs + ks :].view(n, kv_heads, head_dim))  # fmt: skip
+
+
+def prepare_qkv(
+    qkv: torch.Tensor,
+    bias: torch.Tensor | None,
+    heads: int,
+    kv_heads: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    norm_float: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """The attention's inputs from the fused qkv matmul's output qkv [N, (heads + 2 kv_heads) D].
+
+    qkv + bias (when given); q and k each through their per-head RMS norm (when q_norm/k_norm [D] are
+    given: Qwen3, Gemma-3) and RoPE (cos, sin [N, rotary_dim]); the first slot_mapping.shape[0] rows'
+    k and v written to k_cache/v_cache [slots, kv_heads, D] at slot_mapping. Returns q [N, heads, D].
+    """
+    if bias is not None:
+        qkv = qkv + bias
+    head_dim = qkv.shape[1] // (heads + 2 * kv_heads)
+    q, k, v = split_qkv(qkv, heads, kv_heads, head_dim)
+    if q_norm is not None and k_norm is not None:
+        q, k = rms_norm(q, q_norm, eps, norm_float), rms_norm(k, k_norm, eps, norm_float)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    rows = slot_mapping.shape[0]  # rows past this are padding (deterministic mode)
+    store_kv(k_cache, v_cache, k[:rows], v[:rows], slot_mapping)
+    return q
