@@ -210,12 +210,14 @@ def rates(events: list[tuple[float, int]], t_all: float, t0: float, t_end: float
     return decode, tokens / (t_end - t0)
 
 
-def run_superslm(model: superslm.Model, wl: Workload, rows: int, graphs: bool | None = None) -> Run:
+def run_superslm(model: superslm.Model, wl: Workload, rows: int, graphs: bool | None = None,
+                 overlap: bool | None = None) -> Run:
     """The workload through the public engine API: add every request, advance until done. Decode graphs
     (default: on a CUDA device) are captured for every batch bucket before the clock starts."""
     device, n = model.device, len(wl.prompts)
     context = max(len(p) + o for p, o in zip(wl.prompts, wl.outputs, strict=True)) + 1
-    engine = model.engine(slots=n, context=context, rows=max(rows, n), prefix_caching=False, graphs=graphs)
+    engine = model.engine(slots=n, context=context, rows=max(rows, n), prefix_caching=False, graphs=graphs,
+                          overlap=overlap)
     capture_s = engine.warm_up_graphs()
     if engine.graphs is not None and engine.graphs.capture_error:
         print(f"  superslm decode graphs run eagerly: {engine.graphs.capture_error}", flush=True)
@@ -348,7 +350,8 @@ def bench_model(name: str, ns: argparse.Namespace, device: torch.device) -> list
                 row = dict(model=name, workload=wl.key, label=wl.label, precision=prec, seqs=len(wl.prompts),
                            note=why, weight_bytes=wbytes.get(prec, 0))
                 if model is not None:
-                    row["superslm"] = run_superslm(model, wl, rows, graphs=False if ns.no_graphs else None)
+                    row["superslm"] = run_superslm(model, wl, rows, graphs=False if ns.no_graphs else None,
+                                                   overlap=False if ns.no_overlap or ns.no_graphs else None)
                     free(device)
                 if prec == precision and not ns.no_peer:
                     row["transformers"] = run_transformers(hf, wl)
@@ -425,6 +428,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--no-int4", action="store_true", help="skip the int4 batch-1 decode")
     ap.add_argument("--no-peer", action="store_true", help="skip transformers")
     ap.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs (to measure what they give)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="accept each decode step before launching the next (to measure what overlap gives)")
     ns = ap.parse_args(argv)
     for given, known in ((ns.models, CONFIGS), (ns.workloads, WORKLOADS)):
         if set(given) - set(known):

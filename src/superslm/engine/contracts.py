@@ -47,7 +47,8 @@ class ContractsMixin:
         return seq
 
     def _in_step(self: Engine, seq: Sequence) -> bool:
-        return self._work is not None and any(s is seq for s, _ in self._work.chunks)
+        steps = [w for w in (self._work, self._in_flight.work if self._in_flight is not None else None) if w]
+        return any(s is seq for w in steps for s, _ in w.chunks)
 
     def stats(self: Engine, request_id: int) -> dict[str, Any]:
         """Where a live request stands: tokens, layers run, tokens forced by its grammar, KV pages
@@ -82,6 +83,11 @@ class ContractsMixin:
     def save(self: Engine, request_id: int) -> bytes:
         """The whole state of a live request as a versioned blob (see engine/persist.py)."""
         seq = self._live(request_id)
+        if self._in_flight is not None:
+            with torch.inference_mode():
+                self._settle(self._pending)  # a step launched ahead is accepted (its Progress: next advance)
+            if seq.end:
+                raise UnknownRequest(f"request {request_id} ended in its last step; its Progress says how")
         if self._in_step(seq):
             raise SequenceBusy(f"request {request_id} is mid-step; advance until its step completes")
         slots = self._slots_of(seq, seq.num_computed_tokens)

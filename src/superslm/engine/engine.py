@@ -21,6 +21,7 @@ from superslm.cache.kv import KVCache
 from superslm.engine.contracts import ContractsMixin, Prefix
 from superslm.engine.manual import ManualSlots
 from superslm.engine.output import OutputMixin
+from superslm.engine.overlap import InFlight, OverlapMixin
 from superslm.engine.request import END_CANCELLED, END_LENGTH, Progress, Request, Sequence
 from superslm.engine.runner import StepWork, build_step, run_layers, step_logits
 from superslm.engine.scheduler import Scheduler
@@ -53,7 +54,7 @@ def _available_memory(device: torch.device) -> int:
     return available_memory()
 
 
-class Engine(OutputMixin, ContractsMixin):
+class Engine(OutputMixin, OverlapMixin, ContractsMixin):
     """Runs up to `slots` sequences of at most `context` tokens, in steps of at most `rows` rows.
 
     `kv_budget` sizes the KV pool: bytes (an int), a fraction of the free memory (a float in (0, 1]),
@@ -70,6 +71,8 @@ class Engine(OutputMixin, ContractsMixin):
 
     `graphs`: decode steps replay CUDA graphs captured per bucketed batch size (engine/graphs.py); on by
     default on a CUDA device with the Triton kernels, outside deterministic mode; False turns them off.
+    `overlap`: with graphs, launch the next decode step before the host accepts this one where nothing it
+    learns could change it (engine/overlap.py); by default where the graphs are captured (a CUDA device).
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class Engine(OutputMixin, ContractsMixin):
         deterministic: bool = False,
         jump_forward: bool = True,
         graphs: bool | None = None,
+        overlap: bool | None = None,
     ) -> None:
         a = model.arch
         context = min(a.context, 4096) if context is None else context
@@ -132,6 +136,10 @@ class Engine(OutputMixin, ContractsMixin):
         #: append the tokens a grammar forces without sampling them (off: mask and sample each)
         self.jump_forward = bool(jump_forward)
         self._graphs = self._decode_graphs(graphs)
+        if overlap and self._graphs is None:
+            raise InvalidArgument("overlap=True launches decode steps ahead from the decode graphs, which are off")
+        self.overlap = bool(self._graphs is not None and (self._graphs.capture if overlap is None else overlap))
+        self._in_flight: InFlight | None = None
 
     def _decode_graphs(self, graphs: bool | None) -> DecodeGraphs | None:
         """Decode steps from static buffers (CUDA graphs on a GPU: engine/graphs.py) where they can run:
@@ -267,7 +275,7 @@ class Engine(OutputMixin, ContractsMixin):
 
     def busy(self) -> bool:
         """True while any request is queued, running or has Progress not yet returned."""
-        return bool(self._seqs or self._pending or self._work is not None)
+        return bool(self._seqs or self._pending or self._work is not None or self._in_flight is not None)
 
     # --- stepping ---------------------------------------------------------------------------------
 
@@ -279,6 +287,11 @@ class Engine(OutputMixin, ContractsMixin):
         if layer_budget is not None and (not isinstance(layer_budget, int) or layer_budget < 1):
             raise InvalidArgument(f"layer_budget must be a positive integer, got {layer_budget!r}")
         out, self._pending = self._pending, []
+        if self._in_flight is not None:
+            # the step launched ahead last call: accept it (launching the one after it, unless budgeted)
+            with torch.inference_mode():
+                self._settle(out, go_on=layer_budget is None)
+            return out
         if self._work is None:
             sched = self.scheduler.schedule()
             for seq in sched.too_long:
@@ -287,9 +300,7 @@ class Engine(OutputMixin, ContractsMixin):
                 return out
             if self._graphs is not None and layer_budget is None and self._graphs.usable(sched.chunks):
                 with torch.inference_mode():
-                    work, logits = self._graphs.run(sched.chunks)
-                self.steps += 1
-                out.extend(self._accept(work, logits))
+                    self._graph_step(sched.chunks, out)
                 return out
             self._work = build_step(sched.chunks, self.page_size, self.net.device, self.deterministic)
         with torch.inference_mode():
@@ -323,6 +334,8 @@ class Engine(OutputMixin, ContractsMixin):
     def step(self, tokens: list[int], slots: list[int], wanted: list[bool]) -> torch.Tensor:
         """Low level: append each token row to its slot (0..slots-1, caller-owned sequences sharing
         the KV pool with requests) and return the logits of the wanted rows, in row order."""
+        with torch.inference_mode():
+            self._settle(self._pending)  # a step in flight is accepted first: its Progress comes with advance
         return self._manual_slots().step(tokens, slots, wanted)
 
     def reset(self, slot: int) -> None:

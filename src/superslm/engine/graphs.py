@@ -22,7 +22,6 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from superslm.cache.kv import KVCache
@@ -107,8 +106,13 @@ class DecodeGraphs:
         # every bucket's graph writes its outputs here (one [top, vocab] buffer, not one per bucket)
         self.hidden = torch.zeros(top, net.arch.dim, dtype=net.dtype, device=dev)
         self.logits = torch.zeros(top, net.arch.vocab, dtype=torch.float32, device=dev)
-        self._host_rows = np.zeros((top, _ROW_COLUMNS), dtype=np.int64)
-        self._host_tables = np.zeros((top, self.max_pages), dtype=np.int32)
+        # two host copies of the inputs, used in turn: a step's copy in may still be queued behind the step
+        # before it (engine/overlap.py launches step N+1 before it waits for step N), so the host fills the
+        # other; pinned on a GPU, so the copies neither wait for the queue nor hold the host
+        pin = dev.type == "cuda"
+        self._host_rows = [torch.zeros(top, _ROW_COLUMNS, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._host_tables = [torch.zeros(top * self.max_pages, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._turn = 0
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         #: why the last failed capture failed (that bucket's steps then run eagerly on the static buffers)
         self.capture_error: str | None = None
@@ -128,26 +132,46 @@ class DecodeGraphs:
                 return False
         return True
 
-    def run(self, chunks: list[tuple[Sequence, int]]) -> tuple[StepWork, torch.Tensor]:
+    def fits_ahead(self, chunks: list[tuple[Sequence, int]]) -> bool:
+        """Whether `run(chunks, ahead=...)` can compute each sequence's token after the one in flight:
+        its pages (grown by the caller) fit the tables."""
+        return len(chunks) <= self.buckets[-1] and all(len(s.block_table) <= self.max_pages for s, _ in chunks)
+
+    def run(self, chunks: list[tuple[Sequence, int]],
+            ahead: torch.Tensor | None = None) -> tuple[StepWork, torch.Tensor]:
         """The finished step (hidden states `h` [B, dim]) and its logits float32 [B, vocab], B = len(chunks):
-        views of static outputs, valid until the next run. `usable(chunks)` must hold."""
+        views of static outputs, valid until the next run. `usable(chunks)` must hold.
+
+        `ahead`: int64 [B] on the device, the tokens of a step still in flight for these sequences, which the
+        host has not accepted yet: this step computes the token after each (position num_computed + 1)
+        from them, copied on the device. The caller has grown each sequence's pages for it (`fits_ahead`).
+        """
         n = len(chunks)
         b = bucket_for(n, self.buckets)
-        assert b is not None  # the caller checked `usable(chunks)`
-        rows, tables = self._host_rows[:b], self._host_tables[:b]
+        assert b is not None  # the caller checked `usable(chunks)` / `fits_ahead(chunks)`
+        rows_t = self._host_rows[self._turn][:b]
+        rows = rows_t.numpy()
         rows[n:] = (0, 0, -1, 0)  # padding: no KV written, no key read
-        width = 1
+        shift = 0 if ahead is None else 1
+        ps = self.page_size
         for i, (seq, _) in enumerate(chunks):
-            pos = seq.num_computed_tokens
+            pos = seq.num_computed_tokens + shift
             table = seq.block_table
-            rows[i] = (seq.tokens[pos], pos, table[pos // self.page_size] * self.page_size + pos % self.page_size,
-                       pos + 1)  # fmt: skip
-            tables[i, : len(table)] = table
-            width = max(width, len(table))
+            token = seq.tokens[pos] if ahead is None else 0  # ahead: the device's token, copied in below
+            rows[i] = (token, pos, table[pos // ps] * ps + pos % ps, pos + 1)
+        # the tables as one dense [b, width] block of the host buffer: a strided source would be copied to
+        # pageable memory first; entries past a sequence's own pages are never read (seq_lens bounds keys)
+        width = max(len(seq.block_table) for seq, _ in chunks)
+        tables_t = self._host_tables[self._turn][: b * width].view(b, width)
+        tables = tables_t.numpy()
+        for i, (seq, _) in enumerate(chunks):
+            tables[i, : len(seq.block_table)] = seq.block_table
+        self._turn ^= 1
         bucket = self._made.get(b) or self._make(b)
-        # entries past a sequence's own pages are never read (seq_lens bounds every key)
-        self.block_table[:b, :width].copy_(torch.from_numpy(tables[:, :width]))
-        self.rows_in[:b].copy_(torch.from_numpy(rows))
+        self.block_table[:b, :width].copy_(tables_t, non_blocking=True)
+        self.rows_in[:b].copy_(rows_t, non_blocking=True)
+        if ahead is not None:
+            self.rows_in[:n, 0].copy_(ahead)
         if bucket.graph is not None:
             bucket.graph.replay()
         else:

@@ -88,7 +88,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         step.preempted.append(seq)
 
-    def _grow(self, seq: Sequence, n: int) -> bool:
+    def grow(self, seq: Sequence, n: int) -> bool:
         """Give seq the pages for n more tokens; False when the pool cannot (nothing changed)."""
         need = self.pages_for(seq.num_computed_tokens + n) - len(seq.block_table)
         if need <= 0:
@@ -113,7 +113,7 @@ class Scheduler:
             if seq not in self.running or budget == 0:
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk)
-            while not self._grow(seq, n):
+            while not self.grow(seq, n):
                 victim = max(self.running, key=lambda s: s.id)  # the one that came last
                 if victim is seq and len(self.running) == 1:
                     # alone and still no room: it can never fit
@@ -147,7 +147,7 @@ class Scheduler:
                 if seq.preemptions == 0:
                     seq.cached = seq.num_computed_tokens
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk)
-            if not self._grow(seq, n):
+            if not self.grow(seq, n):
                 # keep its matched pages referenced only while it runs
                 self.release(seq)
                 seq.num_computed_tokens = 0
