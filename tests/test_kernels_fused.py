@@ -111,6 +111,10 @@ def test_prepare_qkv_mixed_dtypes_take_the_reference() -> None:
     ref = fused.prepare_qkv(qkv, None, 4, 2, qn32, kn32, 1e-6, False, cos, sin, kc2, vc2, mapping)
     assert q.dtype == ref.dtype == torch.float32
     assert torch.equal(q, ref) and torch.equal(kc, kc2)
+    # padding rows (slot -1, as graph steps pad) write nothing there either
+    before = kc.clone()
+    tk.prepare_qkv(qkv, None, 4, 2, qn32, kn32, 1e-6, False, cos, sin, kc, vc, torch.tensor([-1, -1], device=DEV))
+    assert torch.equal(kc, before)
 
 
 @pytest.mark.parametrize("act", fused.ACTIVATIONS)
@@ -154,6 +158,14 @@ def test_families_through_the_kernels(family: str, tmp_path, monkeypatch: pytest
         (done,) = engine.generate([Request(prompt, 6, Sampling(ignore_eos=True, logprobs=0))])
         out[kind] = done
     assert out["triton"].tokens == out["torch"].tokens == hf_greedy(hf, prompt, 6)
+    # a hook on the qkv module sees its input on the Triton path too (calibration watches it)
+    seen: list[int] = []
+    handle = model.net.layers[0].qkv.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0]))
+    try:
+        model.engine(slots=1, context=32, page_size=4, graphs=False).generate([Request(prompt, 1)])
+    finally:
+        handle.remove()
+    assert seen == [len(prompt)]
     lp = {k: [p.logprob for p in v.logprobs] for k, v in out.items()}
     assert len(lp["torch"]) == 6
     torch.testing.assert_close(torch.tensor(lp["triton"]), torch.tensor(lp["torch"]), atol=1e-4, rtol=1e-4)

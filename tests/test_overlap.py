@@ -35,17 +35,24 @@ def kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(dispatch.ENV, "triton")
 
 
+class Launches(list):
+    """How many sequences each step launched ahead had; `waiting`: requests queued at each launch."""
+
+    waiting: list[int]
+
+
 @pytest.fixture()
-def launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many sequences each step launched ahead had."""
-    seen: list[int] = []
+def launches(monkeypatch: pytest.MonkeyPatch) -> Launches:
+    seen = Launches()
+    seen.waiting = []
     real = overlap_mod.OverlapMixin._launch_ahead
 
-    def spy(self, work, tokens) -> None:  # noqa: ANN001
+    def spy(self, step) -> None:  # noqa: ANN001
         before = self._in_flight
-        real(self, work, tokens)
+        real(self, step)
         if self._in_flight is not None and self._in_flight is not before:
             seen.append(len(self._in_flight.work.chunks))
+            seen.waiting.append(len(self.scheduler.waiting))
 
     monkeypatch.setattr(overlap_mod.OverlapMixin, "_launch_ahead", spy)
     return seen
@@ -105,6 +112,12 @@ def test_stops_end_where_they_would(tiny, kernels, launches) -> None:
     assert got[0].end == "stop" and got[0].tokens == free[0].tokens[:first]  # the stop token is not output
     assert launches
     assert on.pool.num_used == 0
+    # a lone request that stops: the step launched after its last leaves nothing in flight
+    lone = engine(model, True, prefix_caching=False)
+    (c,) = lone.generate([reqs[0]])
+    assert c.end == "stop" and not lone.busy() and lone._in_flight is None
+    steps = lone.steps
+    assert lone.advance() == [] and lone.steps == steps
     # nothing is reported for a sequence after its end (its row of the step in flight is dropped)
     on = engine(model, True, prefix_caching=False)
     for r in reqs:
@@ -131,6 +144,7 @@ def test_cancel_and_new_requests_meet_a_step_in_flight(tiny, kernels, launches) 
             for p in e.advance():
                 toks.setdefault(p.id, []).extend(p.tokens)
                 if p.end:
+                    assert p.id not in ends  # one end each, reported once
                     ends[p.id] = p.end
             calls += 1
             if calls == 4:
@@ -200,3 +214,38 @@ def test_defaults_and_refusals(tiny, kernels) -> None:
     assert e._in_flight is not None
     e.advance(layer_budget=1)
     assert e._in_flight is None
+
+
+def test_a_restored_request_is_scheduled_at_once(tiny, kernels, launches) -> None:
+    """A restored sequence joins the running set directly: steps launched ahead for the others stop, so
+    it gets its next token in the next step, as without overlap."""
+    model, _ = tiny
+    ps = prompts(3, seed=15)
+    src = engine(model, False)
+    rid = src.add(Request(ps[2], 8, Sampling(ignore_eos=True)))
+    while not src._seqs[rid].output:
+        src.advance()
+    blob = src.save(rid)
+    on = engine(model, True)
+    for p in ps[:2]:
+        on.add(Request(p, 20, Sampling(ignore_eos=True)))
+    for _ in range(4):
+        on.advance()
+    assert on._in_flight is not None
+    back = on.restore(blob)
+    got = [t for _ in range(3) for q in on.advance() if q.id == back for t in q.tokens]
+    assert got  # within three advances (the step in flight, then a scheduled step)
+
+
+def test_full_slots_with_a_queue_go_ahead(tiny, kernels, launches) -> None:
+    """Every slot busy and requests waiting: no admission is possible, so steps still go ahead; a freed
+    slot is filled by the next schedule. Tokens equal the steps run one at a time (fp32, tiny model)."""
+    model, _ = tiny
+    ps = prompts(3, seed=17)
+    reqs = [Request(p, n, Sampling(ignore_eos=True)) for p, n in zip(ps, (4, 9, 6))]
+    on = model.engine(slots=2, context=64, page_size=4, graphs=True, overlap=True)
+    got = on.generate(reqs)
+    off = model.engine(slots=2, context=64, page_size=4, graphs=True, overlap=False)
+    want = off.generate(reqs)
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    assert max(launches.waiting) == 1 and on.pool.num_used == 0  # steps went ahead with the third queued

@@ -140,6 +140,8 @@ class Engine(OutputMixin, OverlapMixin, ContractsMixin):
             raise InvalidArgument("overlap=True launches decode steps ahead from the decode graphs, which are off")
         self.overlap = bool(self._graphs is not None and (self._graphs.capture if overlap is None else overlap))
         self._in_flight: InFlight | None = None
+        self._host_tokens: list[torch.Tensor] | None = None  # overlap.py: pinned token copies, two in turn
+        self._host_turn = 0
 
     def _decode_graphs(self, graphs: bool | None) -> DecodeGraphs | None:
         """Decode steps from static buffers (CUDA graphs on a GPU: engine/graphs.py) where they can run:

@@ -53,7 +53,7 @@ class OutputMixin:
                 chosen, logprobs = result.token_list(), result.logprobs()
             for i, seq in enumerate(seqs):
                 if seq.end == END_CANCELLED:
-                    out.append(self._finish(seq, END_CANCELLED))
+                    self._finish(seq, END_CANCELLED, into=out)
                     continue
                 token = chosen[i]
                 damped = seq.sampler.params.damped
@@ -68,7 +68,7 @@ class OutputMixin:
                 out.append(self._take(seq, token, logprobs[i]))
         for seq, _ in work.chunks:
             if seq.end == END_CANCELLED and seq.id in self._seqs:
-                out.append(self._finish(seq, END_CANCELLED))
+                self._finish(seq, END_CANCELLED, into=out)
         return out
 
     def _bitmask(self: Engine, seqs: list[Sequence]) -> torch.Tensor | None:

@@ -1,15 +1,19 @@
 """The next decode step launched before the host waits for this one (issue 9: the host prepares step N+1
 while step N runs). A mixin of Engine (it uses its fields).
 
-On a GPU a decode step's host work (sampling inputs, copying the tokens back, detokenizing, stop checks,
-the next step's rows) runs while the device idles, unless the device already has the next step: so when
-every sequence of a graph step samples on the device and none can end by length, step N+1 is launched
-from step N's tokens, still on the device (`DecodeGraphs.run(..., ahead=tokens)`), before the host
-accepts step N. The host then accepts step N while N+1 runs; the next `advance` does the same for N+1.
+On a GPU a decode step's host work (copying the tokens back, detokenizing, stop checks, the next step's rows)
+runs while the device idles, unless the device already has the next step: so when every sequence of a graph
+step samples on the device and none can end by length, step N+1 is launched from step N's tokens, still on
+the device (`DecodeGraphs.run(..., ahead=tokens)`), before the host accepts step N. Step N's tokens are
+copied to pinned host memory behind step N (an event marks the copy), not behind N+1: the host waits for N
+alone, then accepts it while N+1 runs; the next `advance` does the same for N+1.
 Sequences that step N ends (a stop token or string, a cancel) drop their row of N+1: its KV write lands in
 a slot of their own pages, past their last token, before any later step can reuse the page (one stream).
-Tokens, KV and Progress are those of the steps run one at a time: the same kernels, the same batch, and
-the seeded noise keyed by each sequence's step (`SamplerState.step` + 1 for the step ahead).
+Tokens, KV and Progress are those of the steps run one at a time (the same kernels, the same batch, the
+seeded noise keyed by each sequence's step, `SamplerState.step` + 1 for the step ahead), but for one thing:
+with every slot busy and requests waiting, a slot that a stop frees is filled one step later (the step
+after it was already running), so the batches of later steps, and in the default mode their roundings, differ.
+A step ahead takes only free pages (never evicts a cached prefix page for a step it may throw away).
 """
 
 from __future__ import annotations
@@ -35,6 +39,16 @@ class InFlight:
     work: StepWork
     tokens: torch.Tensor
     """int64 [B] on the device: the step's sampled token of each chunk's sequence."""
+    host: torch.Tensor
+    """The same tokens' copy in host memory, valid once `ready` has happened."""
+    ready: torch.cuda.Event | None
+    """Marks the copy (None on a CPU, where the copy is done when made)."""
+
+    def host_tokens(self) -> torch.Tensor:
+        """The tokens on the host: waits for this step alone, not for a step launched after it."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host
 
 
 def _device_sampled(seq: Sequence) -> bool:
@@ -47,35 +61,67 @@ def _device_sampled(seq: Sequence) -> bool:
 class OverlapMixin:
     """Engine's step-ahead decode: `_graph_step` runs a graph step, `_settle` accepts the one in flight."""
 
+    def _stage(self: Engine, work: StepWork, tokens: torch.Tensor) -> InFlight:
+        """`tokens` of `work` copied to the host behind the work queued so far, in one of two pinned buffers
+        taken in turn (the other may still be read by the host or written by a queued copy)."""
+        n = tokens.shape[0]
+        if tokens.device.type != "cuda":
+            return InFlight(work, tokens, tokens, None)
+        if self._host_tokens is None:
+            top = self._graphs.buckets[-1]  # type: ignore[union-attr]
+            self._host_tokens = [torch.empty(top, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        host = self._host_tokens[self._host_turn][:n]
+        self._host_turn ^= 1
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return InFlight(work, tokens, host, ready)
+
     def _graph_step(self: Engine, chunks: list[tuple[Sequence, int]], out: list[Progress]) -> None:
         """Run the scheduled all-decode `chunks` from the graphs; launch the step after it where it can;
         accept this one into `out`."""
         work, logits = self._graphs.run(chunks)  # type: ignore[union-attr]
-        tokens = None
-        if all(_device_sampled(s) for s, _ in chunks):
-            tokens = sample(logits, [s.sampler for s, _ in chunks]).tokens
-            self._launch_ahead(work, tokens)
         self.steps += 1
-        out.extend(self._accept(work, None if tokens is not None else logits, tokens))
+        if not all(_device_sampled(s) for s, _ in chunks):
+            out.extend(self._accept(work, logits))
+            return
+        step = self._stage(work, sample(logits, [s.sampler for s, _ in chunks]).tokens)
+        self._launch_ahead(step)
+        out.extend(self._accept(work, None, step.host_tokens()))
+        self._drop_idle_flight()
 
-    def _launch_ahead(self: Engine, work: StepWork, tokens: torch.Tensor) -> None:
-        """Launch the step after `work` (whose tokens are on the device, not yet accepted) for the same
-        sequences, where nothing the host will learn from `work` could change that step."""
-        if not self.overlap or self.scheduler.waiting:
+    def _launch_ahead(self: Engine, step: InFlight) -> None:
+        """Launch the step after `step` (whose tokens are on the device, not yet accepted) for the same
+        sequences, where nothing the host will learn from `step` could change that step."""
+        sched = self.scheduler
+        chunks = step.work.chunks
+        if not self.overlap or len(sched.running) != len(chunks):
+            return  # a sequence outside this step (a prompt, a restored one) is scheduled after it
+        if sched.waiting and len(sched.running) < self.slots:
             return  # a waiting request is admitted by the next schedule, after this step is accepted
-        chunks = work.chunks
+        need = 0
         for seq, _ in chunks:
             if seq.end or not _device_sampled(seq) or seq.prefill_hidden is None:
                 return
             if len(seq.output) + 2 > seq.max_tokens:
                 return  # this step's token may be its last: the step after would be thrown away
-        # the pages of the token after this step's (all or none: otherwise the next schedule may preempt)
-        if not all(self.scheduler.grow(seq, 2) for seq, _ in chunks) or not self._graphs.fits_ahead(chunks):
+            need += max(0, sched.pages_for(seq.num_computed_tokens + 2) - len(seq.block_table))
+        # the pages of the token after this step's, from free pages only: a step that a stop may throw away
+        # evicts no cached prefix (all or none: otherwise the next schedule may preempt)
+        if need > self.pool.num_free or not all(sched.grow(seq, 2) for seq, _ in chunks):
             return
-        nxt, logits = self._graphs.run(chunks, ahead=tokens)  # type: ignore[union-attr]
+        if not self._graphs.fits_ahead(chunks):  # type: ignore[union-attr]
+            return
+        nxt, logits = self._graphs.run(chunks, ahead=step.tokens)  # type: ignore[union-attr]
         # the noise of each sequence's next output position, as its state will be once this token is in
         states = [dataclasses.replace(s.sampler, step=s.sampler.step + 1) for s, _ in chunks]
-        self._in_flight = InFlight(nxt, sample(logits, states).tokens)
+        self._in_flight = self._stage(nxt, sample(logits, states).tokens)
+
+    def _drop_idle_flight(self: Engine) -> None:
+        """Forget a step in flight that no live sequence is in (the step before it ended them all)."""
+        flight = self._in_flight
+        if flight is not None and not any(seq.id in self._seqs for seq, _ in flight.work.chunks):
+            self._in_flight = None
 
     def _settle(self: Engine, out: list[Progress], go_on: bool = False) -> None:
         """Accept the step in flight into `out` (sequences it no longer serves drop their rows); with
@@ -85,14 +131,17 @@ class OverlapMixin:
             return
         work = flight.work
         keep = [i for i, (seq, _) in enumerate(work.chunks) if seq.id in self._seqs]
+        if not keep:
+            return
+        self.steps += 1
         if len(keep) == len(work.chunks):
             if go_on:
-                self._launch_ahead(work, flight.tokens)
-            tokens = flight.tokens
-        else:
-            chosen = flight.tokens.tolist()
-            tokens = torch.tensor([chosen[i] for i in keep], dtype=torch.long)
-            work = StepWork([work.chunks[i] for i in keep], work.tokens, work.meta, list(range(len(keep))), None,
-                            work.next_layer)  # fmt: skip
-        self.steps += 1
+                self._launch_ahead(flight)
+            out.extend(self._accept(work, None, flight.host_tokens()))
+            self._drop_idle_flight()
+            return
+        chosen = flight.host_tokens().tolist()
+        tokens = torch.tensor([chosen[i] for i in keep], dtype=torch.long)
+        work = StepWork([work.chunks[i] for i in keep], work.tokens, work.meta, list(range(len(keep))), None,
+                        work.next_layer)  # fmt: skip
         out.extend(self._accept(work, None, tokens))

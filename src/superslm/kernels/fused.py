@@ -41,6 +41,28 @@ def split_qkv(qkv: torch.Tensor, heads: int, kv_heads: int,
             qkv[:, qs + ks :].view(n, kv_heads, head_dim))  # fmt: skip
 
 
+def rotate_qkv(
+    qkv: torch.Tensor,
+    bias: torch.Tensor | None,
+    heads: int,
+    kv_heads: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    norm_float: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`prepare_qkv` up to the KV store: (q [N, heads, D], k, v [N, kv_heads, D])."""
+    if bias is not None:
+        qkv = qkv + bias
+    head_dim = qkv.shape[1] // (heads + 2 * kv_heads)
+    q, k, v = split_qkv(qkv, heads, kv_heads, head_dim)
+    if q_norm is not None and k_norm is not None:
+        q, k = rms_norm(q, q_norm, eps, norm_float), rms_norm(k, k_norm, eps, norm_float)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
 def prepare_qkv(
     qkv: torch.Tensor,
     bias: torch.Tensor | None,
@@ -62,13 +84,7 @@ def prepare_qkv(
     given: Qwen3, Gemma-3) and RoPE (cos, sin [N, rotary_dim]); the first slot_mapping.shape[0] rows'
     k and v written to k_cache/v_cache [slots, kv_heads, D] at slot_mapping. Returns q [N, heads, D].
     """
-    if bias is not None:
-        qkv = qkv + bias
-    head_dim = qkv.shape[1] // (heads + 2 * kv_heads)
-    q, k, v = split_qkv(qkv, heads, kv_heads, head_dim)
-    if q_norm is not None and k_norm is not None:
-        q, k = rms_norm(q, q_norm, eps, norm_float), rms_norm(k, k_norm, eps, norm_float)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = rotate_qkv(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin)
     rows = slot_mapping.shape[0]  # rows past this are padding (deterministic mode)
     store_kv(k_cache, v_cache, k[:rows], v[:rows], slot_mapping)
     return q

@@ -87,8 +87,10 @@ class Layer(nn.Module):
             x, h = add_rms_norm(pending, h, self.attn_norm, a.norm_eps, a.norm_float)
         lin = self.qkv
         bias = None
-        if lora is None and type(lin) is DenseLinear and lin.bias is not None and backend(x.device) == "triton":
+        if (lora is None and type(lin) is DenseLinear and lin.bias is not None and backend(x.device) == "triton"
+                and not (lin._forward_pre_hooks or lin._forward_hooks)):
             # the bias joins the fused kernel below: torch's matmul with a bias is two launches at one row
+            # (not past a hook on the module: calibration watches its inputs)
             qkv, bias = F.linear(x, lin.weight), lin.bias
         else:
             qkv = lin(x)

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from superslm.kernels import fused as ref
 from superslm.kernels.triton._util import next_pow2, round_to
+from superslm.kernels.triton.store_kv import store_kv
 
 
 @triton.jit
@@ -112,8 +113,11 @@ def prepare_qkv(
     rot = cos.shape[-1]
     if not _fits(qkv, k_cache, v_cache, head_dim, bias, q_norm if norm else None, k_norm if norm else None, cos,
                  sin) or rot % 2 or rot > head_dim:
-        return ref.prepare_qkv(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache,
-                               v_cache, slot_mapping)  # fmt: skip
+        # the reference's steps, then this backend's store, which skips the negative slots of padding rows
+        q, k, v = ref.rotate_qkv(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin)
+        rows = slot_mapping.shape[0]
+        store_kv(k_cache, v_cache, k[:rows], v[:rows], slot_mapping)
+        return q
     q = torch.empty(n, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if n == 0:
         return q
