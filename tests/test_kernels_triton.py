@@ -257,8 +257,9 @@ def test_int4_reference_is_the_int4_format() -> None:
 
 @pytest.mark.parametrize(
     "m,group,k",
-    [(1, 32, 1088), (3, 128, 640), (4, 64, 256), (1, 48, 192), (8, 32, 256), (20, 128, 256)],
-)  # GEMV (up to 4 rows): groups past one step of the tile (1088, 640); 48: bytes not a power of two, GEMM tiles
+    [(1, 32, 1088), (3, 128, 640), (2, 128, 2176), (4, 64, 256), (1, 48, 192), (8, 32, 256), (20, 128, 256)],
+)  # GEMV (up to 4 rows): groups past one step of the tile (1088, 640; 2176: 512-byte steps); 48: bytes not a
+# power of two; then GEMM tiles
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_matmul(m: int, group: int, k: int, dtype: torch.dtype) -> None:
     n = 40  # not a multiple of the tile

@@ -122,11 +122,11 @@ def cases(everything: bool = False) -> list[Case]:
             out.append(Case(f"gated_act {t} act={act}", _gated_act_kernel, dict(gu_ptr=t, o_ptr=t), 4,
                             dict(ACT=act, BLOCK=1024), False))  # fmt: skip
         int4 = dict(x_ptr=t, qw_ptr="u8", s_ptr="bf16", z_ptr="bf16", o_ptr=t)
-        for n, group in ((896, 128), (9728, 128), (896, 32)):
-            c = gemv_config(n, group, False)
+        for n, k, group in ((896, 896, 128), (9728, 896, 128), (896, 4864, 128), (896, 896, 32)):
+            c = gemv_config(n, k, group, False)
             assert c is not None
             cx = dict(BLOCK_N=c["block_n"], GROUPS=c["groups"], HALF_G=c["half_g"])
-            out.append(Case(f"int4 gemv {t} n={n} g={group}", _int4_gemv_kernel, int4, c["num_warps"], cx))
+            out.append(Case(f"int4 gemv {t} n={n} k={k} g={group}", _int4_gemv_kernel, int4, c["num_warps"], cx))
         for m in (16, 64):
             c = int4_config(m, False)
             cx = dict(BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_KH=c["block_kh"], DOT=c["block_m"] > 1,

@@ -96,14 +96,16 @@ def _int4_gemv_kernel(
     tl.store(o_ptr + row * o_row + n, round_to(acc, ot).to(ot), mask=n_ok)
 
 
-def gemv_config(n: int, group: int, interp: bool) -> dict[str, int] | None:
+def gemv_config(n: int, k: int, group: int, interp: bool) -> dict[str, int] | None:
     """Tiles of `_int4_gemv_kernel` (None where a group's bytes are not a power of two: the GEMM kernel
-    runs): 256 bytes of each of 4 or 8 rows a step, 4 rows a program up to 4096 rows."""
+    runs): 4 output rows a program up to 4096 rows, 8 above; 256 bytes of each row a step, 512 where a row
+    holds 1 KiB or more (its loop's steps run one after another: fewer, larger loads hide more latency)."""
     half = group // 2
-    if half & (half - 1) or half > 256:
+    if half & (half - 1) or half > 512:
         return None
     block_n = 8 if interp else (4 if n <= 4096 else 8)
-    return {"block_n": block_n, "groups": max(1, 256 // half), "half_g": half, "num_warps": 4}
+    step = 512 if k // 2 >= 1024 else 256
+    return {"block_n": block_n, "groups": max(1, step // half), "half_g": half, "num_warps": 4}
 
 
 def int4_config(m: int, interp: bool) -> dict[str, int]:
@@ -139,7 +141,7 @@ def int4_matmul(
         return out.view(*x.shape[:-1], n)
     qweight, scale, zero = qweight.contiguous(), scale.contiguous(), zero.contiguous()
     interp = interpreted(x)
-    gv = gemv_config(n, group, interp) if m <= 4 else None
+    gv = gemv_config(n, k, group, interp) if m <= 4 else None
     if gv is not None:
         _int4_gemv_kernel[(triton.cdiv(n, gv["block_n"]), m)](
             x2, qweight, scale, zero, out, n, k, x2.stride(0), qweight.stride(0), scale.stride(0), out.stride(0),
