@@ -114,7 +114,9 @@ class OverlapMixin:
             return
         nxt, logits = self._graphs.run(chunks, ahead=step.tokens)  # type: ignore[union-attr]
         # the noise of each sequence's next output position, as its state will be once this token is in
-        states = [dataclasses.replace(s.sampler, step=s.sampler.step + 1) for s, _ in chunks]
+        # (greedy rows draw no noise: their state as it is; a copy costs ~3 us a row)
+        states = [s.sampler if s.sampler.params.greedy else dataclasses.replace(s.sampler, step=s.sampler.step + 1)
+                  for s, _ in chunks]  # fmt: skip
         self._in_flight = self._stage(nxt, sample(logits, states).tokens)
 
     def _drop_idle_flight(self: Engine) -> None:
