@@ -154,17 +154,20 @@ class DecodeGraphs:
         rows[n:] = (0, 0, -1, 0)  # padding: no KV written, no key read
         shift = 0 if ahead is None else 1
         ps = self.page_size
-        for i, (seq, _) in enumerate(chunks):
-            pos = seq.num_computed_tokens + shift
-            table = seq.block_table
-            token = seq.tokens[pos] if ahead is None else 0  # ahead: the device's token, copied in below
-            rows[i] = (token, pos, table[pos // ps] * ps + pos % ps, pos + 1)
+        # column by column from lists: a numpy row assignment per sequence cost ~2 us (0.6 ms at 256)
+        seqs = [seq for seq, _ in chunks]
+        pos = [seq.num_computed_tokens + shift for seq in seqs]
+        rows[:n, 1] = pos
+        rows[:n, 2] = [seq.block_table[p // ps] * ps + p % ps for seq, p in zip(seqs, pos)]
+        rows[:n, 3] = rows[:n, 1] + 1
+        # ahead: the device's tokens, copied in below
+        rows[:n, 0] = 0 if ahead is not None else [seq.tokens[p] for seq, p in zip(seqs, pos)]
         # the tables as one dense [b, width] block of the host buffer: a strided source would be copied to
         # pageable memory first; entries past a sequence's own pages are never read (seq_lens bounds keys)
-        width = max(len(seq.block_table) for seq, _ in chunks)
+        width = max(len(seq.block_table) for seq in seqs)
         tables_t = self._host_tables[self._turn][: b * width].view(b, width)
         tables = tables_t.numpy()
-        for i, (seq, _) in enumerate(chunks):
+        for i, seq in enumerate(seqs):
             tables[i, : len(seq.block_table)] = seq.block_table
         self._turn ^= 1
         bucket = self._made.get(b) or self._make(b)
