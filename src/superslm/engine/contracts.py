@@ -47,8 +47,8 @@ class ContractsMixin:
         return seq
 
     def _in_step(self: Engine, seq: Sequence) -> bool:
-        steps = [w for w in (self._work, self._in_flight.work if self._in_flight is not None else None) if w]
-        return any(s is seq for w in steps for s, _ in w.chunks)
+        flight = self._in_flight.work if self._in_flight is not None else None
+        return any(s is seq for w in (self._work, flight) if w is not None for s, _ in w.chunks)
 
     def stats(self: Engine, request_id: int) -> dict[str, Any]:
         """Where a live request stands: tokens, layers run, tokens forced by its grammar, KV pages

@@ -132,11 +132,6 @@ class DecodeGraphs:
                 return False
         return True
 
-    def fits_ahead(self, chunks: list[tuple[Sequence, int]]) -> bool:
-        """Whether `run(chunks, ahead=...)` can compute each sequence's token after the one in flight:
-        its pages (grown by the caller) fit the tables."""
-        return len(chunks) <= self.buckets[-1] and all(len(s.block_table) <= self.max_pages for s, _ in chunks)
-
     def run(self, chunks: list[tuple[Sequence, int]],
             ahead: torch.Tensor | None = None) -> tuple[StepWork, torch.Tensor]:
         """The finished step (hidden states `h` [B, dim]) and its logits float32 [B, vocab], B = len(chunks):
@@ -144,11 +139,12 @@ class DecodeGraphs:
 
         `ahead`: int64 [B] on the device, the tokens of a step still in flight for these sequences, which the
         host has not accepted yet: this step computes the token after each (position num_computed + 1)
-        from them, copied on the device. The caller has grown each sequence's pages for it (`fits_ahead`).
+        from them, copied on the device. The caller has grown each sequence's pages for it, and `usable(chunks)`
+        holds (the step in flight is not accepted yet, so each sequence's newest token is still uncomputed).
         """
         n = len(chunks)
         b = bucket_for(n, self.buckets)
-        assert b is not None  # the caller checked `usable(chunks)` / `fits_ahead(chunks)`
+        assert b is not None  # the caller checked `usable(chunks)`
         rows_t = self._host_rows[self._turn][:b]
         rows = rows_t.numpy()
         rows[n:] = (0, 0, -1, 0)  # padding: no KV written, no key read
