@@ -107,18 +107,8 @@ def int8_matmul_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Ten
     return (x.float() @ w.T).to(x.dtype)
 
 
-def hadamard_rotate_reference(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
-    """x [..., K] -> per block of `block` inputs (x * signs) · H_b in x's dtype: quant.hadamard.Rotation's
-    forward step by step (signs and the orthonormal H_b cast to x's dtype, one batched matmul)."""
-    # imported here: superslm.quant imports models.transformer, which imports this module
-    from superslm.quant.hadamard import hadamard_matrix
-
-    k, lead = x.shape[-1], x.shape[:-1]
-    if block < 1 or k % block:
-        raise InvalidArgument(f"Hadamard block {block} must divide the input dimension {k}")
-    h = hadamard_matrix(block).to(x.device, x.dtype)  # [b, b]; checks that block is a power of two
-    y = (x * signs.to(x.device, x.dtype)).reshape(*lead, k // block, block)  # [..., blocks, b]
-    return torch.matmul(y, h).reshape(*lead, k)
+#: quant.hadamard.Rotation's map step by step (kept under its older name)
+hadamard_rotate_reference = _fused.hadamard_rotate
 
 
 # --- device-side sampling: inputs and references ------------------------------------------------
@@ -286,6 +276,30 @@ def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """kernels.fused.gated_act on the chosen backend."""
     t = _kernels(gate_up.device)
     return (t.gated_act if t else _fused.gated_act)(gate_up, act)
+
+
+def norm_rotate(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    weight_in_float: bool,
+    signs: torch.Tensor,
+    block: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """kernels.fused.norm_rotate on the chosen backend: (add +) norm, cast and input rotation in one pass."""
+    t = _kernels(x.device)
+    fn = t.norm_rotate if t else _fused.norm_rotate
+    return fn(x, residual, weight, eps, weight_in_float, signs, block, dtype)
+
+
+def gated_act_rotate(
+    gate_up: torch.Tensor, act: str, signs: torch.Tensor, block: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """kernels.fused.gated_act_rotate on the chosen backend."""
+    t = _kernels(gate_up.device)
+    return (t.gated_act_rotate if t else _fused.gated_act_rotate)(gate_up, act, signs, block, dtype)
 
 
 def int4_matmul(

@@ -1,7 +1,9 @@
 """Torch references of the per-layer steps the GPU runs as one kernel each (kernels/triton/fused.py).
 
 `prepare_qkv`: a fused qkv matmul's output -> bias, per-head q/k norms, RoPE, k and v into the paged
-cache, q out; `gated_act`: the MLP's act(gate) * up from the fused gate_up output. Each is the plain
+cache, q out; `gated_act`: the MLP's act(gate) * up from the fused gate_up output; `norm_rotate` and
+`gated_act_rotate`: a norm or the activation feeding a Hadamard-rotated int4/int8 linear, with the
+linear's cast and input rotation (`hadamard_rotate`, quant.hadamard.Rotation's map). Each is the plain
 composition of the layer's own steps, so the torch backend computes exactly what it did before.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from superslm.errors import InvalidArgument
 from superslm.kernels.attention import store_kv
 from superslm.kernels.norm import rms_norm
 from superslm.kernels.rope import apply_rope
@@ -88,3 +91,60 @@ def prepare_qkv(
     rows = slot_mapping.shape[0]  # rows past this are padding (deterministic mode)
     store_kv(k_cache, v_cache, k[:rows], v[:rows], slot_mapping)
     return q
+
+
+def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
+    """x [..., K] -> per block of `block` inputs (x * signs) · H_b in x's dtype: quant.hadamard.Rotation's
+    forward step by step (signs and the orthonormal H_b cast to x's dtype, one batched matmul)."""
+    # imported here: superslm.quant imports models.transformer, which imports the kernels
+    from superslm.quant.hadamard import hadamard_matrix
+
+    k, lead = x.shape[-1], x.shape[:-1]
+    if block < 1 or k % block:
+        raise InvalidArgument(f"Hadamard block {block} must divide the input dimension {k}")
+    h = hadamard_matrix(block).to(x.device, x.dtype)  # [b, b]; checks that block is a power of two
+    y = (x * signs.to(x.device, x.dtype)).reshape(*lead, k // block, block)  # [..., blocks, b]
+    return torch.matmul(y, h).reshape(*lead, k)
+
+
+def norm_dtype(x: torch.dtype, weight: torch.dtype, weight_in_float: bool) -> torch.dtype:
+    """The dtype `rms_norm(x, weight, ...)` returns (Llama's `weight * y` promotes)."""
+    return x if weight_in_float else torch.promote_types(x, weight)
+
+
+def norm_rotate(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    weight_in_float: bool,
+    signs: torch.Tensor,
+    block: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A norm feeding a rotated linear: (R · rms_norm(residual + x) in `dtype`, residual + x), or without a
+    residual (R · rms_norm(x), None). As LinearFormat.forward does, the norm's output is cast to `dtype` (the
+    linear's compute dtype) and zero-padded to the rotation's width K = len(signs) >= x's before the rotation:
+    the result is [N, K]."""
+    if residual is None:
+        h, y = None, rms_norm(x, weight, eps, weight_in_float)
+    else:
+        h = residual + x
+        y = rms_norm(h, weight, eps, weight_in_float)
+    return hadamard_rotate(_padded(y.to(dtype), signs), signs, block), h
+
+
+def _padded(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """x [..., k] with zero inputs appended up to the rotation's width len(signs)."""
+    pad = signs.shape[0] - x.shape[-1]
+    if pad < 0:
+        raise InvalidArgument(f"a rotation over {signs.shape[0]} inputs cannot take {x.shape[-1]}")
+    return F.pad(x, (0, pad)) if pad else x
+
+
+def gated_act_rotate(
+    gate_up: torch.Tensor, act: str, signs: torch.Tensor, block: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The activation feeding a rotated linear: R · gated_act(gate_up, act), cast to `dtype` and zero-padded
+    to len(signs) inputs first (see `norm_rotate`)."""
+    return hadamard_rotate(_padded(gated_act(gate_up, act).to(dtype), signs), signs, block)

@@ -8,6 +8,7 @@ mix prefill chunks and decode tokens of many sequences; `AttnMetadata` says whic
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,17 @@ from superslm.kernels import cpu_decode
 from superslm.kernels.attention import AttnMetadata
 from superslm.kernels.attention_invariant import BLOCK
 from superslm.kernels.cpu_decode import decode_layers, row_key_slots
-from superslm.kernels.dispatch import add_rms_norm, backend, gated_act, paged_attention, prepare_qkv, rms_norm
+from superslm.kernels.dispatch import (
+    add_rms_norm,
+    backend,
+    gated_act,
+    gated_act_rotate,
+    norm_rotate,
+    paged_attention,
+    prepare_qkv,
+    rms_norm,
+)
+from superslm.kernels.fused import norm_dtype
 from superslm.kernels.rope import rope_cos_sin
 from superslm.models.arch import Arch
 
@@ -81,6 +92,61 @@ class Layer(nn.Module):
         a = self.arch
         n = h.shape[0]
         lora = meta.lora
+        bias = None
+        done = self._rotated(self.qkv, self.attn_norm, h, None, lora) if pending is None else \
+            self._rotated(self.qkv, self.attn_norm, pending, h, lora)
+        if done is not None:
+            qkv, h = done
+        else:
+            qkv, h, bias = self._qkv(h, pending, lora)
+        q_norm, k_norm = (self.q_norm, self.k_norm) if a.qk_norm else (None, None)
+        cos, sin = cos_sin
+        q = prepare_qkv(qkv, bias, a.heads, a.kv_heads, q_norm, k_norm, a.norm_eps, a.norm_float, cos, sin, k_cache,
+                        v_cache, meta.slot_mapping)  # fmt: skip
+        o = paged_attention(q, k_cache, v_cache, meta, self.window, a.attn_scale)
+        o_in = o.reshape(n, a.heads * a.head_dim)
+        o = self.o(o_in)
+        if lora is not None:
+            o = lora.apply(self.index, "o", o_in, o)
+        if a.post_norms:
+            o = self.norm(o, "post_attn_norm")
+        done = self._rotated(self.gate_up, self.ffn_norm, o, h, lora)
+        if done is not None:
+            gu, h = done
+        else:
+            x, h = add_rms_norm(o, h, self.ffn_norm, a.norm_eps, a.norm_float)
+            gu = self.gate_up(x)
+            if lora is not None:
+                gu = lora.apply(self.index, "gate_up", x, gu)
+        rot = _fused_rotation(self.down, gu, lora)
+        if rot is not None:  # the activation's kernel rotates the down projection's input
+            y = self.down.forward_rotated(gated_act_rotate(gu, a.act, *rot), gu.dtype)
+        else:
+            act = gated_act(gu, a.act)
+            y = self.down(act)
+            if lora is not None:
+                y = lora.apply(self.index, "down", act, y)
+        if a.post_norms:
+            y = self.norm(y, "post_ffn_norm")
+        return h, y
+
+    def _rotated(
+        self, lin: nn.Module, norm: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, lora: Any
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(lin(rms_norm(residual + x)), residual + x) with the norm's kernel rotating lin's input (x alone
+        without a residual); None where that rotation cannot move into the norm (`_fused_rotation`)."""
+        rot = _fused_rotation(lin, x, lora)
+        if rot is None:
+            return None
+        a = self.arch
+        xr, h = norm_rotate(x, residual, norm, a.norm_eps, a.norm_float, *rot)
+        return lin.forward_rotated(xr, norm_dtype(x.dtype, norm.dtype, a.norm_float)), (x if h is None else h)
+
+    def _qkv(
+        self, h: torch.Tensor, pending: torch.Tensor | None, lora: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(qkv before its bias where prepare_qkv adds it, the residual stream, that bias or None)."""
+        a = self.arch
         if pending is None:
             x = self.norm(h, "attn_norm")
         else:
@@ -96,28 +162,18 @@ class Layer(nn.Module):
             qkv = lin(x)
             if lora is not None:
                 qkv = lora.apply(self.index, "qkv", x, qkv)
-        q_norm, k_norm = (self.q_norm, self.k_norm) if a.qk_norm else (None, None)
-        cos, sin = cos_sin
-        q = prepare_qkv(qkv, bias, a.heads, a.kv_heads, q_norm, k_norm, a.norm_eps, a.norm_float, cos, sin, k_cache,
-                        v_cache, meta.slot_mapping)  # fmt: skip
-        o = paged_attention(q, k_cache, v_cache, meta, self.window, a.attn_scale)
-        o_in = o.reshape(n, a.heads * a.head_dim)
-        o = self.o(o_in)
-        if lora is not None:
-            o = lora.apply(self.index, "o", o_in, o)
-        if a.post_norms:
-            o = self.norm(o, "post_attn_norm")
-        x, h = add_rms_norm(o, h, self.ffn_norm, a.norm_eps, a.norm_float)
-        gu = self.gate_up(x)
-        if lora is not None:
-            gu = lora.apply(self.index, "gate_up", x, gu)
-        act = gated_act(gu, a.act)
-        y = self.down(act)
-        if lora is not None:
-            y = lora.apply(self.index, "down", act, y)
-        if a.post_norms:
-            y = self.norm(y, "post_ffn_norm")
-        return h, y
+        return qkv, h, bias
+
+
+def _fused_rotation(lin: nn.Module, x: torch.Tensor, lora: Any) -> tuple[torch.Tensor, int, torch.dtype] | None:
+    """(signs, block, compute dtype) of a linear format's input rotation (quant.hadamard.Rotation) when the
+    kernel that makes its input can apply it instead: the Triton path, no LoRA and no hook watching the
+    module (calibration sees its input). Saves a launch a linear on a GPU."""
+    rot = getattr(lin, "rotation", None)
+    if (rot is None or lora is not None or backend(x.device) != "triton"
+            or lin._forward_pre_hooks or lin._forward_hooks or rot._forward_pre_hooks or rot._forward_hooks):
+        return None
+    return rot.signs, rot.block, lin.compute_dtype
 
 
 class Transformer(nn.Module):

@@ -172,10 +172,15 @@ class LinearFormat(nn.Module):
             h = F.pad(h, (0, self.k_pad - self.in_features))
         if self.rotation is not None:
             h = self.rotation(h)
+        return self.forward_rotated(h, dtype).reshape(*lead, self._out)
+
+    def forward_rotated(self, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`forward`'s tail for an input already padded, rotated and cast: h [M, k_pad] in compute_dtype ->
+        [M, out] in `dtype` (the caller's fused kernel made h: kernels.fused.norm_rotate, gated_act_rotate)."""
         y = self._matmul(h)  # [M, out]
         if self.bias is not None:
             y = y.float() + self.bias
-        return y.to(dtype).reshape(*lead, self._out)
+        return y.to(dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The weight this module computes with, float32 [out, in] in the model's (unrotated) basis."""

@@ -22,6 +22,7 @@ from superslm.kernels.triton.fused import _gated_act_kernel, _prepare_qkv_kernel
 from superslm.kernels.triton.hadamard import _hadamard_kernel, hadamard_config
 from superslm.kernels.triton.int4_gemv import _int4_gemv_kernel, _int4_kernel, gemv_config, int4_config
 from superslm.kernels.triton.int8_gemv import _int8_kernel, int8_config
+from superslm.kernels.triton.norm_rotate import _gated_act_rotate_kernel, _norm_rotate_kernel
 from superslm.kernels.triton.paged_attention import _attn_kernel, _merge_kernel, attn_config
 from superslm.kernels.triton.rmsnorm import _rms_norm_kernel
 from superslm.kernels.triton.rope import _rope_kernel
@@ -34,7 +35,7 @@ _DIVISIBLE = {
     "v_slot", "o_row", "o_head", "head_dim", "x_row", "x_outer", "x_inner", "r_outer", "r_inner", "dim", "cs_row",
     "qw_row", "K", "c_row",
 }  # fmt: skip
-_FLOATS = {"qk_scale", "eps", "h_scale"}
+_FLOATS = {"qk_scale", "eps", "h_scale", "hs"}
 _TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -144,6 +145,19 @@ def cases(everything: bool = False) -> list[Case]:
             c = hadamard_config(1024, block, False)
             cx = dict(BLOCK_R=c["block_r"], B=block, LOG_B=block.bit_length() - 1, DOT=block >= 16, F32_DOT=f32)
             out.append(Case(f"hadamard_rotate {t} b={block}", _hadamard_kernel, had, c["num_warps"], cx))
+        # the rotation inside the norm (Qwen2.5-0.5B's 896, Qwen2.5-1.5B's 1536, SmolLM2's 576 padded to 640)
+        # and inside the activation (4864, 8960), into bf16 whatever the model's dtype
+        nrot = dict(x_ptr=t, r_ptr=t, w_ptr=t, s_ptr="fp32", o_ptr="bf16", ro_ptr=t)
+        for k, (add, wf) in ((896, norms[0]), (1536, norms[-1]), (640, (True, False))):
+            cx = dict(ADD=add, WEIGHT_IN_FLOAT=wf, NORM_ROUND=True, NBP=max(16, next_pow2(k // 128)), B=128, LOG_B=7,
+                      DOT=True, F32_DOT=False)  # fmt: skip
+            warps = 4 if k <= 2048 else 8
+            out.append(Case(f"norm_rotate {t} k={k} add={add}", _norm_rotate_kernel, nrot, warps, cx, False))
+        for act in (0, 1) if everything else (0,):
+            c = hadamard_config(8960 // 128, 128, False)
+            cx = dict(ACT=act, BLOCK_R=c["block_r"], B=128, LOG_B=7, DOT=True, F32_DOT=False)
+            out.append(Case(f"gated_act_rotate {t} act={act}", _gated_act_rotate_kernel,
+                            dict(gu_ptr=t, s_ptr="fp32", o_ptr="bf16"), c["num_warps"], cx, False))  # fmt: skip
         shape = dict(l_ptr=t, t_ptr="fp32", o_ptr="fp32", bm_ptr="i32", bo_ptr="i32", bt_ptr="i32", bv_ptr="fp32",
                      pr_ptr="i32", c_ptr="i32", pm_ptr="u8", f_ptr="fp32")  # fmt: skip
         for on in (True, False) if everything else (True,):

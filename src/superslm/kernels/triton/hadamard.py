@@ -21,6 +21,23 @@ from superslm.kernels.triton._util import interpreted, next_pow2, round_to
 
 
 @triton.jit
+def rotate_rows(v, B: tl.constexpr, LOG_B: tl.constexpr, DOT: tl.constexpr, DOT_T: tl.constexpr):
+    """v [R, B] float32 (exact in DOT_T) -> v · H_b with H_b's ±1 entries (unscaled), float32."""
+    i = tl.arange(0, B)
+    # parity of popcount(i & j), one bit at a time (LOG_B is at most 7)
+    ij = i[:, None] & i[None, :]
+    par = tl.zeros([B, B], tl.int32)
+    for t in tl.static_range(LOG_B):
+        par ^= (ij >> t) & 1
+    h = (1 - 2 * par).to(tl.float32)  # [B, B] ±1
+    if DOT:
+        y = tl.dot(v.to(DOT_T), h.to(DOT_T), input_precision="ieee")
+    else:
+        y = tl.sum(v[:, :, None] * h[None, :, :], 1)
+    return y
+
+
+@triton.jit
 def _hadamard_kernel(
     x_ptr, s_ptr, o_ptr,
     R, NB, x_row, o_row, h_scale,
@@ -35,18 +52,8 @@ def _hadamard_kernel(
     x = tl.load(x_ptr + row[:, None] * x_row + col[:, None] + i[None, :], mask=r_ok[:, None], other=0.0)
     s = tl.load(s_ptr + col[:, None] + i[None, :], mask=r_ok[:, None], other=0.0)
     v = x.to(tl.float32) * s.to(tl.float32)  # a sign flip: exact in x's dtype too
-    # parity of popcount(i & j), one bit at a time (LOG_B is at most 7)
-    ij = i[:, None] & i[None, :]
-    par = tl.zeros([B, B], tl.int32)
-    for t in tl.static_range(LOG_B):
-        par ^= (ij >> t) & 1
-    h = (1 - 2 * par).to(tl.float32)  # [B, B] ±1
-    if DOT:
-        dot_ty = tl.float32 if F32_DOT else x_ptr.dtype.element_ty
-        y = tl.dot(v.to(dot_ty), h.to(dot_ty), input_precision="ieee")
-    else:
-        y = tl.sum(v[:, :, None] * h[None, :, :], 1)
     ot = o_ptr.dtype.element_ty
+    y = rotate_rows(v, B, LOG_B, DOT, tl.float32 if F32_DOT else x_ptr.dtype.element_ty)
     o = o_ptr + row[:, None] * o_row + col[:, None] + i[None, :]
     tl.store(o, round_to(y * h_scale, ot).to(ot), mask=r_ok[:, None])
 
