@@ -143,3 +143,15 @@ def test_bad_input_is_refused(tokenizers: dict[str, Tokenizer]) -> None:
             StreamDecoder.from_state(tok, state)
     with pytest.raises(TokenOutOfRange):
         StreamDecoder.from_state(tok, {**good, "window": [tok.vocab_size]})
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pieces_are_single_token_decodes(name: str, tokenizers: dict[str, Tokenizer]) -> None:
+    """`Tokenizer.piece`, the detokenizer's remembered context, is decode([id]) with special tokens kept,
+    for ordinary, special and byte-fallback ids alike, on every call."""
+    tok = tokenizers[name]
+    rng = random.Random(5)
+    ids = [rng.randrange(tok.vocab_size) for _ in range(300)] + sorted(tok.special_ids)[:20]
+    ids += sorted(tok.byte_fallback_ids)[:20]
+    for _ in range(2):  # the second pass reads what the first remembered
+        assert [tok.piece(i) for i in ids] == [tok.backend.decode([i], skip_special_tokens=False) for i in ids]

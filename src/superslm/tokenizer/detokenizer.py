@@ -39,6 +39,8 @@ class StreamDecoder:
         self._read = 0
 
     def _decode(self, ids: list[int]) -> str:
+        if len(ids) == 1:  # the usual context: the one token emitted last
+            return self.tokenizer.piece(ids[0])
         return self.tokenizer.backend.decode(ids, skip_special_tokens=False)
 
     def push(self, token_id: int) -> str:

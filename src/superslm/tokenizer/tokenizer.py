@@ -114,6 +114,7 @@ class Tokenizer:
         # SentencePiece byte-fallback tokens <0xNN> (the streaming detokenizer treats runs of them apart)
         byte_ids = (backend.token_to_id(f"<0x{b:02X}>") for b in range(256)) if self.kind == "sentencepiece" else ()
         self.byte_fallback_ids: frozenset[int] = frozenset(i for i in byte_ids if i is not None and i not in added)
+        self._pieces: dict[int, str] = {}
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -247,6 +248,14 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids`; broken UTF-8 comes out as U+FFFD."""
         return self.backend.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
+
+    def piece(self, token_id: int) -> str:
+        """decode([token_id]) with special tokens kept, remembered per id: the streaming detokenizer
+        decodes the last emitted token again at every step (its context for the next)."""
+        text = self._pieces.get(token_id)
+        if text is None:
+            text = self._pieces[token_id] = self.backend.decode([token_id], skip_special_tokens=False)
+        return text
 
     # --- vocabulary -----------------------------------------------------------------------------
 
