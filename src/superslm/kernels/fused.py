@@ -131,11 +131,11 @@ def norm_rotate(
     else:
         h = residual + x
         y = rms_norm(h, weight, eps, weight_in_float)
-    return hadamard_rotate(_padded(y.to(dtype), signs), signs, block), h
+    return hadamard_rotate(pad_inputs(y.to(dtype), signs), signs, block), h
 
 
-def _padded(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """x [..., k] with zero inputs appended up to the rotation's width len(signs)."""
+def pad_inputs(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """x [..., k] with zero inputs appended up to the rotation's width len(signs) (a linear's k_pad)."""
     pad = signs.shape[0] - x.shape[-1]
     if pad < 0:
         raise InvalidArgument(f"a rotation over {signs.shape[0]} inputs cannot take {x.shape[-1]}")
@@ -147,4 +147,4 @@ def gated_act_rotate(
 ) -> torch.Tensor:
     """The activation feeding a rotated linear: R · gated_act(gate_up, act), cast to `dtype` and zero-padded
     to len(signs) inputs first (see `norm_rotate`)."""
-    return hadamard_rotate(_padded(gated_act(gate_up, act).to(dtype), signs), signs, block)
+    return hadamard_rotate(pad_inputs(gated_act(gate_up, act).to(dtype), signs), signs, block)

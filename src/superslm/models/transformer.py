@@ -166,14 +166,12 @@ class Layer(nn.Module):
 
 
 def _fused_rotation(lin: nn.Module, x: torch.Tensor, lora: Any) -> tuple[torch.Tensor, int, torch.dtype] | None:
-    """(signs, block, compute dtype) of a linear format's input rotation (quant.hadamard.Rotation) when the
-    kernel that makes its input can apply it instead: the Triton path, no LoRA and no hook watching the
-    module (calibration sees its input). Saves a launch a linear on a GPU."""
-    rot = getattr(lin, "rotation", None)
-    if (rot is None or lora is not None or backend(x.device) != "triton"
-            or lin._forward_pre_hooks or lin._forward_hooks or rot._forward_pre_hooks or rot._forward_hooks):
+    """(signs, block, compute dtype) of a linear format's input rotation (`LinearFormat.input_rotation`) when the
+    kernel that makes its input can apply it instead: the Triton path, no LoRA. Saves a launch a linear on a GPU."""
+    rotation = getattr(lin, "input_rotation", None)
+    if rotation is None or lora is not None or backend(x.device) != "triton":
         return None
-    return rot.signs, rot.block, lin.compute_dtype
+    return rotation()
 
 
 class Transformer(nn.Module):

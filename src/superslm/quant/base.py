@@ -174,6 +174,17 @@ class LinearFormat(nn.Module):
             h = self.rotation(h)
         return self.forward_rotated(h, dtype).reshape(*lead, self._out)
 
+    def input_rotation(self) -> tuple[torch.Tensor, int, torch.dtype] | None:
+        """(signs, block, compute dtype) when `forward` is the base's pad-rotate-matmul and rotates, so a kernel
+        that makes the input may rotate it instead and call `forward_rotated`; None otherwise (no rotation, a
+        format with its own forward, a hook watching the module or its rotation)."""
+        rot = self.rotation
+        if rot is None or type(self).forward is not LinearFormat.forward:
+            return None
+        if self._forward_pre_hooks or self._forward_hooks or rot._forward_pre_hooks or rot._forward_hooks:
+            return None
+        return rot.signs, rot.block, self.compute_dtype
+
     def forward_rotated(self, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`forward`'s tail for an input already padded, rotated and cast: h [M, k_pad] in compute_dtype ->
         [M, out] in `dtype` (the caller's fused kernel made h: kernels.fused.norm_rotate, gated_act_rotate)."""

@@ -254,6 +254,7 @@ class Tokenizer:
         decodes the last emitted token again at every step (its context for the next)."""
         text = self._pieces.get(token_id)
         if text is None:
+            self._check_ids([token_id])  # remembers ids of the vocabulary only
             text = self._pieces[token_id] = self.backend.decode([token_id], skip_special_tokens=False)
         return text
 

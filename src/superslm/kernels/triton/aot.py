@@ -147,16 +147,24 @@ def cases(everything: bool = False) -> list[Case]:
             out.append(Case(f"hadamard_rotate {t} b={block}", _hadamard_kernel, had, c["num_warps"], cx))
         # the rotation inside the norm (Qwen2.5-0.5B's 896, Qwen2.5-1.5B's 1536, SmolLM2's 576 padded to 640)
         # and inside the activation (4864, 8960), into bf16 whatever the model's dtype
+        # (SmolLM2's int8 576 in blocks of 64; with everything: a float32 norm weight (no rounding to x's dtype),
+        # the widest row one program takes, blocks under tl.dot's 16)
         nrot = dict(x_ptr=t, r_ptr=t, w_ptr=t, s_ptr="fp32", o_ptr="bf16", ro_ptr=t)
-        for k, (add, wf) in ((896, norms[0]), (1536, norms[-1]), (640, (True, False))):
-            cx = dict(ADD=add, WEIGHT_IN_FLOAT=wf, NORM_ROUND=True, NBP=max(16, next_pow2(k // 128)), B=128, LOG_B=7,
-                      DOT=True, F32_DOT=False)  # fmt: skip
-            warps = 4 if k <= 2048 else 8
-            out.append(Case(f"norm_rotate {t} k={k} add={add}", _norm_rotate_kernel, nrot, warps, cx, False))
-        for act in (0, 1) if everything else (0,):
-            c = hadamard_config(8960 // 128, 128, False)
-            cx = dict(ACT=act, BLOCK_R=c["block_r"], B=128, LOG_B=7, DOT=True, F32_DOT=False)
-            out.append(Case(f"gated_act_rotate {t} act={act}", _gated_act_rotate_kernel,
+        rows = [(896, 896, 128, *norms[0], True), (1536, 1536, 128, *norms[-1], True),
+                (576, 640, 128, True, False, True), (576, 576, 64, True, False, True)]
+        if everything:
+            rows += [(896, 896, 128, True, False, False), (8192, 8192, 128, True, False, True),
+                     (40, 48, 8, True, False, True)]
+        for dim, k, b, add, wf, rnd in rows:
+            cx = dict(ADD=add, WEIGHT_IN_FLOAT=wf, NORM_ROUND=rnd, NBP=max(16 if b >= 16 else 1, next_pow2(k // b)),
+                      B=b, LOG_B=b.bit_length() - 1, DOT=b >= 16, F32_DOT=False)  # fmt: skip
+            warps = 4 if dim <= 2048 else 8  # as the launcher picks them
+            out.append(Case(f"norm_rotate {t} dim={dim} k={k} b={b} add={add} round={rnd}", _norm_rotate_kernel, nrot,
+                            warps, cx, False))  # fmt: skip
+        for act, b in ((0, 128), (1, 64), (2, 8)) if everything else ((0, 128),):
+            c = hadamard_config(8960 // b, b, False)
+            cx = dict(ACT=act, BLOCK_R=c["block_r"], B=b, LOG_B=b.bit_length() - 1, DOT=b >= 16, F32_DOT=False)
+            out.append(Case(f"gated_act_rotate {t} act={act} b={b}", _gated_act_rotate_kernel,
                             dict(gu_ptr=t, s_ptr="fp32", o_ptr="bf16"), c["num_warps"], cx, False))  # fmt: skip
         shape = dict(l_ptr=t, t_ptr="fp32", o_ptr="fp32", bm_ptr="i32", bo_ptr="i32", bt_ptr="i32", bv_ptr="fp32",
                      pr_ptr="i32", c_ptr="i32", pm_ptr="u8", f_ptr="fp32")  # fmt: skip

@@ -5,7 +5,9 @@ an RMS norm or the MLP's activation otherwise costs one more launch (kernels/tri
 trip of the activation through memory: three a layer. `_norm_rotate_kernel` runs one program per row (the
 norm needs the whole row): the row as a [blocks, b] tile, the norm rounded as kernels/triton/rmsnorm.py
 rounds it, then the linear's cast and the rotation by `rotate_rows`. `_gated_act_rotate_kernel` takes
-(row, block) pairs as the Hadamard kernel does. Results equal the references but for float32 sums.
+(row, block) pairs as the Hadamard kernel does. Results equal the references but for float32 sums. Shapes
+the fused kernels do not take (a row of more than MAX_ROW_BLOCKS blocks, strided rows) run the same steps as
+separate kernels.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import triton.language as tl
 
 from superslm.kernels import fused as ref
 from superslm.kernels.triton._util import interpreted, next_pow2, round_to
-from superslm.kernels.triton.hadamard import h_scale, hadamard_config, rotate_rows
+from superslm.kernels.triton.fused import gated_act
+from superslm.kernels.triton.hadamard import h_scale, hadamard_config, hadamard_rotate, rotate_rows
+from superslm.kernels.triton.rmsnorm import add_rms_norm, rms_norm
 
 #: most blocks a row may hold for the one-program-per-row norm (64 x 128 inputs: registers beyond)
 MAX_ROW_BLOCKS = 64
@@ -86,11 +90,10 @@ def _gated_act_rotate_kernel(
     tl.store(o_ptr + row * k + c, round_to(h * hs, ot).to(ot), mask=r_ok)
 
 
-def _rotation_ok(width: int, signs: torch.Tensor, block: int, dtype: torch.dtype) -> bool:
+def _rotation_ok(width: int, signs: torch.Tensor, block: int) -> bool:
     """A power-of-two block <= 128 dividing the rotation's width len(signs) >= the input's width."""
     k = signs.shape[0]
-    return signs.dim() == 1 and 1 <= block <= 128 and not block & (block - 1) and k % block == 0 and k >= width \
-        and dtype in _FLOATS
+    return signs.dim() == 1 and 1 <= block <= 128 and not block & (block - 1) and k % block == 0 and k >= width
 
 
 def norm_rotate(
@@ -105,10 +108,17 @@ def norm_rotate(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same signature and meaning as kernels.fused.norm_rotate, one program per row."""
     dim, k = x.shape[-1], signs.shape[-1]
-    dense = x.dim() == 2 and x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
-    if (not dense or not _rotation_ok(dim, signs, block, dtype) or k // block > MAX_ROW_BLOCKS
-            or x.dtype not in _FLOATS or (residual is not None and residual.shape != x.shape)):
+    if x.dtype not in _FLOATS or dtype not in _FLOATS:
         return ref.norm_rotate(x, residual, weight, eps, weight_in_float, signs, block, dtype)
+    dense = x.dim() == 2 and x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
+    if (not dense or not _rotation_ok(dim, signs, block) or k // block > MAX_ROW_BLOCKS
+            or (residual is not None and residual.shape != x.shape)):
+        # the same steps as separate kernels (a row too wide for one program, a strided row, a bad argument)
+        if residual is None:
+            y, h = rms_norm(x, weight, eps, weight_in_float), None
+        else:
+            y, h = add_rms_norm(x, residual, weight, eps, weight_in_float)
+        return hadamard_rotate(ref.pad_inputs(y.to(dtype), signs), signs, block), h
     n = x.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=x.device)
     res_out = None if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -135,9 +145,12 @@ def gated_act_rotate(
 ) -> torch.Tensor:
     """Same signature and meaning as kernels.fused.gated_act_rotate, (row, block) pairs a program."""
     inter = gate_up.shape[-1] // 2
-    if (act not in ref.ACTIVATIONS or gate_up.dim() != 2 or gate_up.stride(-1) != 1 or gate_up.shape[1] % 2
-            or gate_up.dtype not in _FLOATS or not _rotation_ok(inter, signs, block, dtype)):
+    if gate_up.dtype not in _FLOATS or dtype not in _FLOATS:
         return ref.gated_act_rotate(gate_up, act, signs, block, dtype)
+    if (act not in ref.ACTIVATIONS or gate_up.dim() != 2 or gate_up.stride(-1) != 1 or gate_up.shape[1] % 2
+            or not _rotation_ok(inter, signs, block)):
+        # the same steps as separate kernels
+        return hadamard_rotate(ref.pad_inputs(gated_act(gate_up, act).to(dtype), signs), signs, block)
     n, k = gate_up.shape[0], signs.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=gate_up.device)
     rows = n * (k // block)  # (row, block) pairs
