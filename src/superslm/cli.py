@@ -1,4 +1,4 @@
-"""The `superslm` command: info, generate, chat."""
+"""The `superslm` command: info, generate, chat, serve, embed, convert, bench."""
 
 from __future__ import annotations
 
