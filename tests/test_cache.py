@@ -268,6 +268,21 @@ def test_block_tables_and_tokens_may_be_numpy_arrays() -> None:
     twin.check()
 
 
+def test_full_pages_registered_says_when_registration_has_nothing_to_do() -> None:
+    pool = PagePool(8, PS)
+    table = pool.allocate(3)
+    tokens = list(range(3 * PS))
+    assert pool.full_pages_registered(table, PS - 1)  # no full page yet
+    assert not pool.full_pages_registered(table, 2 * PS)
+    assert pool.register_full_pages(table, tokens, 2 * PS) == 2
+    assert pool.full_pages_registered(table, 2 * PS) and pool.full_pages_registered(table, 3 * PS - 1)
+    assert not pool.full_pages_registered(table, 3 * PS)  # the third page just filled
+    pool.clear_prefix_cache()
+    assert not pool.full_pages_registered(table, 2 * PS)  # forgotten: registered again by the next call
+    assert pool.register_full_pages(table, tokens, 2 * PS) == 2
+    assert not pool.full_pages_registered(table[:1], 2 * PS)  # a table shorter than its tokens: the call says why
+
+
 def test_clear_prefix_cache_forgets_every_hash() -> None:
     prompt = list(range(3 * PS))
     pool, table = computed_pool(8, prompt)
@@ -461,7 +476,9 @@ class Driver:
                     return False
                 seq.block_table += page
             seq.num_computed += 1
+        done = self.pool.full_pages_registered(seq.block_table, seq.num_computed)
         n = self.pool.register_full_pages(seq.block_table, seq.tokens, seq.num_computed, seq.extra)
+        assert not done or n == 0  # the shortcut the scheduler takes skips no registration
         full = seq.num_computed // PS
         if seq.num_registered >= 0:
             assert n == full - seq.num_registered

@@ -249,6 +249,17 @@ class PagePool:
         parent = None if parent is None else self._check_id(parent)
         return self._index.register(page, tuple(map(int, tokens)), parent, extra_key)
 
+    def full_pages_registered(self, block_table: Sequence[int], num_computed_tokens: int) -> bool:
+        """True when `register_full_pages` would register nothing: no full page, or the last full page holds
+        its hash (registration goes in order, so every page before it does too). A decode step fills a page
+        once in page_size tokens: this spares the other steps the call (and its extra key)."""
+        num_full = num_computed_tokens // self._page_size
+        if num_full == 0:
+            return True
+        if num_full > len(block_table):
+            return False  # register_full_pages says why
+        return self._index.hash[self._check_id(block_table[num_full - 1])] is not None
+
     def register_full_pages(
         self,
         block_table: Sequence[int],

@@ -116,12 +116,16 @@ class OutputMixin:
         if seq.anti is not None:
             seq.anti.append(token)
         p.tokens.append(token)
-        res = seq.stops.push(seq.decoder.push(token))
-        p.text += res.text
-        if res.stopped:
-            seq.stop_reason = res.stop
-            self._finish(seq, END_STOP, progress=p)
-            return True
+        piece = seq.decoder.push(token)
+        if not seq.stops.stop:  # no stop strings: every piece passes (StopChecker.push's answer, without it)
+            p.text += piece
+        else:
+            res = seq.stops.push(piece)
+            p.text += res.text
+            if res.stopped:
+                seq.stop_reason = res.stop
+                self._finish(seq, END_STOP, progress=p)
+                return True
         if len(seq.output) >= seq.max_tokens:
             self._finish(seq, END_LENGTH, progress=p)
             return True

@@ -64,7 +64,8 @@ class Scheduler:
         seq.block_table = []
 
     def register(self, seq: Sequence) -> None:
-        if self.prefix_caching and seq.block_table:
+        if (self.prefix_caching and seq.block_table
+                and not self.pool.full_pages_registered(seq.block_table, seq.num_computed_tokens)):
             self.pool.register_full_pages(seq.block_table, seq.tokens, seq.num_computed_tokens, self.extra_key(seq))
 
     def remove(self, seq: Sequence) -> None:
