@@ -137,13 +137,8 @@ def prepare_qkv(
 
 
 @triton.jit
-def _gated_act_kernel(gu_ptr, o_ptr, inter, gu_row, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = c < inter
-    T = o_ptr.dtype.element_ty
-    g = tl.load(gu_ptr + row * gu_row + c, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * gu_row + inter + c, mask=m, other=0.0).to(tl.float32)
+def gate_activation(g, ACT: tl.constexpr):
+    """float32 g -> act(g), ACT the index in kernels.fused.ACTIVATIONS (silu, gelu_tanh, gelu)."""
     if ACT == 0:  # silu
         a = g / (1.0 + tl.exp(-g))
     elif ACT == 1:  # gelu, tanh approximation: 0.5 g (1 + tanh(y)) = g sigmoid(2 y)
@@ -151,6 +146,18 @@ def _gated_act_kernel(gu_ptr, o_ptr, inter, gu_row, ACT: tl.constexpr, BLOCK: tl
         a = g / (1.0 + tl.exp(-2.0 * y))
     else:  # gelu (erf)
         a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    return a
+
+
+@triton.jit
+def _gated_act_kernel(gu_ptr, o_ptr, inter, gu_row, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < inter
+    T = o_ptr.dtype.element_ty
+    g = tl.load(gu_ptr + row * gu_row + c, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * gu_row + inter + c, mask=m, other=0.0).to(tl.float32)
+    a = gate_activation(g, ACT)
     tl.store(o_ptr + row * inter + c, round_to(round_to(a, T) * u, T).to(T), mask=m)
 
 

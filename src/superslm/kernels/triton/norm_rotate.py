@@ -18,7 +18,7 @@ import triton.language as tl
 
 from superslm.kernels import fused as ref
 from superslm.kernels.triton._util import interpreted, next_pow2, round_to
-from superslm.kernels.triton.fused import gated_act
+from superslm.kernels.triton.fused import gate_activation, gated_act
 from superslm.kernels.triton.hadamard import h_scale, hadamard_config, hadamard_rotate, rotate_rows
 from superslm.kernels.triton.rmsnorm import add_rms_norm, rms_norm
 
@@ -75,12 +75,7 @@ def _gated_act_rotate_kernel(
     m = r_ok & (c < inter)  # inputs past inter up to k: the linear's zero padding
     g = tl.load(gu_ptr + row * gu_row + c, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * gu_row + inter + c, mask=m, other=0.0).to(tl.float32)
-    if ACT == 0:  # silu
-        a = g / (1.0 + tl.exp(-g))
-    elif ACT == 1:  # gelu, tanh approximation: 0.5 g (1 + tanh(y)) = g sigmoid(2 y)
-        a = g / (1.0 + tl.exp(-2.0 * (0.7978845608028654 * (g + 0.044715 * g * g * g))))
-    else:  # gelu (erf)
-        a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    a = gate_activation(g, ACT)
     y = round_to(round_to(round_to(a, gt) * u, gt), ot)  # gated_act's roundings, then the linear's cast
     v = y * tl.load(s_ptr + c, mask=r_ok, other=0.0).to(tl.float32)
     if F32_DOT:
