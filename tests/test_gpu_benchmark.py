@@ -87,3 +87,18 @@ def test_int4_probe_reports_instead_of_raising(gpu_bench):
 
     model, why = gpu_bench.load_int4("/nonexistent", torch.device("meta"))
     assert model is None and "does not run on meta" in why
+
+
+def test_host_step_benchmark_runs() -> None:
+    """benchmarks/host_step.py (its own process: it replaces the graphs' forward) times a few graph steps."""
+    import os
+    import subprocess
+
+    script = SCRIPT.parent / "host_step.py"
+    env = {k: v for k, v in os.environ.items() if k != "SUPERSLM_KERNELS"}
+    r = subprocess.run([sys.executable, str(script), "--seqs", "4", "--tokens", "6", "--prefix-caching"], env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = re.search(r"4 sequences, (\d+) decode steps: ([\d.]+) ms of host time a step", r.stdout)
+    assert m and int(m.group(1)) == 5 and float(m.group(2)) > 0, r.stdout
+    assert "_accept:" in r.stdout and "_launch_ahead:" in r.stdout
