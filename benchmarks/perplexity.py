@@ -1,6 +1,7 @@
 """Perplexity of every stored format on a fixed English text, against the fp32 model.
 
     python benchmarks/perplexity.py [--model PATH] [--tokens 2048] [--threads 1] [--keep DIR] [--only TEXT]
+                                    [--tune-steps N]
 
 The text is the Apache License 2.0 as the `safetensors` wheel ships it (a hard dependency of
 SuperSLM, so every install has it; the license text itself never changes): the file named
@@ -91,8 +92,14 @@ def main() -> None:
     ap.add_argument("--keep", default=None, help="keep the converted folders here")
     ap.add_argument("--only", default=None, help="only the formats whose label contains one of these comma-"
                     "separated texts (the fp32 reference always runs)")
+    ap.add_argument("--tune-steps", type=int, default=None, help="the tuned row's steps (default 60)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    formats = FORMATS
+    if args.tune_steps is not None:
+        formats = [(label.replace("(60 steps)", f"({args.tune_steps} steps)"),
+                    None if o is None else {**o, "tune_steps": args.tune_steps} if "tune_steps" in o else o)
+                   for label, o in FORMATS]  # fmt: skip
     src = Path(args.model) if args.model else hub.fetch(hub.DEFAULT_MODEL)
     text, text_path = license_text()
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="superslm-ppl-"))
@@ -106,7 +113,7 @@ def main() -> None:
     ref_nll, ref_logits = nll_per_token(ref_model.net, tokens)
     ref_ppl = math.exp(ref_nll.mean().item())
     del ref_model
-    for label, options in FORMATS:
+    for label, options in formats:
         if options is not None and args.only and not any(t in label for t in args.only.split(",")):
             continue
         if options is None:
