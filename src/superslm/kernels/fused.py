@@ -107,11 +107,6 @@ def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.T
     return torch.matmul(y, h).reshape(*lead, k)
 
 
-def norm_dtype(x: torch.dtype, weight: torch.dtype, weight_in_float: bool) -> torch.dtype:
-    """The dtype `rms_norm(x, weight, ...)` returns (Llama's `weight * y` promotes)."""
-    return x if weight_in_float else torch.promote_types(x, weight)
-
-
 def norm_rotate(
     x: torch.Tensor,
     residual: torch.Tensor | None,

@@ -16,3 +16,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float:
     if weight_in_float:
         return (y * weight.float()).to(x.dtype)
     return weight * y.to(x.dtype)
+
+
+def norm_dtype(x: torch.dtype, weight: torch.dtype, weight_in_float: bool) -> torch.dtype:
+    """The dtype `rms_norm(x, weight, ...)` returns (Llama's `weight * y` promotes)."""
+    return x if weight_in_float else torch.promote_types(x, weight)

@@ -28,7 +28,7 @@ from superslm.kernels.dispatch import (
     prepare_qkv,
     rms_norm,
 )
-from superslm.kernels.fused import norm_dtype
+from superslm.kernels.norm import norm_dtype
 from superslm.kernels.rope import rope_cos_sin
 from superslm.models.arch import Arch
 
@@ -93,12 +93,12 @@ class Layer(nn.Module):
         n = h.shape[0]
         lora = meta.lora
         bias = None
-        done = self._rotated(self.qkv, self.attn_norm, h, None, lora) if pending is None else \
-            self._rotated(self.qkv, self.attn_norm, pending, h, lora)
+        src, residual = (h, None) if pending is None else (pending, h)  # the first norm's input, what it adds to
+        done = self._rotated(self.qkv, self.attn_norm, src, residual, lora)
         if done is not None:
             qkv, h = done
         else:
-            qkv, h, bias = self._qkv(h, pending, lora)
+            qkv, h, bias = self._qkv(src, residual, lora)
         q_norm, k_norm = (self.q_norm, self.k_norm) if a.qk_norm else (None, None)
         cos, sin = cos_sin
         q = prepare_qkv(qkv, bias, a.heads, a.kv_heads, q_norm, k_norm, a.norm_eps, a.norm_float, cos, sin, k_cache,
@@ -143,14 +143,15 @@ class Layer(nn.Module):
         return lin.forward_rotated(xr, norm_dtype(x.dtype, norm.dtype, a.norm_float)), (x if h is None else h)
 
     def _qkv(
-        self, h: torch.Tensor, pending: torch.Tensor | None, lora: Any
+        self, src: torch.Tensor, residual: torch.Tensor | None, lora: Any
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(qkv before its bias where prepare_qkv adds it, the residual stream, that bias or None)."""
+        """(qkv before its bias where prepare_qkv adds it, the residual stream, that bias or None) from the
+        first norm of residual + src (src alone without a residual)."""
         a = self.arch
-        if pending is None:
-            x = self.norm(h, "attn_norm")
+        if residual is None:
+            x, h = self.norm(src, "attn_norm"), src
         else:
-            x, h = add_rms_norm(pending, h, self.attn_norm, a.norm_eps, a.norm_float)
+            x, h = add_rms_norm(src, residual, self.attn_norm, a.norm_eps, a.norm_float)
         lin = self.qkv
         bias = None
         if (lora is None and type(lin) is DenseLinear and lin.bias is not None and backend(x.device) == "triton"

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from superslm.kernels import fused as ref
+from superslm.kernels.norm import norm_dtype
 from superslm.kernels.triton._util import interpreted, next_pow2, round_to
 from superslm.kernels.triton.fused import gate_activation, gated_act
 from superslm.kernels.triton.hadamard import h_scale, hadamard_config, hadamard_rotate, rotate_rows
@@ -127,7 +128,7 @@ def norm_rotate(
         x.stride(0), residual.stride(0) if residual is not None else 0, dim, k, nb, float(eps),
         h_scale(block, dtype),
         ADD=residual is not None, WEIGHT_IN_FLOAT=weight_in_float,
-        NORM_ROUND=ref.norm_dtype(x.dtype, weight.dtype, weight_in_float) == x.dtype,
+        NORM_ROUND=norm_dtype(x.dtype, weight.dtype, weight_in_float) == x.dtype,
         NBP=max(16 if dot else 1, next_pow2(nb)), B=block, LOG_B=block.bit_length() - 1, DOT=dot,
         F32_DOT=interp or dtype == torch.float32, num_warps=4 if dim <= 2048 else 8,
         enable_fp_fusion=False,  # the reference's roundings, step by step

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from superslm.errors import InvalidArgument
+from superslm.kernels.norm import norm_dtype
 from superslm.kernels.triton._util import next_pow2, round_to
 
 
@@ -45,7 +46,7 @@ def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, weight_in_float: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     dim = x.shape[-1]
-    out_dtype = x.dtype if weight_in_float else torch.promote_types(x.dtype, weight.dtype)
+    out_dtype = norm_dtype(x.dtype, weight.dtype, weight_in_float)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     rows = x.numel() // dim if dim else 0
