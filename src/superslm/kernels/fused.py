@@ -9,6 +9,8 @@ composition of the layer's own steps, so the torch backend computes exactly what
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -126,15 +128,19 @@ def norm_rotate(
     else:
         h = residual + x
         y = rms_norm(h, weight, eps, weight_in_float)
-    return hadamard_rotate(pad_inputs(y.to(dtype), signs), signs, block), h
+    return linear_input(y, signs, block, dtype), h
 
 
-def pad_inputs(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """x [..., k] with zero inputs appended up to the rotation's width len(signs) (a linear's k_pad)."""
-    pad = signs.shape[0] - x.shape[-1]
+def linear_input(
+    y: torch.Tensor, signs: torch.Tensor, block: int, dtype: torch.dtype, rotate: Callable = hadamard_rotate
+) -> torch.Tensor:
+    """What LinearFormat.forward makes of its input y [..., k]: cast to `dtype`, zero inputs appended up to the
+    rotation's width len(signs) (its k_pad), then `rotate` (this reference, or a backend's kernel)."""
+    pad = signs.shape[0] - y.shape[-1]
     if pad < 0:
-        raise InvalidArgument(f"a rotation over {signs.shape[0]} inputs cannot take {x.shape[-1]}")
-    return F.pad(x, (0, pad)) if pad else x
+        raise InvalidArgument(f"a rotation over {signs.shape[0]} inputs cannot take {y.shape[-1]}")
+    y = y.to(dtype)
+    return rotate(F.pad(y, (0, pad)) if pad else y, signs, block)
 
 
 def gated_act_rotate(
@@ -142,4 +148,4 @@ def gated_act_rotate(
 ) -> torch.Tensor:
     """The activation feeding a rotated linear: R · gated_act(gate_up, act), cast to `dtype` and zero-padded
     to len(signs) inputs first (see `norm_rotate`)."""
-    return hadamard_rotate(pad_inputs(gated_act(gate_up, act).to(dtype), signs), signs, block)
+    return linear_input(gated_act(gate_up, act), signs, block, dtype)

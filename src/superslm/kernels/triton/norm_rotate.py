@@ -114,7 +114,7 @@ def norm_rotate(
             y, h = rms_norm(x, weight, eps, weight_in_float), None
         else:
             y, h = add_rms_norm(x, residual, weight, eps, weight_in_float)
-        return hadamard_rotate(ref.pad_inputs(y.to(dtype), signs), signs, block), h
+        return ref.linear_input(y, signs, block, dtype, hadamard_rotate), h
     n = x.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=x.device)
     res_out = None if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -146,7 +146,7 @@ def gated_act_rotate(
     if (act not in ref.ACTIVATIONS or gate_up.dim() != 2 or gate_up.stride(-1) != 1 or gate_up.shape[1] % 2
             or not _rotation_ok(inter, signs, block)):
         # the same steps as separate kernels
-        return hadamard_rotate(ref.pad_inputs(gated_act(gate_up, act).to(dtype), signs), signs, block)
+        return ref.linear_input(gated_act(gate_up, act), signs, block, dtype, hadamard_rotate)
     n, k = gate_up.shape[0], signs.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=gate_up.device)
     rows = n * (k // block)  # (row, block) pairs
