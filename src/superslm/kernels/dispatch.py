@@ -29,6 +29,9 @@ from superslm.kernels.attention_invariant import paged_attention_invariant
 
 ENV = "SUPERSLM_KERNELS"
 CHOICES = ("auto", "triton", "torch")
+#: most rows of a step whose dense linears after a norm run as `norm_linear`'s one-launch GEMV (0: never)
+GEMV_ROWS_ENV = "SUPERSLM_NORM_GEMV_ROWS"
+GEMV_ROWS_DEFAULT = 4
 _triton_mod: ModuleType | None = None
 _triton_error: str | None = None
 
@@ -65,6 +68,21 @@ def backend(device: torch.device) -> str:
     if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise UnsupportedModel(f"{ENV}=triton on a {device.type} tensor needs TRITON_INTERPRET=1")
     return "triton"
+
+
+def norm_gemv_rows() -> int:
+    """SUPERSLM_NORM_GEMV_ROWS (default 4): the most rows for which the Triton path runs a norm and the dense
+    linear after it as one GEMV launch (`norm_linear`); at more rows torch's matmul (cuBLAS) is the better."""
+    raw = os.environ.get(GEMV_ROWS_ENV, "").strip()
+    if not raw:
+        return GEMV_ROWS_DEFAULT
+    try:
+        rows = int(raw)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise InvalidArgument(f"{GEMV_ROWS_ENV} must be a whole number >= 0, not {raw!r}")
+    return rows
 
 
 def _kernels(device: torch.device) -> ModuleType | None:
@@ -300,6 +318,20 @@ def gated_act_rotate(
     """kernels.fused.gated_act_rotate on the chosen backend."""
     t = _kernels(gate_up.device)
     return (t.gated_act_rotate if t else _fused.gated_act_rotate)(gate_up, act, signs, block, dtype)
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    weight_in_float: bool,
+    w: torch.Tensor,
+    act: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """kernels.fused.norm_linear on the chosen backend: (add +) norm, a dense linear (and the activation) at once."""
+    t = _kernels(x.device)
+    return (t.norm_linear if t else _fused.norm_linear)(x, residual, weight, eps, weight_in_float, w, act)
 
 
 def int4_matmul(

@@ -3,7 +3,8 @@
 `prepare_qkv`: a fused qkv matmul's output -> bias, per-head q/k norms, RoPE, k and v into the paged
 cache, q out; `gated_act`: the MLP's act(gate) * up from the fused gate_up output; `norm_rotate` and
 `gated_act_rotate`: a norm or the activation feeding a Hadamard-rotated int4/int8 linear, with the
-linear's cast and input rotation (`hadamard_rotate`, quant.hadamard.Rotation's map). Each is the plain
+linear's cast and input rotation (`hadamard_rotate`, quant.hadamard.Rotation's map); `norm_linear`: a norm
+feeding a dense linear (and the activation after a fused gate_up), the GPU's one-launch GEMV. Each is the plain
 composition of the layer's own steps, so the torch backend computes exactly what it did before.
 """
 
@@ -149,3 +150,24 @@ def gated_act_rotate(
     """The activation feeding a rotated linear: R · gated_act(gate_up, act), cast to `dtype` and zero-padded
     to len(signs) inputs first (see `norm_rotate`)."""
     return linear_input(gated_act(gate_up, act), signs, block, dtype)
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    weight_in_float: bool,
+    w: torch.Tensor,
+    act: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A norm feeding a dense linear w [out, dim] (no bias): (rms_norm(residual + x) w^T, residual + x), or
+    without a residual (rms_norm(x) w^T, None). With `act` (a fused gate_up: gate rows, then up rows) the first
+    result is gated_act of that product, [N, out / 2]."""
+    if residual is None:
+        h, y = None, rms_norm(x, weight, eps, weight_in_float)
+    else:
+        h = residual + x
+        y = rms_norm(h, weight, eps, weight_in_float)
+    out = F.linear(y, w)
+    return (out if act is None else gated_act(out, act)), h

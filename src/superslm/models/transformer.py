@@ -23,6 +23,8 @@ from superslm.kernels.dispatch import (
     backend,
     gated_act,
     gated_act_rotate,
+    norm_gemv_rows,
+    norm_linear,
     norm_rotate,
     paged_attention,
     prepare_qkv,
@@ -113,6 +115,10 @@ class Layer(nn.Module):
         done = self._rotated(self.gate_up, self.ffn_norm, o, h, lora)
         if done is not None:
             gu, h = done
+        elif _gemv_fused(self.gate_up, o, lora):
+            # add + norm, gate_up and the activation in one GEMV launch
+            act, h = norm_linear(o, h, self.ffn_norm, a.norm_eps, a.norm_float, self.gate_up.weight, a.act)
+            return h, self._down(act, lora)
         else:
             x, h = add_rms_norm(o, h, self.ffn_norm, a.norm_eps, a.norm_float)
             gu = self.gate_up(x)
@@ -121,14 +127,17 @@ class Layer(nn.Module):
         rot = _fused_rotation(self.down, gu, lora)
         if rot is not None:  # the activation's kernel rotates the down projection's input
             y = self.down.forward_rotated(gated_act_rotate(gu, a.act, *rot), gu.dtype)
-        else:
-            act = gated_act(gu, a.act)
-            y = self.down(act)
-            if lora is not None:
-                y = lora.apply(self.index, "down", act, y)
-        if a.post_norms:
+            return h, (self.norm(y, "post_ffn_norm") if a.post_norms else y)
+        return h, self._down(gated_act(gu, a.act), lora)
+
+    def _down(self, act: torch.Tensor, lora: Any) -> torch.Tensor:
+        """The MLP's output from its activation: the down projection (+ LoRA), then Gemma's post-norm."""
+        y = self.down(act)
+        if lora is not None:
+            y = lora.apply(self.index, "down", act, y)
+        if self.arch.post_norms:
             y = self.norm(y, "post_ffn_norm")
-        return h, y
+        return y
 
     def _rotated(
         self, lin: nn.Module, norm: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, lora: Any
@@ -148,11 +157,15 @@ class Layer(nn.Module):
         """(qkv before its bias where prepare_qkv adds it, the residual stream, that bias or None) from the
         first norm of residual + src (src alone without a residual)."""
         a = self.arch
+        lin = self.qkv
+        if _gemv_fused(lin, src, lora):
+            # the norm in the GEMV's prologue; the bias joins prepare_qkv, as below
+            qkv, h = norm_linear(src, residual, self.attn_norm, a.norm_eps, a.norm_float, lin.weight)
+            return qkv, (src if h is None else h), lin.bias
         if residual is None:
             x, h = self.norm(src, "attn_norm"), src
         else:
             x, h = add_rms_norm(src, residual, self.attn_norm, a.norm_eps, a.norm_float)
-        lin = self.qkv
         bias = None
         if (lora is None and type(lin) is DenseLinear and lin.bias is not None and backend(x.device) == "triton"
                 and not (lin._forward_pre_hooks or lin._forward_hooks)):
@@ -164,6 +177,14 @@ class Layer(nn.Module):
             if lora is not None:
                 qkv = lora.apply(self.index, "qkv", x, qkv)
         return qkv, h, bias
+
+
+def _gemv_fused(lin: nn.Module, x: torch.Tensor, lora: Any) -> bool:
+    """Whether a dense linear after a norm runs as one GEMV with the norm in it (`norm_linear`): the Triton path,
+    at most `norm_gemv_rows()` rows, no LoRA, no hook on the module (calibration watches its inputs)."""
+    return (0 < x.shape[0] <= norm_gemv_rows() and type(lin) is DenseLinear and lora is None
+            and lin.weight.dtype == x.dtype and backend(x.device) == "triton"
+            and not (lin._forward_pre_hooks or lin._forward_hooks))  # fmt: skip
 
 
 def _fused_rotation(lin: nn.Module, x: torch.Tensor, lora: Any) -> tuple[torch.Tensor, int, torch.dtype] | None:
@@ -324,6 +345,10 @@ class Transformer(nn.Module):
     def logits(self, h: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
         """Residual rows [n, dim] -> logits [n, vocab] in float32."""
         n = h.shape[0]
+        if not deterministic and _gemv_fused(self.head, h, None) and self.head.bias is None:
+            # the final norm in the head's GEMV: one launch
+            return norm_linear(h, None, self.norm_weight, self.arch.norm_eps, self.arch.norm_float,
+                               self.head.weight)[0].float()  # fmt: skip
         x = self._head_input(h, deterministic)
         # the VNNI int8 kernels: one row at memory speed; in deterministic mode every row count, so a
         # row's logits do not depend on its batch (kernels/cpu/gemm.cpp)

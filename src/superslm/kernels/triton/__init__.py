@@ -8,6 +8,7 @@ from superslm.kernels.triton.fused import gated_act, prepare_qkv
 from superslm.kernels.triton.hadamard import hadamard_rotate
 from superslm.kernels.triton.int4_gemv import int4_matmul
 from superslm.kernels.triton.int8_gemv import int8_matmul
+from superslm.kernels.triton.norm_gemv import norm_linear
 from superslm.kernels.triton.norm_rotate import gated_act_rotate, norm_rotate
 from superslm.kernels.triton.paged_args import PagedArgs, build_paged_args, paged_args
 from superslm.kernels.triton.paged_attention import paged_attention, paged_attention_args
@@ -25,6 +26,7 @@ __all__ = [
     "hadamard_rotate",
     "int4_matmul",
     "int8_matmul",
+    "norm_linear",
     "norm_rotate",
     "rms_norm",
     "build_paged_args",

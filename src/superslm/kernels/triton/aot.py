@@ -22,6 +22,7 @@ from superslm.kernels.triton.fused import _gated_act_kernel, _prepare_qkv_kernel
 from superslm.kernels.triton.hadamard import _hadamard_kernel, hadamard_config
 from superslm.kernels.triton.int4_gemv import _int4_gemv_kernel, _int4_kernel, gemv_config, int4_config
 from superslm.kernels.triton.int8_gemv import _int8_kernel, int8_config
+from superslm.kernels.triton.norm_gemv import _norm_gemv_kernel, norm_gemv_config
 from superslm.kernels.triton.norm_rotate import _gated_act_rotate_kernel, _norm_rotate_kernel
 from superslm.kernels.triton.paged_attention import _attn_kernel, _merge_kernel, attn_config
 from superslm.kernels.triton.rmsnorm import _rms_norm_kernel
@@ -166,6 +167,18 @@ def cases(everything: bool = False) -> list[Case]:
             cx = dict(ACT=act, BLOCK_R=c["block_r"], B=b, LOG_B=b.bit_length() - 1, DOT=b >= 16, F32_DOT=False)
             out.append(Case(f"gated_act_rotate {t} act={act} b={b}", _gated_act_rotate_kernel,
                             dict(gu_ptr=t, s_ptr="fp32", o_ptr="bf16"), c["num_warps"], cx, False))  # fmt: skip
+        # a norm in a dense GEMV: Qwen2.5-0.5B's qkv (first layer: no residual) and gate_up with SiLU, the head;
+        # Gemma-3's norm weight in float32 and gelu-tanh
+        ngv = dict(x_ptr=t, r_ptr=t, nw_ptr=t, w_ptr=t, o_ptr=t, ro_ptr=t)
+        gemvs = [(1152, 896, False, False, None), (4864, 896, True, False, 0), (151936, 896, False, False, None)]
+        if everything:
+            gemvs += [(6144, 640, True, True, 1), (2048, 1536, True, False, None)]
+        for n_out, dim, add, wf, act in gemvs:
+            c = norm_gemv_config(n_out, dim, False)
+            cx = dict(ADD=add, WEIGHT_IN_FLOAT=wf, GATED=act is not None, ACT=act or 0, BLOCK_N=c["block_n"],
+                      BLOCK_K=c["block_k"])  # fmt: skip
+            out.append(Case(f"norm_gemv {t} out={n_out} dim={dim} add={add} act={act}", _norm_gemv_kernel,
+                            dict(ngv, nw_ptr="fp32" if wf else t), c["num_warps"], cx, False))  # fmt: skip
         shape = dict(l_ptr=t, t_ptr="fp32", o_ptr="fp32", bm_ptr="i32", bo_ptr="i32", bt_ptr="i32", bv_ptr="fp32",
                      pr_ptr="i32", c_ptr="i32", pm_ptr="u8", f_ptr="fp32")  # fmt: skip
         for on in (True, False) if everything else (True,):
