@@ -13,6 +13,9 @@ Sampling(ignore_eos=True); transformers: no eos, min_new_tokens = max_new_tokens
   nano      nano-vllm's bench.py: 256 sequences, random.seed(0), prompts of randint(100, 1024) ids
             randint(0, 10000), then max_tokens randint(100, 1024) each (greedy here, temperature 0.6 there);
             transformers runs it as one left-padded batch to the longest output, only requested tokens count
+transformers generates the first --peer-steps tokens (default 128) of each run and its rates are projected to the
+whole output from its prefill and mean step time (a fixed batch's steps cost about the same; later ones a little
+more, so the projection flatters it): the whole benchmark then fits 5 minutes. --peer-steps 0 runs every step.
 decode tok/s: tokens made after every sequence has its first one, over that time; e2e tok/s: all requested
 tokens over the whole wall time (nano-vllm's number); weight GB/s: the bytes of weights a decode step reads
 (linears, head, norms) times steps per second, beside a 1 GiB device-to-device copy (read + write bytes).
@@ -24,11 +27,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
-import random
-import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -37,50 +38,28 @@ from typing import Any
 
 import torch
 import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers.generation.streamers import BaseStreamer
 
 import superslm
 from superslm import Request, Sampling
 
-#: the real config.json of each model (Hugging Face Qwen/..., the fields a Qwen2/Qwen3 config reads)
-CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "qwen2.5-0.5b": ("Qwen2Config", dict(
-        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, use_sliding_window=False, sliding_window=32768, max_window_layers=24,
-        bos_token_id=151643, eos_token_id=151643, hidden_act="silu")),
-    "qwen2.5-1.5b": ("Qwen2Config", dict(
-        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-        num_key_value_heads=2, max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, use_sliding_window=False, sliding_window=131072, max_window_layers=28,
-        bos_token_id=151643, eos_token_id=151643, hidden_act="silu")),
-    "qwen3-0.6b": ("Qwen3Config", dict(
-        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, attention_bias=False, use_sliding_window=False, sliding_window=None,
-        max_window_layers=28, bos_token_id=151643, eos_token_id=151645, hidden_act="silu")),
-}
-#: --tiny: each config shrunk (the family's quirks kept: q/k/v biases, q/k norms, head_dim != dim / heads)
-TINY: dict[str, dict[str, Any]] = {
-    "qwen2.5-0.5b": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
-    "qwen2.5-1.5b": dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=1),
-    "qwen3-0.6b": dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-}
-TINY_COMMON = dict(vocab_size=512, num_hidden_layers=2, max_window_layers=2, bos_token_id=511, eos_token_id=511)
-WORKLOADS = ("decode1", "batch64", "batch256", "nano")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_models import (  # noqa: E402  (the script's sibling: models and workloads)
+    CONFIGS,
+    WORKLOADS,
+    Workload,
+    build_hf,
+    make_config,
+    make_workloads,
+    scratch_dir,
+    weight_bytes,
+    write_folder,
+)
+
 #: acceptance targets of issue 9: (model, precision, workload, tok/s, which rate); nano on every model run
 TARGETS = [("qwen2.5-0.5b", "bf16", "decode1", 1500.0, "decode"), ("qwen2.5-0.5b", "int4", "decode1", 2500.0, "decode"),
            (None, "bf16", "nano", 40000.0, "e2e")]
 TIME_TARGET_S = 300.0
-
-
-@dataclass
-class Workload:
-    key: str
-    label: str
-    prompts: list[list[int]]
-    outputs: list[int]
 
 
 @dataclass
@@ -94,40 +73,8 @@ class Run:
     outputs: list[list[int]] = field(default_factory=list)
     #: seconds spent capturing decode graphs before the run (not in wall_s)
     capture_s: float = 0.0
-
-
-def make_config(name: str, tiny: bool) -> Any:
-    cls_name, kwargs = CONFIGS[name]
-    if tiny:
-        kwargs = {**kwargs, **TINY_COMMON, **TINY[name]}
-    return getattr(transformers, cls_name)(**kwargs)
-
-
-def make_workloads(keys: list[str], vocab: int, tiny: bool, quick: bool) -> list[Workload]:
-    rng = random.Random(0)
-    hi = vocab - 1 if tiny else 10000
-
-    def batch(key: str, n: int, prompt: int, out: int) -> Workload:
-        prompts = [[rng.randint(0, hi) for _ in range(prompt)] for _ in range(n)]
-        return Workload(key, f"b{n} {prompt}+{out}", prompts, [out] * n)
-
-    out: list[Workload] = []
-    for key in keys:
-        if key == "decode1":
-            out.append(batch(key, 1, 16, 16) if tiny else batch(key, 1, 128, 128 if quick else 256))
-        elif key in ("batch64", "batch256"):
-            n = int(key[5:])
-            out.append(batch(key, n // 32, 8, 8) if tiny else batch(key, n, 128, 64 if quick else 256))
-        elif key == "nano":
-            # nano-vllm's bench.py draw order: every prompt, then every max_tokens
-            n, lo, top = (8, 4, 16) if tiny else (256, 100, 1024)
-            r = random.Random(0)
-            prompts = [[r.randint(0, hi) for _ in range(r.randint(lo, top))] for _ in range(n)]
-            outputs = [r.randint(lo, top) for _ in range(n)]
-            if quick:
-                prompts, outputs = prompts[:64], outputs[:64]
-            out.append(Workload(key, f"nano-vllm x{len(prompts)}", prompts, outputs))
-    return out
+    #: the peer ran only this many steps and its rates are projected to the whole workload (0: measured whole)
+    projected_from: int = 0
 
 
 def sync(device: torch.device) -> None:
@@ -152,54 +99,6 @@ def copy_speed(device: torch.device, nbytes: int, iters: int = 10) -> float:
         b.copy_(a)
     sync(device)
     return 2 * nbytes * iters / (time.perf_counter() - t)
-
-
-def weight_bytes(net: torch.nn.Module) -> int:
-    """Bytes one decode step reads of the weights: every layer's tensors, the final norm and the head (a tied
-    head is the embedding, read whole for the logits); the embedding lookup itself reads one row."""
-    mods = list(net.layers) + ([net.head] if getattr(net, "has_head", False) else [])
-    tensors = [t for m in mods for t in (*m.parameters(), *m.buffers())]
-    if getattr(net, "norm_weight", None) is not None:
-        tensors.append(net.norm_weight)
-    seen = {(t.data_ptr(), t.nbytes): t.nbytes for t in tensors}
-    return sum(seen.values())
-
-
-def build_hf(config: Any, device: torch.device, dtype: torch.dtype, tiny: bool) -> Any:
-    """transformers' model of `config` with random weights, made on the device itself."""
-    transformers.utils.logging.disable_progress_bar()
-    torch.manual_seed(0)
-    with torch.device(device):
-        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    hf = hf.to(device).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            # norms start at ones: perturb them so every weight matters; tiny models get it everywhere
-            # (as tests/tiny_models.py) so greedy tokens are well separated
-            if tiny or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.08)
-    hf.generation_config.eos_token_id = None  # generate to max_new_tokens: no eos stop, no eos masking
-    hf.generation_config.pad_token_id = 0
-    return hf
-
-
-def write_folder(hf: Any, folder: Path) -> None:
-    """safetensors + config.json, and a WordLevel tokenizer of the full vocabulary (ids are all we feed)."""
-    hf.save_pretrained(folder, safe_serialization=True)
-    vocab = hf.config.vocab_size
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(folder / "tokenizer.json"))
-    eos = hf.config.eos_token_id
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"t{eos}", "add_bos_token": False}))
-
-
-def scratch_dir(nbytes: int) -> str | None:
-    # /dev/shm when it holds the weights twice over: saving and loading then never touch a disk
-    shm = Path("/dev/shm")
-    if shm.is_dir() and shutil.disk_usage(shm).free > 2 * nbytes:
-        return str(shm)
-    return None
 
 
 def rates(events: list[tuple[float, int]], t_all: float, t0: float, t_end: float, tokens: int) -> tuple[float, float]:
@@ -265,11 +164,14 @@ class Clock(BaseStreamer):
         pass
 
 
-def run_transformers(hf: Any, wl: Workload) -> Run:
+def run_transformers(hf: Any, wl: Workload, steps: int = 0) -> Run:
     """The workload as one transformers generate call (left-padded to the longest prompt, greedy, to the
-    longest output); a streamer stamps each step's tokens."""
+    longest output); a streamer stamps each step's tokens. With `steps` (>= 2) it generates only that many and
+    projects the rest: a fixed batch's decode steps each cost about the same (later ones a little more, at a
+    longer context, so the projection flatters the peer)."""
     device, n, pad = hf.device, len(wl.prompts), 0
     width, new = max(len(p) for p in wl.prompts), max(wl.outputs)
+    run = min(new, max(steps, 2)) if steps else new
     ids = torch.full((n, width), pad, dtype=torch.long)
     mask = torch.zeros(n, width, dtype=torch.long)
     for i, p in enumerate(wl.prompts):
@@ -282,17 +184,22 @@ def run_transformers(hf: Any, wl: Workload) -> Run:
         clock = Clock()
         sync(device)
         t0 = time.perf_counter()
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=run, min_new_tokens=run,
                           streamer=clock, **kw)
         sync(device)
         t_end = time.perf_counter()
     gen, times = out[:, width:].tolist(), clock.times[1:]  # the first put is the prompt
-    if len(gen[0]) != new or len(times) != new:
-        raise RuntimeError(f"transformers made {len(gen[0])} tokens, not {new}")
-    events = [(t, sum(o > s for o in wl.outputs)) for s, t in enumerate(times)]
+    if len(gen[0]) != run or len(times) != run:
+        raise RuntimeError(f"transformers made {len(gen[0])} tokens, not {run}")
     tokens = sum(wl.outputs)
-    return Run(tokens, t_end - t0, *rates(events, times[0], t0, t_end, tokens),
-               [g[:o] for g, o in zip(gen, wl.outputs, strict=True)])
+    outputs = [g[:o] for g, o in zip(gen, wl.outputs, strict=True)]
+    if run == new:
+        events = [(t, sum(o > s for o in wl.outputs)) for s, t in enumerate(times)]
+        return Run(tokens, t_end - t0, *rates(events, times[0], t0, t_end, tokens), outputs)
+    step = (times[-1] - times[0]) / (run - 1)
+    decode_s = (new - 1) * step  # from every sequence's first token to the longest output's last
+    wall = (times[0] - t0) + decode_s + (t_end - times[-1])
+    return Run(tokens, wall, (tokens - n) / decode_s, tokens / wall, outputs, projected_from=run)
 
 
 def load_int4(folder: str, device: torch.device) -> tuple[superslm.Model | None, str]:
@@ -354,7 +261,7 @@ def bench_model(name: str, ns: argparse.Namespace, device: torch.device) -> list
                                                    overlap=False if ns.no_overlap or ns.no_graphs else None)
                     free(device)
                 if prec == precision and not ns.no_peer:
-                    row["transformers"] = run_transformers(hf, wl)
+                    row["transformers"] = run_transformers(hf, wl, ns.peer_steps)
                     free(device)
                 out.append(row)
         del ours, variants
@@ -396,15 +303,22 @@ def report(results: list[dict[str, Any]], copy_bps: float, tiny: bool, quick: bo
                           f"{run.e2e_tps:11.1f} {run.wall_s:8.3f}  {bandwidth(r, run, copy_bps)}")
                     if run.capture_s:
                         print(f"{'':22} {'':13} decode graphs captured in {run.capture_s:.2f} s, before the clock")
+                    if run.projected_from:
+                        print(f"{'':22} {'':13} projected from its first {run.projected_from} steps (--peer-steps)")
             dec = f"{a.decode_tps / b.decode_tps:.2f}x" if b else "-"
             e2e = f"{a.e2e_tps / b.e2e_tps:.2f}x" if b else "-"
             if b:
                 print(f"{label:22} {'ratio':13} {'':5} {'':8} {dec:>13} {e2e:>11}")
-            bd, be = (f"{b.decode_tps:,.0f}", f"{b.e2e_tps:,.0f}") if b else ("-", "-")
+            star = "*" if b and b.projected_from else ""  # projected from the peer's first steps
+            bd, be = (f"{b.decode_tps:,.0f}{star}", f"{b.e2e_tps:,.0f}{star}") if b else ("-", "-")
             md.append(f"| {name} | {r['label']} | {r['precision']} | {a.decode_tps:,.0f} | {bd} | {dec} "
                       f"| {a.e2e_tps:,.0f} | {be} | {e2e} | {bandwidth(r, a, copy_bps)} |")
     print("\nmarkdown rows for docs/benchmarks.md:")
     print("\n".join(md))
+    steps = {r["transformers"].projected_from for r in results if r.get("transformers")} - {0}
+    if steps:
+        print(f"\n\\* transformers' rates projected from its first {', '.join(map(str, sorted(steps)))} steps "
+              "(--peer-steps; 0 runs every step)")
     note = ": tiny configs, the targets do not apply" if tiny else (
         " (--quick: shortened workloads; the targets are for the full ones)" if quick else "")
     print("\nacceptance (issue 9)" + note)
@@ -427,6 +341,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--tiny", action="store_true", help="shrunk configs and workloads (runs on a CPU in seconds)")
     ap.add_argument("--no-int4", action="store_true", help="skip the int4 batch-1 decode")
     ap.add_argument("--no-peer", action="store_true", help="skip transformers")
+    ap.add_argument("--peer-steps", type=int, default=128,
+                    help="transformers generates this many tokens a run and its rates are projected to the whole "
+                         "output (its steps cost about the same; default 128: the full run fits 5 minutes); 0: all")
     ap.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs (to measure what they give)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="accept each decode step before launching the next (to measure what overlap gives)")
@@ -434,6 +351,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for given, known in ((ns.models, CONFIGS), (ns.workloads, WORKLOADS)):
         if set(given) - set(known):
             raise SystemExit(f"unknown: {sorted(set(given) - set(known))} (known: {', '.join(known)})")
+    if ns.peer_steps and ns.peer_steps < 2:
+        raise SystemExit("--peer-steps must be 0 (every step) or at least 2")
     device = torch.device(ns.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here: run with --device cpu --tiny to check the script")

@@ -71,6 +71,29 @@ def test_greedy_tokens_match_transformers(gpu_bench, name):
     assert ours == theirs
 
 
+def test_peer_rates_projected_from_its_first_steps(gpu_bench, capsys):
+    """--peer-steps N: transformers generates N tokens a run; its rates are projected to the whole output
+    (marked in the tables); a full run's rates are of the same size."""
+    args = ["--device", "cpu", "--tiny", "--models", "qwen3-0.6b", "--workloads", "decode1,nano", "--no-int4"]
+    results = gpu_bench.main([*args, "--peer-steps", "4"])
+    out = capsys.readouterr().out
+    full = {r["workload"]: r["transformers"] for r in gpu_bench.main([*args, "--peer-steps", "0"])}
+    for r in results:
+        run = r["transformers"]
+        assert run.projected_from == 4 and full[r["workload"]].projected_from == 0
+        assert run.tokens == full[r["workload"]].tokens == sum(len(o) for o in full[r["workload"]].outputs)
+        assert all(len(o) <= 4 for o in run.outputs)
+        assert run.e2e_tps == pytest.approx(run.tokens / run.wall_s)
+        ratio = run.decode_tps / full[r["workload"]].decode_tps
+        assert 0.25 < ratio < 4, (r["workload"], ratio)
+    assert "projected from its first 4 steps" in out
+    assert "transformers' rates projected from its first 4 steps" in out
+    md = [line for line in out.splitlines() if line.startswith("| qwen3-0.6b")]
+    assert md and all(line.split("|")[5].strip().endswith("*") for line in md)
+    with pytest.raises(SystemExit):
+        gpu_bench.main([*args, "--peer-steps", "1"])
+
+
 def test_int4_unavailable_is_reported(gpu_bench, capsys, monkeypatch):
     # where quant="int4" does not run on the device, the int4 row says n/a and why
     monkeypatch.setattr(gpu_bench, "load_int4", lambda folder, device: (None, "no int4 kernel here"))
