@@ -290,6 +290,35 @@ def prepare_qkv(
     return fn(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache, slot_mapping)
 
 
+def prepare_attention(
+    qkv: torch.Tensor,
+    bias: torch.Tensor | None,
+    heads: int,
+    kv_heads: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    norm_float: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """kernels.fused.prepare_attention on the chosen backend (deterministic mode: `prepare_qkv`, then the
+    invariant attention reference)."""
+    if meta.deterministic:
+        q = prepare_qkv(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache,
+                        meta.slot_mapping)  # fmt: skip
+        return paged_attention_invariant(q, k_cache, v_cache, meta, window, scale)
+    t = _kernels(qkv.device)
+    fn = t.prepare_attention if t else _fused.prepare_attention
+    return fn(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache, meta, window,
+              scale)  # fmt: skip
+
+
 def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """kernels.fused.gated_act on the chosen backend."""
     t = _kernels(gate_up.device)

@@ -4,7 +4,8 @@
 cache, q out; `gated_act`: the MLP's act(gate) * up from the fused gate_up output; `norm_rotate` and
 `gated_act_rotate`: a norm or the activation feeding a Hadamard-rotated int4/int8 linear, with the
 linear's cast and input rotation (`hadamard_rotate`, quant.hadamard.Rotation's map); `norm_linear`: a norm
-feeding a dense linear (and the activation after a fused gate_up), the GPU's one-launch GEMV. Each is the plain
+feeding a dense linear (and the activation after a fused gate_up), the GPU's one-launch GEMV; `prepare_attention`:
+prepare_qkv and the paged attention after it (one launch of a decode step on the GPU). Each is the plain
 composition of the layer's own steps, so the torch backend computes exactly what it did before.
 """
 
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from superslm.errors import InvalidArgument
-from superslm.kernels.attention import store_kv
+from superslm.kernels.attention import AttnMetadata, paged_attention, store_kv
 from superslm.kernels.norm import rms_norm
 from superslm.kernels.rope import apply_rope
 
@@ -94,6 +95,29 @@ def prepare_qkv(
     rows = slot_mapping.shape[0]  # rows past this are padding (deterministic mode)
     store_kv(k_cache, v_cache, k[:rows], v[:rows], slot_mapping)
     return q
+
+
+def prepare_attention(
+    qkv: torch.Tensor,
+    bias: torch.Tensor | None,
+    heads: int,
+    kv_heads: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    norm_float: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """`prepare_qkv` (its slot_mapping: meta's), then paged attention over the cache it wrote: [N, heads, D]."""
+    q = prepare_qkv(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache,
+                    meta.slot_mapping)  # fmt: skip
+    return paged_attention(q, k_cache, v_cache, meta, window, scale)
 
 
 def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:

@@ -26,8 +26,7 @@ from superslm.kernels.dispatch import (
     norm_gemv_rows,
     norm_linear,
     norm_rotate,
-    paged_attention,
-    prepare_qkv,
+    prepare_attention,
     rms_norm,
 )
 from superslm.kernels.norm import norm_dtype
@@ -103,9 +102,9 @@ class Layer(nn.Module):
             qkv, h, bias = self._qkv(src, residual, lora)
         q_norm, k_norm = (self.q_norm, self.k_norm) if a.qk_norm else (None, None)
         cos, sin = cos_sin
-        q = prepare_qkv(qkv, bias, a.heads, a.kv_heads, q_norm, k_norm, a.norm_eps, a.norm_float, cos, sin, k_cache,
-                        v_cache, meta.slot_mapping)  # fmt: skip
-        o = paged_attention(q, k_cache, v_cache, meta, self.window, a.attn_scale)
+        # bias, q/k norms, RoPE, the KV store and the attention: one launch of a decode step on the GPU
+        o = prepare_attention(qkv, bias, a.heads, a.kv_heads, q_norm, k_norm, a.norm_eps, a.norm_float, cos, sin,
+                              k_cache, v_cache, meta, self.window, a.attn_scale)  # fmt: skip
         o_in = o.reshape(n, a.heads * a.head_dim)
         o = self.o(o_in)
         if lora is not None:

@@ -96,15 +96,18 @@ def cases(everything: bool = False) -> list[Case]:
         kv = dict(k_ptr=t, v_ptr=t, kc_ptr=t, vc_ptr=t, slot_ptr="i64")
         out.append(Case(f"store_kv {t}", _store_kv_kernel, kv, 4, dict(BLOCK_H=2, BLOCK_D=64), False))
         attn = dict(q_ptr=t, k_ptr=t, v_ptr=t, o_ptr=t, part_ptr="fp32", ml_ptr="fp32", bt_ptr="i32",
-                    sl_ptr="i32", qs_ptr="i32", pos_ptr="i64", item_ptr="i32")  # fmt: skip
-        for groups, head_dim in shapes:
+                    sl_ptr="i32", qs_ptr="i32", pos_ptr="i64", item_ptr="i32", qb_ptr=t, qn_ptr=t, kn_ptr=t,
+                    cos_ptr=t, sin_ptr=t, slot_ptr="i64")  # fmt: skip
+        # decode steps prepare q, k and v in the kernel (prepare_attention): with Qwen2.5's bias, Qwen3's norms
+        for (groups, head_dim), prep in zip(shapes, ((True, False), (False, True), (False, True), (False, True))):
             for decode in (True, False):
                 c = attn_config(groups, head_dim, dt, decode, False)
                 cx = dict(G=groups, BLOCK_Q=c["block_q"], BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
-                          BLOCK_D=next_pow2(head_dim), SPLIT=decode, F32_DOT=f32)  # fmt: skip
-                kind = "decode" if decode else "mixed"
+                          BLOCK_D=next_pow2(head_dim), SPLIT=decode, F32_DOT=f32, PREP=decode, HAS_BIAS=prep[0],
+                          NORM=prep[1], WEIGHT_IN_FLOAT=head_dim == 256)  # fmt: skip
+                kind = "decode, prepares q/k/v" if decode else "mixed"
                 out.append(Case(f"paged_attention {t} G={groups} D={head_dim} {kind}", _attn_kernel, attn,
-                                c["num_warps"], cx))  # fmt: skip
+                                c["num_warps"], cx, not decode))  # fmt: skip
         merge = dict(part_ptr="fp32", ml_ptr="fp32", o_ptr=t)
         out.append(Case(f"merge {t}", _merge_kernel, merge, 4, dict(BLOCK_S=16, BLOCK_D=128)))
         norm = dict(x_ptr=t, r_ptr=t, w_ptr=t, o_ptr=t, ro_ptr=t)
@@ -174,7 +177,7 @@ def cases(everything: bool = False) -> list[Case]:
         if everything:
             gemvs += [(6144, 640, True, True, 1), (2048, 1536, True, False, None)]
         for n_out, dim, add, wf, act in gemvs:
-            c = norm_gemv_config(n_out, dim, False)
+            c = norm_gemv_config(n_out, dim, False, act is not None)
             cx = dict(ADD=add, WEIGHT_IN_FLOAT=wf, GATED=act is not None, ACT=act or 0, BLOCK_N=c["block_n"],
                       BLOCK_K=c["block_k"])  # fmt: skip
             out.append(Case(f"norm_gemv {t} out={n_out} dim={dim} add={add} act={act}", _norm_gemv_kernel,

@@ -80,14 +80,17 @@ def _norm_gemv_kernel(
     tl.store(o_ptr + row * o_row + n, out.to(xt), mask=n_ok)
 
 
-def norm_gemv_config(n_out: int, dim: int, interp: bool) -> dict[str, int]:
+def norm_gemv_config(n_out: int, dim: int, interp: bool, gated: bool = False) -> dict[str, int]:
     """Tiles of `_norm_gemv_kernel`: BLOCK_N outputs a program, so that one row fills ~256 programs (an
     H100/H200 has 132 SMs; qkv of Qwen2.5-0.5B: 1152 outputs, 4 a program), at most 16; BLOCK_K inputs a
-    step (512 bf16 = 1 KiB of each weight row)."""
+    step, 2048 weights a step in all (qkv: 512 bf16 = 1 KiB of each of 4 rows)."""
     if interp:
         return {"block_n": 16, "block_k": min(64, next_pow2(dim)), "num_warps": 4}
     block_n = max(2, min(16, 1 << max(0, (n_out // 256).bit_length() - 1)))
-    return {"block_n": block_n, "block_k": min(512, next_pow2(dim)), "num_warps": 4}
+    if gated:  # two weight tiles a step (gate's and up's): half the outputs a program
+        block_n = max(2, block_n // 2)
+    # 2048 weights a step (16 a thread): [16, 512] bf16 tiles took ~200 registers on sm_90, these < 160
+    return {"block_n": block_n, "block_k": min(2048 // (block_n * (1 + gated)), next_pow2(dim)), "num_warps": 4}
 
 
 def fits(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, weight_in_float: bool,
@@ -129,7 +132,7 @@ def norm_linear(
     if rows == 0 or n_out == 0:
         return out, h
     w = w.contiguous()
-    cfg = norm_gemv_config(n_out, dim, interpreted(x))
+    cfg = norm_gemv_config(n_out, dim, interpreted(x), act is not None)
     _norm_gemv_kernel[(triton.cdiv(n_out, cfg["block_n"]), rows)](
         x, residual if residual is not None else x, weight.contiguous(), w, out, h if h is not None else out,
         x.stride(0), residual.stride(0) if residual is not None else 0, w.stride(0), out.stride(0),

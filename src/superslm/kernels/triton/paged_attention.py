@@ -11,6 +11,7 @@ each row's position, as in the torch reference (kernels.attention.paged_attentio
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -19,6 +20,7 @@ import triton.language as tl
 from superslm.errors import InvalidArgument
 from superslm.kernels.attention import AttnMetadata
 from superslm.kernels.triton._util import interpreted, next_pow2, round_to
+from superslm.kernels.triton.fused import _fits, _heads, prepare_qkv
 from superslm.kernels.triton.paged_args import PagedArgs, paged_args
 
 _LOG2E = 1.4426950408889634
@@ -30,8 +32,10 @@ def _attn_kernel(
     bt_ptr, sl_ptr, qs_ptr, pos_ptr, item_ptr,
     q_row, q_head, k_slot, k_head, v_slot, v_head, o_row, o_head,
     bt_stride, page_size, heads, head_dim, window, num_splits, qk_scale,
+    qb_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, slot_ptr, cs_row, kv_heads, rot, n_slots, eps,
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
+    PREP: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, WEIGHT_IN_FLOAT: tl.constexpr,
 ):  # fmt: skip
     item = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -51,8 +55,16 @@ def _attn_kernel(
     d_ok = d < head_dim
     qpos = tl.load(pos_ptr + tok64, mask=row_ok, other=0).to(tl.int32)
     qm = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + tok64[:, None] * q_row + head[:, None] * q_head + d[None, :], mask=qm, other=0.0)
-    dot_ty = tl.float32 if F32_DOT else q_ptr.dtype.element_ty
+    T = o_ptr.dtype.element_ty
+    if PREP:
+        # decode (BLOCK_Q = 1): q_ptr is the row's qkv matmul output; prepare_qkv's q heads kvh*G.. in registers
+        src = q_ptr + start.to(tl.int64) * q_row
+        cs = start.to(tl.int64) * cs_row
+        q = _heads(src + kvh * G * head_dim, qb_ptr + kvh * G * head_dim, qn_ptr, cos_ptr + cs, sin_ptr + cs, G,
+                   head_dim, rot, eps, HAS_BIAS, NORM, WEIGHT_IN_FLOAT, T, BLOCK_M, BLOCK_D)  # fmt: skip
+    else:
+        q = tl.load(q_ptr + tok64[:, None] * q_row + head[:, None] * q_head + d[None, :], mask=qm, other=0.0)
+    dot_ty = tl.float32 if F32_DOT else T
     q = q.to(dot_ty)
 
     # keys this tile can see: [lo, hi), then this program's share of them
@@ -63,6 +75,25 @@ def _attn_kernel(
         chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), num_splits), BLOCK_N) * BLOCK_N
         lo = lo + split * chunk
         hi = tl.minimum(hi, lo + chunk)
+
+    if PREP:
+        # the program whose keys hold the row's own position stores its k and v (prepare_qkv's), then reads
+        # them back in the loop below: a barrier makes the block's stores visible to the block's loads
+        p0 = tl.load(pos_ptr + start).to(tl.int32)
+        slot0 = tl.load(slot_ptr + tl.minimum(start, n_slots - 1)).to(tl.int64)
+        if (p0 >= lo) & (p0 < hi) & (start < n_slots) & (slot0 >= 0):
+            ko = heads * head_dim + kvh * head_dim
+            k_new = _heads(src + ko, qb_ptr + ko, kn_ptr, cos_ptr + cs, sin_ptr + cs, 1, head_dim, rot, eps,
+                           HAS_BIAS, NORM, WEIGHT_IN_FLOAT, T, 2, BLOCK_D)  # [2, BLOCK_D], row 0  # fmt: skip
+            h2 = tl.arange(0, 2)[:, None]
+            m2 = (h2 < 1) & d_ok[None, :]
+            vo = heads * head_dim + kv_heads * head_dim + kvh * head_dim + h2 * 0 + d[None, :]
+            v_new = tl.load(src + vo, mask=m2, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                v_new = round_to(v_new + tl.load(qb_ptr + vo, mask=m2, other=0.0).to(tl.float32), T)
+            tl.store(k_ptr + slot0 * k_slot + kvh * k_head + h2 * 0 + d[None, :], k_new.to(T), mask=m2)
+            tl.store(v_ptr + slot0 * v_slot + kvh * v_head + h2 * 0 + d[None, :], v_new.to(T), mask=m2)
+        tl.debug_barrier()
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -153,6 +184,20 @@ def _num_splits(args: PagedArgs, programs: int, window: int | None, device: torc
     return max(1, min(triton.cdiv(2 * sms, max(programs, 1)), triton.cdiv(keys, 256), 32))
 
 
+class Prep(NamedTuple):
+    """prepare_qkv's inputs (kernels.fused.prepare_qkv) for a decode step whose attention kernel prepares its
+    own q, k and v: q heads in registers, each row's k and v stored by the program that reads them first."""
+
+    bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+    norm_float: bool
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 def paged_attention_args(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -163,21 +208,31 @@ def paged_attention_args(
     num_splits: int | None = None,
     block_q: int | None = None,
     block_n: int | None = None,
+    prep: Prep | None = None,
 ) -> torch.Tensor:
     """Paged attention on prepared PagedArgs; q [N, heads, D] -> [N, heads, D] (rows past args.num_rows untouched).
 
     `num_splits` (key splits per tile; decode default: fill the device), `block_q` (query tokens
     per tile; default 1 for a decode step, else ~64 rows / G) and `block_n` (keys per iteration)
-    only change the float rounding, never the meaning.
+    only change the float rounding, never the meaning. With `prep` (a decode step only), q is the qkv
+    matmul's output [N, (heads + 2 kv_heads) D] and the kernel does prepare_qkv's work first (the caller
+    checked `prep_fits`).
     """
-    n, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[1]
-    if heads % kv_heads or v_cache.shape[1] != kv_heads or k_cache.shape[2] != head_dim:
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    if prep is not None:
+        n, heads = q.shape[0], q.shape[1] // head_dim - 2 * kv_heads
+        if args.max_query_len != 1:
+            raise InvalidArgument("attention with prepare_qkv inside takes decode steps only")
+    else:
+        n, heads, _ = q.shape
+        if k_cache.shape[2] != q.shape[2]:
+            raise InvalidArgument(f"q {tuple(q.shape)} does not match caches {tuple(k_cache.shape)}")
+    if heads <= 0 or heads % kv_heads or v_cache.shape[1] != kv_heads:
         raise InvalidArgument(f"q {tuple(q.shape)} does not match caches {tuple(k_cache.shape)}")
     if window is not None and window <= 0:
         raise InvalidArgument(f"sliding window must be positive, not {window}")
     groups = heads // kv_heads
-    out = torch.empty_like(q)
+    out = torch.empty(n, heads, head_dim, dtype=q.dtype, device=q.device)
     if args.num_rows == 0:
         return out
     interp = interpreted(q)
@@ -196,15 +251,27 @@ def paged_attention_args(
     if split:
         part = torch.empty(args.num_rows, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         ml = torch.empty(args.num_rows, heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    p = prep
+    norm = p is not None and p.q_norm is not None and p.k_norm is not None
+    slots = q if p is None else p.slot_mapping
+    n_slots = 0 if p is None else p.slot_mapping.shape[0]
+    if p is not None and n_slots == 0:
+        slots, n_slots = torch.full((1,), -1, dtype=torch.long, device=q.device), 1
     _attn_kernel[(num_items, kv_heads, num_splits)](
         q, k_cache, v_cache, out, part, ml,
         args.block_table, args.seq_lens, args.query_start, args.positions, items,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1),
+        q.stride(0), 0 if p else q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), out.stride(0), out.stride(1),
         args.block_table.stride(0), args.page_size, heads, head_dim, window or 0, num_splits, scale * _LOG2E,
+        q if p is None or p.bias is None else p.bias, p.q_norm if norm else q, p.k_norm if norm else q,
+        q if p is None else p.cos, q if p is None else p.sin, slots, 0 if p is None else p.cos.stride(0),
+        kv_heads, 0 if p is None else p.cos.shape[-1], n_slots, 0.0 if p is None else float(p.eps),
         G=groups, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(max(head_dim, 16)),
         SPLIT=split, F32_DOT=interp or q.dtype == torch.float32,
-        num_warps=cfg["num_warps"], enable_fp_fusion=True,
+        PREP=p is not None, HAS_BIAS=p is not None and p.bias is not None, NORM=norm,
+        WEIGHT_IN_FLOAT=p is not None and p.norm_float,
+        # prepare_qkv's roundings step by step: no fused multiply-adds where it prepares
+        num_warps=cfg["num_warps"], enable_fp_fusion=p is None,
     )  # fmt: skip
     if split:
         _merge_kernel[(args.num_rows, heads)](
@@ -225,4 +292,42 @@ def paged_attention(
 ) -> torch.Tensor:
     """Same signature and meaning as kernels.attention.paged_attention; q [N, heads, D] -> [N, heads, D]."""
     return paged_attention_args(q, k_cache, v_cache, paged_args(meta, q.device), window, scale, num_splits)
+
+
+def prepare_attention(
+    qkv: torch.Tensor,
+    bias: torch.Tensor | None,
+    heads: int,
+    kv_heads: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    norm_float: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """Same signature and meaning as kernels.fused.prepare_attention. A decode step runs one launch (and the
+    merge of its key splits): the attention kernel prepares q, k and v itself; other steps, and operands the
+    kernel does not take, run prepare_qkv's kernel first."""
+    args = paged_args(meta, qkv.device)
+    head_dim = qkv.shape[1] // (heads + 2 * kv_heads)
+    norm = q_norm is not None and k_norm is not None
+    rot = cos.shape[-1]
+    fused = (
+        args.max_query_len == 1 and qkv.dim() == 2 and qkv.shape[1] == (heads + 2 * kv_heads) * head_dim
+        and tuple(k_cache.shape[1:]) == (kv_heads, head_dim) and rot % 2 == 0 and 0 < rot <= head_dim
+        and _fits(qkv, k_cache, v_cache, head_dim, bias, q_norm if norm else None, k_norm if norm else None, cos,
+                  sin)
+    )  # fmt: skip
+    if not fused:
+        q = prepare_qkv(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache,
+                        meta.slot_mapping)  # fmt: skip
+        return paged_attention_args(q, k_cache, v_cache, args, window, scale)
+    prep = Prep(bias, q_norm, k_norm, eps, norm_float, cos.contiguous(), sin.contiguous(), meta.slot_mapping)
+    return paged_attention_args(qkv, k_cache, v_cache, args, window, scale, prep=prep)
 
