@@ -196,10 +196,17 @@ def run_transformers(hf: Any, wl: Workload, steps: int = 0) -> Run:
     if run == new:
         events = [(t, sum(o > s for o in wl.outputs)) for s, t in enumerate(times)]
         return Run(tokens, t_end - t0, *rates(events, times[0], t0, t_end, tokens), outputs)
-    step = (times[-1] - times[0]) / (run - 1)
+    return Run(tokens, *project(times, t0, t_end, n, tokens, new), outputs, projected_from=run)
+
+
+def project(times: list[float], t0: float, t_end: float, n: int, tokens: int, new: int) -> tuple[float, float, float]:
+    """(wall s, decode tok/s, e2e tok/s) of a fixed batch of n sequences generating `new` steps (`tokens` of them
+    requested), from the step stamps `times` of its first len(times) >= 2 steps, started at t0 and ended at t_end:
+    each later step costs the mean step so far. For len(times) == new it is what `rates` measures."""
+    step = (times[-1] - times[0]) / (len(times) - 1)
     decode_s = (new - 1) * step  # from every sequence's first token to the longest output's last
     wall = (times[0] - t0) + decode_s + (t_end - times[-1])
-    return Run(tokens, wall, (tokens - n) / decode_s, tokens / wall, outputs, projected_from=run)
+    return wall, (tokens - n) / decode_s, tokens / wall
 
 
 def load_int4(folder: str, device: torch.device) -> tuple[superslm.Model | None, str]:

@@ -131,6 +131,7 @@ def test_a_model_prepares_inside_its_decode_attention(family, dtype, graphs, tmp
     build_hf_model(family, tmp_path)
     model = superslm.load(tmp_path, device=DEV, dtype=dtype)
     monkeypatch.setenv(dispatch.ENV, "triton")
+    monkeypatch.setenv(dispatch.GEMV_ROWS_ENV, "0")  # the o projection apart: its GEMV would take the attention
     calls: list[int] = []
     real = pa.prepare_qkv
     monkeypatch.setattr(pa, "prepare_qkv", lambda *a: calls.append(1) or real(*a))
@@ -159,3 +160,118 @@ def test_a_model_prepares_inside_its_decode_attention(family, dtype, graphs, tmp
             torch.testing.assert_close(lp[0], lp[1], atol=1e-3, rtol=1e-3)
         else:
             assert torch.equal(lp[0], lp[1])
+
+
+al = sys.modules["superslm.kernels.triton.attention_linear"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("splits,padding", [(1, False), (3, True), (2, False)])
+def test_the_o_projection_merges_the_key_splits(dtype, variant, splits, padding, monkeypatch) -> None:
+    """attention_linear: with key splits, the o projection's GEMV merges them. With an identity o weight every
+    output is one exact product: the merged attention, bit for bit as the merge kernel makes it; with a random
+    weight, the attention and torch's matmul up to the sums' order, and the torch reference."""
+    monkeypatch.setattr(pa, "_num_splits", lambda *a: splits)
+    launched: list[int] = []
+    real = al._merge_gemv_kernel
+
+    class Spy:
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            launched.append(1)
+            return real[grid]
+
+    monkeypatch.setattr(al, "_merge_gemv_kernel", Spy())
+    meta, kc, vc, prep_in, scale = operands(variant, dtype, padding, seed=2)
+    heads, head_dim = prep_in[2], kc.shape[-1]
+    n = meta.query_start[-1]
+    eye = torch.eye(heads * head_dim, dtype=dtype, device=DEV)
+    kc1, vc1 = kc.clone(), vc.clone()
+    attn = tk.prepare_attention(*prep_in, kc1, vc1, meta, None, scale).reshape(n, -1)
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = tk.attention_linear(*prep_in, kc2, vc2, meta, None, scale, eye)
+    assert torch.equal(got, attn) and torch.equal(kc2, kc1) and torch.equal(vc2, vc1)
+    # a float32 norm weight beside bf16 activations: prepare_qkv's kernel first, then the attention and matmul
+    fits = pa.prep_for(*prep_in, kc, vc, meta, tk.paged_args(meta, DEV)) is not None
+    assert fits == (variant != "gemma3" or dtype == torch.float32)
+    assert len(launched) == (splits > 1 and fits)
+    w = (torch.randn(48, heads * head_dim, generator=torch.Generator().manual_seed(3)) / head_dim).to(DEV, dtype)
+    got = tk.attention_linear(*prep_in, kc.clone(), vc.clone(), meta, None, scale, w)
+    want = torch.nn.functional.linear(attn, w)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_a_model_merges_its_key_splits_in_the_o_projection(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny Qwen2 (fp32) with two key splits a decode step: no merge launch at <= 4 rows (the o GEMV merges),
+    the same tokens and logprobs (up to the sums' order) as the attention's merge and torch's matmul."""
+    import superslm
+    from superslm import Request, Sampling
+    from tests.tiny_models import build_hf_model
+
+    build_hf_model("qwen2", tmp_path)
+    model = superslm.load(tmp_path, device=DEV, dtype="fp32")
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    monkeypatch.setattr(pa, "_num_splits", lambda *a: 2)
+    merges: list[int] = []
+    real = pa._merge_kernel
+
+    class Spy:
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            merges.append(1)
+            return real[grid]
+
+    monkeypatch.setattr(pa, "_merge_kernel", Spy())
+    out = {}
+    for rows in (4, 0):
+        monkeypatch.setenv(dispatch.GEMV_ROWS_ENV, str(rows))
+        merges.clear()
+        engine = model.engine(slots=2, context=64, page_size=4, graphs=True)
+        (done,) = engine.generate([Request([5, 17, 99, 3, 250, 41, 7], 6, Sampling(ignore_eos=True, logprobs=0))])
+        out[rows] = (done, len(merges))
+    layers = len(model.net.layers)
+    assert out[4][1] == 0 and out[0][1] >= 5 * layers
+    assert out[4][0].tokens == out[0][0].tokens
+    lp = [torch.tensor([p.logprob for p in out[r][0].logprobs]) for r in (4, 0)]
+    torch.testing.assert_close(lp[0], lp[1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_without_a_slot_store_nothing(dtype) -> None:
+    """A real decode row whose slot is -1 stores no k/v (as prepare_qkv's kernel); a slot_mapping shorter than
+    the rows (deterministic padding) sends the step to prepare_qkv's kernel first."""
+    meta, kc, vc, prep_in, scale = operands("qwen2", dtype, False, seed=6)
+    slots = meta.slot_mapping.clone()
+    slots[1] = -1
+    meta = AttnMetadata(meta.positions, slots, meta.query_start, meta.seq_lens, meta.block_tables, meta.page_size)
+    args = tk.paged_args(meta, DEV)
+    assert pa.prep_for(*prep_in, kc, vc, meta, args) is not None
+    kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    want = tk.paged_attention_args(tk.prepare_qkv(*prep_in, kc1, vc1, slots), kc1, vc1, args, None, scale)
+    got = tk.prepare_attention(*prep_in, kc2, vc2, meta, None, scale)
+    assert torch.equal(kc2, kc1) and torch.equal(vc2, vc1)
+    changed = (kc2 != kc).any(-1).any(-1).nonzero().flatten().tolist()
+    assert sorted(changed) == sorted(s for s in slots.tolist() if s >= 0)
+    if not ON_GPU:
+        assert torch.equal(got, want)
+    short = AttnMetadata(meta.positions, slots[:3], meta.query_start, meta.seq_lens, meta.block_tables,
+                         meta.page_size)  # fmt: skip
+    assert pa.prep_for(*prep_in, kc, vc, short, tk.paged_args(short, DEV)) is None
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter runs programs one after another: no race to find")
+def test_the_store_and_its_read_back_do_not_race_on_a_gpu() -> None:
+    """Many splits, short key blocks, repeated: the program that stores a row's k/v and reads it back after the
+    barrier must see its own stores every time (the separate path's caches and output, exactly)."""
+    meta, kc, vc, prep_in, scale = operands("qwen3", torch.bfloat16, True, seed=8)
+    qkv, bias, heads, kv_heads, qn, kn, eps, wf, cos, sin = prep_in
+    args = tk.paged_args(meta, DEV)
+    kc1, vc1 = kc.clone(), vc.clone()
+    q = tk.prepare_qkv(*prep_in, kc1, vc1, meta.slot_mapping)
+    prep = pa.Prep(bias, qn, kn, eps, wf, cos, sin, meta.slot_mapping)
+    for _ in range(50):
+        kc2, vc2 = kc.clone(), vc.clone()
+        got = tk.paged_attention_args(qkv, kc2, vc2, args, None, scale, num_splits=8, block_n=16, prep=prep)
+        want = tk.paged_attention_args(q, kc1, vc1, args, None, scale, num_splits=8, block_n=16)
+        assert torch.equal(kc2, kc1) and torch.equal(vc2, vc1)
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

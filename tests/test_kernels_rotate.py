@@ -154,8 +154,10 @@ def test_a_rotated_model_rotates_inside_its_norms(family, quant, dtype, tmp_path
     calls: dict[str, int] = {}
     for name in ("hadamard_rotate", "norm_rotate", "gated_act_rotate"):
         real = getattr(tk, name)
-        monkeypatch.setattr(tk, name, lambda *a, _n=name, _f=real: calls.__setitem__(_n, calls.get(_n, 0) + 1)
-                            or _f(*a))  # fmt: skip
+        spy = lambda *a, _n=name, _f=real: calls.__setitem__(_n, calls.get(_n, 0) + 1) or _f(*a)  # noqa: E731
+        monkeypatch.setattr(tk, name, spy)
+        if name == "hadamard_rotate":  # o's input: the attention's (one key split here) rotated by this kernel
+            monkeypatch.setattr(sys.modules["superslm.kernels.triton.attention_linear"], name, spy)
     prompt = [5, 17, 99, 3, 250, 41, 7]
     out = {}
     for fuse in (True, False):

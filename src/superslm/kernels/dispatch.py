@@ -5,8 +5,8 @@ triton imports, the torch reference otherwise; "torch" always runs the reference
 always runs the kernels, also on a CPU tensor when TRITON_INTERPRET=1 was set before the first
 kernel import (how CI tests them). The references for the fused ops that have no torch module of
 their own (`add_rms_norm_reference`, `int4_matmul_reference`, `int8_matmul_reference`,
-`hadamard_rotate_reference`) live here, and those of device-side sampling (`shape_logits_reference`,
-`select_tokens_reference`, which run superslm.sampling's stages; sampling/batch.py builds their inputs).
+`hadamard_rotate_reference`) live here; those of device-side sampling (`shape_logits_reference`,
+`select_tokens_reference`, with their inputs `LogitBias` and `Penalties`) in kernels/sampling_reference.py.
 Deterministic steps (meta.deterministic) always take the batch-invariant attention reference.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib
 import os
 from types import ModuleType
-from typing import NamedTuple
 
 import torch
 
@@ -26,6 +25,12 @@ from superslm.kernels import norm as _norm
 from superslm.kernels import rope as _rope
 from superslm.kernels.attention import AttnMetadata
 from superslm.kernels.attention_invariant import paged_attention_invariant
+from superslm.kernels.sampling_reference import (  # noqa: F401  (re-exported: sampling/batch.py, the kernels)
+    LogitBias,
+    Penalties,
+    select_tokens_reference,
+    shape_logits_reference,
+)
 
 ENV = "SUPERSLM_KERNELS"
 CHOICES = ("auto", "triton", "torch")
@@ -129,100 +134,6 @@ def int8_matmul_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Ten
 hadamard_rotate_reference = _fused.hadamard_rotate
 
 
-# --- device-side sampling: inputs and references ------------------------------------------------
-
-
-class LogitBias(NamedTuple):
-    """Every row's logit_bias as CSR: row b's pairs are tokens / values[offsets[b]:offsets[b + 1]]."""
-
-    offsets: torch.Tensor
-    """int32 [B + 1], ascending, offsets[0] = 0."""
-    tokens: torch.Tensor
-    """int32 [K]: token ids, distinct within a row."""
-    values: torch.Tensor
-    """float32 [K]: the biases."""
-
-
-class Penalties(NamedTuple):
-    """Penalty inputs: `build_penalty_tensors` of the P rows that use penalties, and per-row factors."""
-
-    rows: torch.Tensor
-    """int32 [B]: row b's row in counts / prompt_mask, -1 for rows without penalties."""
-    counts: torch.Tensor
-    """int32 [P, V]: output token counts."""
-    prompt_mask: torch.Tensor
-    """bool [P, V]: tokens in the prompt."""
-    factors: torch.Tensor
-    """float32 [B, 3]: presence, frequency, repetition (read only where rows >= 0)."""
-
-
-def shape_logits_reference(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    bitmask: torch.Tensor | None = None,
-    bias: LogitBias | None = None,
-    penalties: Penalties | None = None,
-) -> torch.Tensor:
-    """float32 [B, V]: sampler.sample's stages up to the temperature, on every row at once.
-
-    The grammar bitmask (int32 [B, words]), logit_bias, the penalties, then logits / temperature
-    on rows with temperature >= GREEDY_EPS (greedy rows stay undivided: their argmax is the token).
-    Each stage is exactly neutral where a row has it off, so this equals the sampler's per-row
-    subsets. `logits` (any float dtype) is not modified.
-    """
-    from superslm.sampling.params import GREEDY_EPS
-    from superslm.sampling.shaping import apply_logit_bias, apply_penalties, apply_temperature, apply_token_bitmask
-
-    x = logits.to(torch.float32, copy=True)
-    if bitmask is not None:
-        apply_token_bitmask(x, bitmask)
-    if bias is not None:
-        per_row = bias.offsets[1:] - bias.offsets[:-1]
-        rows = torch.repeat_interleave(torch.arange(x.shape[0], device=x.device), per_row,
-                                       output_size=bias.tokens.shape[0])  # fmt: skip
-        apply_logit_bias(x, rows, bias.tokens.long(), bias.values)
-    if penalties is not None and penalties.counts.shape[0] > 0:
-        on = (penalties.rows >= 0).unsqueeze(1)
-        idx = penalties.rows.clamp(min=0).long()
-        # (0, 0, 1) leaves a row exactly unchanged
-        f = torch.where(on, penalties.factors, torch.tensor([0.0, 0.0, 1.0], device=x.device))
-        x = apply_penalties(x, penalties.counts[idx], penalties.prompt_mask[idx], f[:, 0], f[:, 1], f[:, 2])
-    return apply_temperature(x, torch.where(temperature < GREEDY_EPS, 1.0, temperature))
-
-
-def select_tokens_reference(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    log_min_p: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    keys: torch.Tensor,
-    filtered: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """int64 [B]: sampler.sample's token of every row from `shape_logits_reference`'s output.
-
-    Rows with temperature < GREEDY_EPS take the first argmax; the others min_p (log_min_p float32
-    [B]), top_k (int [B], 0 or >= V off), top_p (float32 [B]), then argmax(x + gumbel_noise(keys)).
-    `filtered`, if given (float32 [B, V]), receives the logits after top_p (greedy rows: unchanged).
-    """
-    from superslm.sampling.noise import gumbel_noise
-    from superslm.sampling.params import GREEDY_EPS
-    from superslm.sampling.shaping import apply_min_p, apply_top_k, apply_top_p
-
-    x = logits.to(torch.float32, copy=True)
-    vocab = x.shape[1]
-    greedy = temperature < GREEDY_EPS
-    first = x.argmax(dim=-1)
-    apply_min_p(x, log_min_p)
-    # max_k = V sorts whole rows: the same k-th values as the sampler's max(k), with no host sync
-    apply_top_k(x, torch.where((top_k > 0) & (top_k < vocab), top_k, 0).long(), vocab)
-    x = apply_top_p(x, top_p)
-    if filtered is not None:
-        filtered.copy_(torch.where(greedy.unsqueeze(1), logits.float(), x))
-    x += gumbel_noise(keys, vocab)
-    return torch.where(greedy, first, x.argmax(dim=-1))
-
-
 # --- dispatched entry points ------------------------------------------------------------------
 
 
@@ -317,6 +228,66 @@ def prepare_attention(
     fn = t.prepare_attention if t else _fused.prepare_attention
     return fn(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache, meta, window,
               scale)  # fmt: skip
+
+
+def attention_linear(
+    qkv: torch.Tensor,
+    bias: torch.Tensor | None,
+    heads: int,
+    kv_heads: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    norm_float: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    window: int | None,
+    scale: float,
+    w: torch.Tensor,
+) -> torch.Tensor:
+    """kernels.fused.attention_linear on the chosen backend (deterministic mode: `prepare_attention`'s, then
+    torch's matmul)."""
+    t = None if meta.deterministic else _kernels(qkv.device)
+    if t is None:
+        o = prepare_attention(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache,
+                              v_cache, meta, window, scale)  # fmt: skip
+        return torch.nn.functional.linear(o.reshape(o.shape[0], -1), w)
+    return t.attention_linear(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache,
+                              v_cache, meta, window, scale, w)  # fmt: skip
+
+
+def attention_rotate(
+    qkv: torch.Tensor,
+    bias: torch.Tensor | None,
+    heads: int,
+    kv_heads: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    norm_float: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    window: int | None,
+    scale: float,
+    signs: torch.Tensor,
+    block: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """kernels.fused.attention_rotate on the chosen backend (deterministic mode: `prepare_attention`'s, then the
+    rotation)."""
+    t = None if meta.deterministic else _kernels(qkv.device)
+    if t is None:
+        o = prepare_attention(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache,
+                              v_cache, meta, window, scale)  # fmt: skip
+        return _fused.linear_input(o.reshape(o.shape[0], -1), signs, block, dtype, hadamard_rotate)
+    return t.attention_rotate(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache,
+                              v_cache, meta, window, scale, signs, block, dtype)  # fmt: skip
 
 
 def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:

@@ -5,7 +5,8 @@ cache, q out; `gated_act`: the MLP's act(gate) * up from the fused gate_up outpu
 `gated_act_rotate`: a norm or the activation feeding a Hadamard-rotated int4/int8 linear, with the
 linear's cast and input rotation (`hadamard_rotate`, quant.hadamard.Rotation's map); `norm_linear`: a norm
 feeding a dense linear (and the activation after a fused gate_up), the GPU's one-launch GEMV; `prepare_attention`:
-prepare_qkv and the paged attention after it (one launch of a decode step on the GPU). Each is the plain
+prepare_qkv and the paged attention after it (one launch of a decode step on the GPU), and `attention_linear`
+with the o projection (whose GEMV merges the attention's key splits). Each is the plain
 composition of the layer's own steps, so the torch backend computes exactly what it did before.
 """
 
@@ -118,6 +119,57 @@ def prepare_attention(
     q = prepare_qkv(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache,
                     meta.slot_mapping)  # fmt: skip
     return paged_attention(q, k_cache, v_cache, meta, window, scale)
+
+
+def attention_linear(
+    qkv: torch.Tensor,
+    bias: torch.Tensor | None,
+    heads: int,
+    kv_heads: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    norm_float: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    window: int | None,
+    scale: float,
+    w: torch.Tensor,
+) -> torch.Tensor:
+    """`prepare_attention`, then the dense o projection w [out, heads D] (no bias): [N, out]."""
+    o = prepare_attention(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache,
+                          meta, window, scale)  # fmt: skip
+    return F.linear(o.reshape(o.shape[0], -1), w)
+
+
+def attention_rotate(
+    qkv: torch.Tensor,
+    bias: torch.Tensor | None,
+    heads: int,
+    kv_heads: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    norm_float: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    window: int | None,
+    scale: float,
+    signs: torch.Tensor,
+    block: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """`prepare_attention`, then a rotated o projection's cast, padding and input rotation (`linear_input`):
+    [N, len(signs)] in `dtype`, what LinearFormat.forward_rotated takes."""
+    o = prepare_attention(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache,
+                          meta, window, scale)  # fmt: skip
+    return linear_input(o.reshape(o.shape[0], -1), signs, block, dtype)
 
 
 def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:

@@ -20,6 +20,8 @@ from superslm.kernels.attention_invariant import BLOCK
 from superslm.kernels.cpu_decode import decode_layers, row_key_slots
 from superslm.kernels.dispatch import (
     add_rms_norm,
+    attention_linear,
+    attention_rotate,
     backend,
     gated_act,
     gated_act_rotate,
@@ -99,22 +101,29 @@ class Layer(nn.Module):
         if done is not None:
             qkv, h = done
         else:
-            qkv, h, bias = self._qkv(src, residual, lora)
+            qkv, h, bias = self._qkv(src, residual, lora, meta.deterministic)
         q_norm, k_norm = (self.q_norm, self.k_norm) if a.qk_norm else (None, None)
         cos, sin = cos_sin
-        # bias, q/k norms, RoPE, the KV store and the attention: one launch of a decode step on the GPU
-        o = prepare_attention(qkv, bias, a.heads, a.kv_heads, q_norm, k_norm, a.norm_eps, a.norm_float, cos, sin,
-                              k_cache, v_cache, meta, self.window, a.attn_scale)  # fmt: skip
-        o_in = o.reshape(n, a.heads * a.head_dim)
-        o = self.o(o_in)
-        if lora is not None:
-            o = lora.apply(self.index, "o", o_in, o)
+        prep = (qkv, bias, a.heads, a.kv_heads, q_norm, k_norm, a.norm_eps, a.norm_float, cos, sin, k_cache, v_cache,
+                meta, self.window, a.attn_scale)  # fmt: skip
+        rot = _fused_rotation(self.o, qkv, lora)
+        if rot is not None:  # the merge of the attention's key splits rotates o's input (int4/int8)
+            o = self.o.forward_rotated(attention_rotate(*prep, *rot), qkv.dtype)
+        elif _gemv_fused(self.o, qkv, lora, meta.deterministic) and self.o.bias is None:
+            # a few rows: the o projection's GEMV merges the attention's key splits
+            o = attention_linear(*prep, self.o.weight)
+        else:
+            # bias, q/k norms, RoPE, the KV store and the attention: one launch of a decode step on the GPU
+            o_in = prepare_attention(*prep).reshape(n, a.heads * a.head_dim)
+            o = self.o(o_in)
+            if lora is not None:
+                o = lora.apply(self.index, "o", o_in, o)
         if a.post_norms:
             o = self.norm(o, "post_attn_norm")
         done = self._rotated(self.gate_up, self.ffn_norm, o, h, lora)
         if done is not None:
             gu, h = done
-        elif _gemv_fused(self.gate_up, o, lora):
+        elif _gemv_fused(self.gate_up, o, lora, meta.deterministic) and _fused_rotation(self.down, o, lora) is None:
             # add + norm, gate_up and the activation in one GEMV launch
             act, h = norm_linear(o, h, self.ffn_norm, a.norm_eps, a.norm_float, self.gate_up.weight, a.act)
             return h, self._down(act, lora)
@@ -151,13 +160,13 @@ class Layer(nn.Module):
         return lin.forward_rotated(xr, norm_dtype(x.dtype, norm.dtype, a.norm_float)), (x if h is None else h)
 
     def _qkv(
-        self, src: torch.Tensor, residual: torch.Tensor | None, lora: Any
+        self, src: torch.Tensor, residual: torch.Tensor | None, lora: Any, deterministic: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(qkv before its bias where prepare_qkv adds it, the residual stream, that bias or None) from the
         first norm of residual + src (src alone without a residual)."""
         a = self.arch
         lin = self.qkv
-        if _gemv_fused(lin, src, lora):
+        if _gemv_fused(lin, src, lora, deterministic):
             # the norm in the GEMV's prologue; the bias joins prepare_qkv, as below
             qkv, h = norm_linear(src, residual, self.attn_norm, a.norm_eps, a.norm_float, lin.weight)
             return qkv, (src if h is None else h), lin.bias
@@ -178,11 +187,12 @@ class Layer(nn.Module):
         return qkv, h, bias
 
 
-def _gemv_fused(lin: nn.Module, x: torch.Tensor, lora: Any) -> bool:
-    """Whether a dense linear after a norm runs as one GEMV with the norm in it (`norm_linear`): the Triton path,
-    at most `norm_gemv_rows()` rows, no LoRA, no hook on the module (calibration watches its inputs)."""
-    return (0 < x.shape[0] <= norm_gemv_rows() and type(lin) is DenseLinear and lora is None
-            and lin.weight.dtype == x.dtype and backend(x.device) == "triton"
+def _gemv_fused(lin: nn.Module, x: torch.Tensor, lora: Any, deterministic: bool) -> bool:
+    """Whether a dense linear runs as one Triton GEMV with its neighbours' work in it (`norm_linear`,
+    `attention_linear`): the Triton path, at most `norm_gemv_rows()` rows, not in deterministic mode (a row's
+    bits must not depend on the step's row count), no LoRA, no hook on the module (calibration watches inputs)."""
+    return (0 < x.shape[0] <= norm_gemv_rows() and not deterministic and type(lin) is DenseLinear
+            and lora is None and lin.weight.dtype == x.dtype and backend(x.device) == "triton"
             and not (lin._forward_pre_hooks or lin._forward_hooks))  # fmt: skip
 
 
@@ -344,7 +354,7 @@ class Transformer(nn.Module):
     def logits(self, h: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
         """Residual rows [n, dim] -> logits [n, vocab] in float32."""
         n = h.shape[0]
-        if not deterministic and _gemv_fused(self.head, h, None) and self.head.bias is None:
+        if _gemv_fused(self.head, h, None, deterministic) and self.head.bias is None:
             # the final norm in the head's GEMV: one launch
             return norm_linear(h, None, self.norm_weight, self.arch.norm_eps, self.arch.norm_float,
                                self.head.weight)[0].float()  # fmt: skip

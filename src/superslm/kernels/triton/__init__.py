@@ -4,6 +4,7 @@ Importing this package imports triton; on a CPU tensor the kernels only run unde
 interpreter (TRITON_INTERPRET=1 set before the import).
 """
 
+from superslm.kernels.triton.attention_linear import attention_linear, attention_rotate
 from superslm.kernels.triton.fused import gated_act, prepare_qkv
 from superslm.kernels.triton.hadamard import hadamard_rotate
 from superslm.kernels.triton.int4_gemv import int4_matmul
@@ -20,6 +21,8 @@ from superslm.kernels.triton.store_kv import store_kv
 __all__ = [
     "PagedArgs",
     "add_rms_norm",
+    "attention_linear",
+    "attention_rotate",
     "apply_rope",
     "gated_act",
     "gated_act_rotate",

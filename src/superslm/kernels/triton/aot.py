@@ -18,6 +18,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from superslm.kernels.triton._util import next_pow2
+from superslm.kernels.triton.attention_linear import (
+    _merge_gemv_kernel,
+    _merge_rotate_kernel,
+    merge_gemv_config,
+    merge_rotate_config,
+)
 from superslm.kernels.triton.fused import _gated_act_kernel, _prepare_qkv_kernel
 from superslm.kernels.triton.hadamard import _hadamard_kernel, hadamard_config
 from superslm.kernels.triton.int4_gemv import _int4_gemv_kernel, _int4_kernel, gemv_config, int4_config
@@ -108,8 +114,26 @@ def cases(everything: bool = False) -> list[Case]:
                 kind = "decode, prepares q/k/v" if decode else "mixed"
                 out.append(Case(f"paged_attention {t} G={groups} D={head_dim} {kind}", _attn_kernel, attn,
                                 c["num_warps"], cx, not decode))  # fmt: skip
+                if decode and everything:  # one split (short contexts); the decode kernel on a prepared q
+                    out.append(Case(f"paged_attention {t} G={groups} D={head_dim} decode, one split", _attn_kernel,
+                                    attn, c["num_warps"], dict(cx, SPLIT=False), False))  # fmt: skip
+                    out.append(Case(f"paged_attention {t} G={groups} D={head_dim} decode", _attn_kernel, attn,
+                                    c["num_warps"], dict(cx, PREP=False)))  # fmt: skip
         merge = dict(part_ptr="fp32", ml_ptr="fp32", o_ptr=t)
         out.append(Case(f"merge {t}", _merge_kernel, merge, 4, dict(BLOCK_S=16, BLOCK_D=128)))
+        # the merge inside the o projection's GEMV: Qwen2.5-0.5B (14 x 64 -> 896), Qwen3-0.6B (16 x 128 -> 1024)
+        for n_out, head_dim in ((896, 64), (1024, 128)):
+            c = merge_gemv_config(n_out, head_dim, False)
+            cx = dict(BLOCK_N=c["block_n"], BLOCK_H=c["block_h"], BLOCK_S=16, BLOCK_D=c["block_d"])
+            out.append(Case(f"merge_gemv {t} out={n_out} D={head_dim}", _merge_gemv_kernel,
+                            dict(part_ptr="fp32", ml_ptr="fp32", w_ptr=t, o_ptr=t), c["num_warps"], cx))
+        # the merge making a rotated o projection's input (bf16 whatever the model's dtype): blocks of 128 and 64
+        for b in (128, 64):
+            c = merge_rotate_config(1024, b, False)
+            cx = dict(BLOCK_R=c["block_r"], B=b, LOG_B=b.bit_length() - 1, DOT=True, F32_DOT=False)
+            out.append(Case(f"merge_rotate {t} b={b}", _merge_rotate_kernel,
+                            dict(part_ptr="fp32", ml_ptr="fp32", s_ptr="fp32", o_ptr="bf16", t_ptr=t),
+                            c["num_warps"], cx, False))  # fmt: skip
         norm = dict(x_ptr=t, r_ptr=t, w_ptr=t, o_ptr=t, ro_ptr=t)
         for add, wf in norms:
             out.append(Case(f"rms_norm {t} add={add} weight_in_float={wf}", _rms_norm_kernel, norm, 4,

@@ -37,7 +37,8 @@ def _norm_gemv_kernel(
     row = tl.program_id(1).to(tl.int64)
     xt = x_ptr.dtype.element_ty
     kk = tl.arange(0, BLOCK_K)
-    # pass 1: the row's sum of squares; the first column of programs writes the new residual
+    # pass 1: the norm needs the whole row's sum of squares before any chunk is scaled; one column of programs
+    # writes the new residual (to its own buffer: every program still reads the old one)
     ss = tl.zeros([BLOCK_K], tl.float32)
     writes = (kk * 0 + pid) == 0  # [BLOCK_K] (a scalar condition in a mask trips the interpreter)
     for k0 in range(0, dim, BLOCK_K):
@@ -55,7 +56,7 @@ def _norm_gemv_kernel(
     n64 = n.to(tl.int64)
     acc = tl.zeros([BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_N], tl.float32)
-    # pass 2: each chunk normalized as rms_norm rounds it, times the weight's [BLOCK_N, BLOCK_K] tile
+    # pass 2: the row again from cache (not kept in registers: a row may be 8k wide), normalized as rms_norm rounds
     for k0 in range(0, dim, BLOCK_K):
         k = k0 + kk
         m = k < dim
@@ -89,17 +90,18 @@ def norm_gemv_config(n_out: int, dim: int, interp: bool, gated: bool = False) ->
     block_n = max(2, min(16, 1 << max(0, (n_out // 256).bit_length() - 1)))
     if gated:  # two weight tiles a step (gate's and up's): half the outputs a program
         block_n = max(2, block_n // 2)
-    # 2048 weights a step (16 a thread): [16, 512] bf16 tiles took ~200 registers on sm_90, these < 160
+    # 2048 weights a step (16 a thread): [16, 512] bf16 tiles took ~200 registers on sm_90, these <= 48
     return {"block_n": block_n, "block_k": min(2048 // (block_n * (1 + gated)), next_pow2(dim)), "num_warps": 4}
 
 
 def fits(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, weight_in_float: bool,
          w: torch.Tensor, act: str | None) -> bool:  # fmt: skip
     """Whether `_norm_gemv_kernel` takes these operands: dense 2-d rows, one float dtype for x, the norm's
-    output and w, w [out, dim] (out even with `act`)."""
+    output and w, w [out, dim] (out even with `act`), at most 65535 rows (the grid's second axis)."""
     dt = x.dtype
     return (
-        dt in _FLOATS and x.dim() == 2 and x.stride(-1) == 1 and w.dim() == 2 and w.shape[1] == x.shape[1]
+        dt in _FLOATS and x.dim() == 2 and x.stride(-1) == 1 and x.shape[0] <= 65535
+        and w.dim() == 2 and w.shape[1] == x.shape[1]
         and w.dtype == dt and norm_dtype(dt, weight.dtype, weight_in_float) == dt
         and (residual is None or (residual.shape == x.shape and residual.dtype == dt and residual.stride(-1) == 1))
         and (act is None or (act in ref.ACTIVATIONS and w.shape[0] % 2 == 0))

@@ -198,7 +198,7 @@ class Prep(NamedTuple):
     slot_mapping: torch.Tensor
 
 
-def paged_attention_args(
+def attend(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -209,14 +209,10 @@ def paged_attention_args(
     block_q: int | None = None,
     block_n: int | None = None,
     prep: Prep | None = None,
-) -> torch.Tensor:
-    """Paged attention on prepared PagedArgs; q [N, heads, D] -> [N, heads, D] (rows past args.num_rows untouched).
-
-    `num_splits` (key splits per tile; decode default: fill the device), `block_q` (query tokens
-    per tile; default 1 for a decode step, else ~64 rows / G) and `block_n` (keys per iteration)
-    only change the float rounding, never the meaning. With `prep` (a decode step only), q is the qkv
-    matmul's output [N, (heads + 2 kv_heads) D] and the kernel does prepare_qkv's work first (the caller
-    checked `prep_fits`).
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The attention kernel's launch: (out, None), or with key splits (out unwritten, (part, ml)): each split's
+    float32 (acc [rows, heads, splits, D], (max, sum) [rows, heads, splits, 2]) for `_merge_kernel`'s combine.
+    Arguments as `paged_attention_args`.
     """
     kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     if prep is not None:
@@ -234,7 +230,7 @@ def paged_attention_args(
     groups = heads // kv_heads
     out = torch.empty(n, heads, head_dim, dtype=q.dtype, device=q.device)
     if args.num_rows == 0:
-        return out
+        return out, None
     interp = interpreted(q)
     q = q if q.stride(-1) == 1 else q.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "caches must be dense in head_dim"
@@ -273,10 +269,35 @@ def paged_attention_args(
         # prepare_qkv's roundings step by step: no fused multiply-adds where it prepares
         num_warps=cfg["num_warps"], enable_fp_fusion=p is None,
     )  # fmt: skip
-    if split:
+    return out, ((part, ml) if split else None)
+
+
+def paged_attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    args: PagedArgs,
+    window: int | None,
+    scale: float,
+    num_splits: int | None = None,
+    block_q: int | None = None,
+    block_n: int | None = None,
+    prep: Prep | None = None,
+) -> torch.Tensor:
+    """Paged attention on prepared PagedArgs; q [N, heads, D] -> [N, heads, D] (rows past args.num_rows untouched).
+
+    `num_splits` (key splits per tile; decode default: fill the device), `block_q` (query tokens
+    per tile; default 1 for a decode step, else ~64 rows / G) and `block_n` (keys per iteration)
+    only change the float rounding, never the meaning. With `prep` (a decode step only), q is the qkv
+    matmul's output [N, (heads + 2 kv_heads) D] and the kernel does prepare_qkv's work first.
+    """
+    out, partials = attend(q, k_cache, v_cache, args, window, scale, num_splits, block_q, block_n, prep)
+    if partials is not None:
+        part, ml = partials
+        heads, splits, head_dim = part.shape[1], part.shape[2], part.shape[3]
         _merge_kernel[(args.num_rows, heads)](
-            part, ml, out, out.stride(0), out.stride(1), heads, head_dim, num_splits,
-            BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(head_dim), enable_fp_fusion=True,
+            part, ml, out, out.stride(0), out.stride(1), heads, head_dim, splits,
+            BLOCK_S=next_pow2(splits), BLOCK_D=next_pow2(head_dim), enable_fp_fusion=True,
         )  # fmt: skip
     return out
 
@@ -315,19 +336,45 @@ def prepare_attention(
     merge of its key splits): the attention kernel prepares q, k and v itself; other steps, and operands the
     kernel does not take, run prepare_qkv's kernel first."""
     args = paged_args(meta, qkv.device)
+    prep = prep_for(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache, meta,
+                    args)  # fmt: skip
+    if prep is None:
+        q = prepare_qkv(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache,
+                        meta.slot_mapping)  # fmt: skip
+        return paged_attention_args(q, k_cache, v_cache, args, window, scale)
+    return paged_attention_args(qkv, k_cache, v_cache, args, window, scale, prep=prep)
+
+
+def prep_for(
+    qkv: torch.Tensor,
+    bias: torch.Tensor | None,
+    heads: int,
+    kv_heads: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    norm_float: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    args: PagedArgs,
+) -> Prep | None:
+    """The `prep` of a decode step whose attention kernel can prepare its own q, k and v (prepare_qkv's operands
+    in the kernel's one-dtype, dense-head layout), else None."""
     head_dim = qkv.shape[1] // (heads + 2 * kv_heads)
     norm = q_norm is not None and k_norm is not None
     rot = cos.shape[-1]
-    fused = (
-        args.max_query_len == 1 and qkv.dim() == 2 and qkv.shape[1] == (heads + 2 * kv_heads) * head_dim
+    # every row a sequence's own decode row, every row with a slot: then the program reading a row's position
+    # stores exactly what prepare_qkv would (rows past slot_mapping, e.g. deterministic padding, go apart)
+    fits = (
+        args.max_query_len == 1 and qkv.dim() == 2 and qkv.shape[0] == args.num_rows == meta.slot_mapping.shape[0]
+        and qkv.shape[1] == (heads + 2 * kv_heads) * head_dim
         and tuple(k_cache.shape[1:]) == (kv_heads, head_dim) and rot % 2 == 0 and 0 < rot <= head_dim
         and _fits(qkv, k_cache, v_cache, head_dim, bias, q_norm if norm else None, k_norm if norm else None, cos,
                   sin)
     )  # fmt: skip
-    if not fused:
-        q = prepare_qkv(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache,
-                        meta.slot_mapping)  # fmt: skip
-        return paged_attention_args(q, k_cache, v_cache, args, window, scale)
-    prep = Prep(bias, q_norm, k_norm, eps, norm_float, cos.contiguous(), sin.contiguous(), meta.slot_mapping)
-    return paged_attention_args(qkv, k_cache, v_cache, args, window, scale, prep=prep)
-
+    if not fits:
+        return None
+    return Prep(bias, q_norm, k_norm, eps, norm_float, cos.contiguous(), sin.contiguous(), meta.slot_mapping)

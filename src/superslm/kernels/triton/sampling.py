@@ -34,7 +34,7 @@ from superslm.errors import InvalidArgument
 from superslm.kernels.triton._util import interpreted
 
 if TYPE_CHECKING:
-    from superslm.kernels.dispatch import LogitBias, Penalties
+    from superslm.kernels.sampling_reference import LogitBias, Penalties
 
 #: sampling.params.GREEDY_EPS: rows whose temperature is below it are greedy
 GREEDY_EPS: tl.constexpr = tl.constexpr(1e-5)
@@ -289,7 +289,7 @@ def shape_logits(
 ) -> torch.Tensor:
     """Shaped float32 [B, V] logits: bitmask, logit_bias, penalties, temperature (sampler order).
 
-    Same signature and meaning as kernels.dispatch.shape_logits_reference.
+    Same signature and meaning as kernels.sampling_reference.shape_logits_reference.
     """
     x = _rows(logits)
     n, vocab = x.shape
@@ -336,7 +336,7 @@ def select_tokens(
 ) -> torch.Tensor:
     """int64 [B]: each row's next token from shaped logits (greedy argmax, or filtered Gumbel race).
 
-    Same signature and meaning as kernels.dispatch.select_tokens_reference.
+    Same signature and meaning as kernels.sampling_reference.select_tokens_reference.
     """
     x = _rows(logits.to(torch.float32))
     n, vocab = x.shape
