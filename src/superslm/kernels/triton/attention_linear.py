@@ -69,7 +69,8 @@ def merge_gemv_config(n_out: int, head_dim: int, interp: bool) -> dict[str, int]
     """BLOCK_N outputs a program (~256 programs a row for an H100/H200's 132 SMs), heads a step so that a step
     covers ~256 inputs."""
     block_d = next_pow2(head_dim)
-    block_n = 8 if interp else max(2, min(16, 1 << max(0, (n_out // 256).bit_length() - 1)))
+    # the interpreter pays per program, not per element: few, wide programs
+    block_n = min(128, next_pow2(n_out)) if interp else max(2, min(16, 1 << max(0, (n_out // 256).bit_length() - 1)))
     return {"block_n": block_n, "block_h": max(1, 256 // block_d), "block_d": block_d, "num_warps": 4}
 
 

@@ -85,8 +85,8 @@ def norm_gemv_config(n_out: int, dim: int, interp: bool, gated: bool = False) ->
     """Tiles of `_norm_gemv_kernel`: BLOCK_N outputs a program, so that one row fills ~256 programs (an
     H100/H200 has 132 SMs; qkv of Qwen2.5-0.5B: 1152 outputs, 4 a program), at most 16; BLOCK_K inputs a
     step, 2048 weights a step in all (qkv: 512 bf16 = 1 KiB of each of 4 rows)."""
-    if interp:
-        return {"block_n": 16, "block_k": min(64, next_pow2(dim)), "num_warps": 4}
+    if interp:  # the interpreter pays per program, not per element: few, wide programs
+        return {"block_n": min(256, next_pow2(n_out)), "block_k": min(64, next_pow2(dim)), "num_warps": 4}
     block_n = max(2, min(16, 1 << max(0, (n_out // 256).bit_length() - 1)))
     if gated:  # two weight tiles a step (gate's and up's): half the outputs a program
         block_n = max(2, block_n // 2)
