@@ -6,10 +6,18 @@ import torch
 import triton
 import triton.language as tl
 
+#: the activation dtypes the kernels compute from (float32 inside)
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def gemv_block_n(n_out: int) -> int:
+    """Outputs a GEMV program takes on a GPU so that one row fills ~256 programs (an H100/H200 has 132 SMs), 2 to 16."""
+    return max(2, min(16, 1 << max(0, (n_out // 256).bit_length() - 1)))
 
 
 def interpreted(t: torch.Tensor) -> bool:

@@ -19,12 +19,11 @@ import triton.language as tl
 
 from superslm.kernels import fused as ref
 from superslm.kernels.attention import AttnMetadata
-from superslm.kernels.triton._util import interpreted, next_pow2, round_to
+from superslm.kernels.triton._util import FLOATS, gemv_block_n, interpreted, next_pow2, round_to
 from superslm.kernels.triton.hadamard import h_scale, hadamard_config, hadamard_rotate, rotate_rows
+from superslm.kernels.triton.norm_rotate import rotation_ok
 from superslm.kernels.triton.paged_args import paged_args
 from superslm.kernels.triton.paged_attention import attend, prep_for, prepare_attention
-
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -70,7 +69,7 @@ def merge_gemv_config(n_out: int, head_dim: int, interp: bool) -> dict[str, int]
     covers ~256 inputs."""
     block_d = next_pow2(head_dim)
     # the interpreter pays per program, not per element: few, wide programs
-    block_n = min(128, next_pow2(n_out)) if interp else max(2, min(16, 1 << max(0, (n_out // 256).bit_length() - 1)))
+    block_n = min(128, next_pow2(n_out)) if interp else gemv_block_n(n_out)
     return {"block_n": block_n, "block_h": max(1, 256 // block_d), "block_d": block_d, "num_warps": 4}
 
 
@@ -191,8 +190,7 @@ def attention_rotate(
     args = paged_args(meta, qkv.device)
     prep = prep_for(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache, meta,
                     args)  # fmt: skip
-    rot_ok = signs.dim() == 1 and 1 <= block <= 128 and not block & (block - 1) and k % block == 0 and k >= width
-    if prep is None or not rot_ok or dtype not in _FLOATS:
+    if prep is None or not rotation_ok(width, signs, block) or dtype not in FLOATS:
         o = prepare_attention(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache,
                               meta, window, scale)  # fmt: skip
         return ref.linear_input(o.reshape(n, width), signs, block, dtype, hadamard_rotate)

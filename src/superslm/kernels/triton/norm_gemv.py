@@ -19,11 +19,9 @@ import triton.language as tl
 
 from superslm.kernels import fused as ref
 from superslm.kernels.norm import norm_dtype
-from superslm.kernels.triton._util import interpreted, next_pow2, round_to
+from superslm.kernels.triton._util import FLOATS, gemv_block_n, interpreted, next_pow2, round_to
 from superslm.kernels.triton.fused import gate_activation, gated_act
 from superslm.kernels.triton.rmsnorm import add_rms_norm, rms_norm
-
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -87,7 +85,7 @@ def norm_gemv_config(n_out: int, dim: int, interp: bool, gated: bool = False) ->
     step, 2048 weights a step in all (qkv: 512 bf16 = 1 KiB of each of 4 rows)."""
     if interp:  # the interpreter pays per program, not per element: few, wide programs
         return {"block_n": min(256, next_pow2(n_out)), "block_k": min(64, next_pow2(dim)), "num_warps": 4}
-    block_n = max(2, min(16, 1 << max(0, (n_out // 256).bit_length() - 1)))
+    block_n = gemv_block_n(n_out)
     if gated:  # two weight tiles a step (gate's and up's): half the outputs a program
         block_n = max(2, block_n // 2)
     # 2048 weights a step (16 a thread): [16, 512] bf16 tiles took ~200 registers on sm_90, these <= 48
@@ -100,7 +98,7 @@ def fits(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, w
     output and w, w [out, dim] (out even with `act`), at most 65535 rows (the grid's second axis)."""
     dt = x.dtype
     return (
-        dt in _FLOATS and x.dim() == 2 and x.stride(-1) == 1 and x.shape[0] <= 65535
+        dt in FLOATS and x.dim() == 2 and x.stride(-1) == 1 and x.shape[0] <= 65535
         and w.dim() == 2 and w.shape[1] == x.shape[1]
         and w.dtype == dt and norm_dtype(dt, weight.dtype, weight_in_float) == dt
         and (residual is None or (residual.shape == x.shape and residual.dtype == dt and residual.stride(-1) == 1))

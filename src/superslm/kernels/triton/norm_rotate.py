@@ -18,14 +18,13 @@ import triton.language as tl
 
 from superslm.kernels import fused as ref
 from superslm.kernels.norm import norm_dtype
-from superslm.kernels.triton._util import interpreted, next_pow2, round_to
+from superslm.kernels.triton._util import FLOATS, interpreted, next_pow2, round_to
 from superslm.kernels.triton.fused import gate_activation, gated_act
 from superslm.kernels.triton.hadamard import h_scale, hadamard_config, hadamard_rotate, rotate_rows
 from superslm.kernels.triton.rmsnorm import add_rms_norm, rms_norm
 
 #: most blocks a row may hold for the one-program-per-row norm (64 x 128 inputs: registers beyond)
 MAX_ROW_BLOCKS = 64
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -86,7 +85,7 @@ def _gated_act_rotate_kernel(
     tl.store(o_ptr + row * k + c, round_to(h * hs, ot).to(ot), mask=r_ok)
 
 
-def _rotation_ok(width: int, signs: torch.Tensor, block: int) -> bool:
+def rotation_ok(width: int, signs: torch.Tensor, block: int) -> bool:
     """A power-of-two block <= 128 dividing the rotation's width len(signs) >= the input's width."""
     k = signs.shape[0]
     return signs.dim() == 1 and 1 <= block <= 128 and not block & (block - 1) and k % block == 0 and k >= width
@@ -104,10 +103,10 @@ def norm_rotate(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same signature and meaning as kernels.fused.norm_rotate, one program per row."""
     dim, k = x.shape[-1], signs.shape[-1]
-    if x.dtype not in _FLOATS or dtype not in _FLOATS:
+    if x.dtype not in FLOATS or dtype not in FLOATS:
         return ref.norm_rotate(x, residual, weight, eps, weight_in_float, signs, block, dtype)
     dense = x.dim() == 2 and x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
-    if (not dense or not _rotation_ok(dim, signs, block) or k // block > MAX_ROW_BLOCKS
+    if (not dense or not rotation_ok(dim, signs, block) or k // block > MAX_ROW_BLOCKS
             or (residual is not None and residual.shape != x.shape)):
         # the same steps as separate kernels (a row too wide for one program, a strided row, a bad argument)
         if residual is None:
@@ -141,10 +140,10 @@ def gated_act_rotate(
 ) -> torch.Tensor:
     """Same signature and meaning as kernels.fused.gated_act_rotate, (row, block) pairs a program."""
     inter = gate_up.shape[-1] // 2
-    if gate_up.dtype not in _FLOATS or dtype not in _FLOATS:
+    if gate_up.dtype not in FLOATS or dtype not in FLOATS:
         return ref.gated_act_rotate(gate_up, act, signs, block, dtype)
     if (act not in ref.ACTIVATIONS or gate_up.dim() != 2 or gate_up.stride(-1) != 1 or gate_up.shape[1] % 2
-            or not _rotation_ok(inter, signs, block)):
+            or not rotation_ok(inter, signs, block)):
         # the same steps as separate kernels
         return ref.linear_input(gated_act(gate_up, act), signs, block, dtype, hadamard_rotate)
     n, k = gate_up.shape[0], signs.shape[0]
