@@ -151,6 +151,8 @@ def test_a_rotated_model_rotates_inside_its_norms(family, quant, dtype, tmp_path
             if isinstance(m, Int4Linear):
                 m._relayout("nibbles")  # what a GPU holds: the kernels on the stored nibbles
     monkeypatch.setenv(dispatch.ENV, "triton")
+    # the norm and activation kernels themselves, not inside int4 GEMVs (test_kernels_rotate_gemv.py)
+    monkeypatch.setenv(dispatch.GEMV_ROWS_ENV, "0")
     calls: dict[str, int] = {}
     for name in ("hadamard_rotate", "norm_rotate", "gated_act_rotate"):
         real = getattr(tk, name)

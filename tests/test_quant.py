@@ -36,7 +36,7 @@ from superslm.quant import (
     unrotate_weight,
 )
 from superslm.quant.gguf_map import int5_runs
-from superslm.quant.int4 import pack_int4, unpack_int4
+from superslm.quant.int4 import cpu_block, pack_int4, to_cpu_layout, to_stored_layout, unpack_int4
 from superslm.quant.int5 import GGUFInt5Linear, pack_bits, unpack_bits
 
 U = 2.0**-8
@@ -155,10 +155,19 @@ def test_int8_and_int4_quantization_error_bounds() -> None:
 
 
 def test_int4_packing_matches_torch_and_round_trips() -> None:
+    """pack_int4 in this CPU's blocks (64 rows with AVX-512, 32 with AVX2) is torch's layout; every block size
+    round-trips, and the stored layout (blocks of 64) converts to this CPU's and back."""
     codes = torch.randint(0, 16, (192, 96), dtype=torch.int32)
-    packed = pack_int4(codes.to(torch.uint8))
+    block = cpu_block()
+    assert block in (64, 32)
+    packed = pack_int4(codes.to(torch.uint8), block)
     assert torch.equal(packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
-    assert torch.equal(unpack_int4(packed), codes.to(torch.uint8))
+    for b in (64, 32, 16):
+        assert torch.equal(unpack_int4(pack_int4(codes.to(torch.uint8), b), b), codes.to(torch.uint8))
+    stored = pack_int4(codes.to(torch.uint8))
+    assert torch.equal(to_cpu_layout(stored), packed) and torch.equal(to_stored_layout(packed), stored)
+    # the two layouts differ: blocks of 32 rows pair row j with j + 16, blocks of 64 with j + 32
+    assert not torch.equal(pack_int4(codes.to(torch.uint8), 32), stored)
 
 
 def test_int4_kernel_semantics() -> None:

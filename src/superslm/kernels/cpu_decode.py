@@ -39,7 +39,7 @@ def _lin(m: torch.nn.Module) -> tuple[list[torch.Tensor | None], list[int]] | No
         bias = None if m.bias is None else m.bias.detach()
         return [w, None, bias, None, None, None], [0, 0, w.shape[0], w.shape[1], w.shape[1]]
     from superslm.quant.dense import Bf16Linear, Int8Linear
-    from superslm.quant.int4 import Int4Linear
+    from superslm.quant.int4 import Int4Linear, cpu_block
     from superslm.quant.int5 import GGUFInt5Linear
 
     rot: list[torch.Tensor | None] = [None, None]
@@ -51,6 +51,8 @@ def _lin(m: torch.nn.Module) -> tuple[list[torch.Tensor | None], list[int]] | No
             return None  # the 5-bit codes run only on the VNNI kernels; the module has its own fallback
         return [m.qweight, m.scales_zeros, m.bias, None, None, m.bits], [5, 32, *ints]
     if isinstance(m, Int4Linear):
+        if cpu_block() != 64 and cext.vnni() is not None:
+            return None  # the VNNI kernels read blocks of 64 rows; torch's layout here has other blocks
         return [m.qweight, m.scales_zeros, m.bias, *rot, None], [1, m.group, *ints]
     if isinstance(m, Int8Linear):
         return [m.codes, m.scale, m.bias, *rot, None], [2, 0, *ints]

@@ -105,20 +105,8 @@ def add_rms_norm_reference(
     return _norm.rms_norm(h, weight, eps, weight_in_float), h
 
 
-def int4_matmul_reference(
-    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int
-) -> torch.Tensor:
-    """x [..., K] @ W^T -> [..., N] in x's dtype, computed in float32 from the dequantized weight.
-
-    qweight uint8 [N, K / 2] (byte j: code 2j low nibble, 2j + 1 high), scale and zero [N, K / group],
-    W[n, k] = (code - 8) * scale[n, k // group] + zero[n, k // group]: the int4 format's stored state.
-    """
-    n = qweight.shape[0]
-    codes = torch.stack((qweight & 15, qweight >> 4), dim=-1).reshape(n, -1)  # [N, K]
-    s = scale.float().repeat_interleave(group, dim=1)
-    z = zero.float().repeat_interleave(group, dim=1)
-    w = (codes.float() - 8) * s + z
-    return (x.float() @ w.T).to(x.dtype)
+#: x @ W^T for an int4 weight in the int4 format's stored state (kernels.fused.Int4Weight)
+int4_matmul_reference = _fused.int4_matmul
 
 
 def int8_matmul_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -332,6 +320,31 @@ def norm_linear(
     """kernels.fused.norm_linear on the chosen backend: (add +) norm, a dense linear (and the activation) at once."""
     t = _kernels(x.device)
     return (t.norm_linear if t else _fused.norm_linear)(x, residual, weight, eps, weight_in_float, w, act)
+
+
+def norm_rotate_int4(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    weight_in_float: bool,
+    signs: torch.Tensor,
+    block: int,
+    dtype: torch.dtype,
+    w4: _fused.Int4Weight,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """kernels.fused.norm_rotate_int4 on the chosen backend: norm_rotate and the int4 GEMV in one launch."""
+    t = _kernels(x.device)
+    fn = t.norm_rotate_int4 if t else _fused.norm_rotate_int4
+    return fn(x, residual, weight, eps, weight_in_float, signs, block, dtype, w4)
+
+
+def gated_act_rotate_int4(
+    gate_up: torch.Tensor, act: str, signs: torch.Tensor, block: int, dtype: torch.dtype, w4: _fused.Int4Weight
+) -> torch.Tensor:
+    """kernels.fused.gated_act_rotate_int4 on the chosen backend."""
+    t = _kernels(gate_up.device)
+    return (t.gated_act_rotate_int4 if t else _fused.gated_act_rotate_int4)(gate_up, act, signs, block, dtype, w4)
 
 
 def int4_matmul(

@@ -6,13 +6,15 @@ cache, q out; `gated_act`: the MLP's act(gate) * up from the fused gate_up outpu
 linear's cast and input rotation (`hadamard_rotate`, quant.hadamard.Rotation's map); `norm_linear`: a norm
 feeding a dense linear (and the activation after a fused gate_up), the GPU's one-launch GEMV; `prepare_attention`:
 prepare_qkv and the paged attention after it (one launch of a decode step on the GPU), and `attention_linear`
-with the o projection (whose GEMV merges the attention's key splits). Each is the plain
+with the o projection (whose GEMV merges the attention's key splits); `norm_rotate_int4` and
+`gated_act_rotate_int4`: `norm_rotate` and `gated_act_rotate` with the int4 GEMV after them. Each is the plain
 composition of the layer's own steps, so the torch backend computes exactly what it did before.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -247,3 +249,50 @@ def norm_linear(
         y = rms_norm(h, weight, eps, weight_in_float)
     out = F.linear(y, w)
     return (out if act is None else gated_act(out, act)), h
+
+
+class Int4Weight(NamedTuple):
+    """An int4 weight in the int4 format's stored state (quant/int4.py `Int4Linear._state`): qweight uint8
+    [N, K / 2] (byte j: code 2j low nibble, 2j + 1 high), scale and zero [N, K / group],
+    W[n, k] = (code - 8) * scale[n, k // group] + zero[n, k // group]."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group: int
+
+
+def int4_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int
+) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] in x's dtype, computed in float32 from the dequantized weight (`Int4Weight`)."""
+    n = qweight.shape[0]
+    codes = torch.stack((qweight & 15, qweight >> 4), dim=-1).reshape(n, -1)  # [N, K]
+    s = scale.float().repeat_interleave(group, dim=1)
+    z = zero.float().repeat_interleave(group, dim=1)
+    w = (codes.float() - 8) * s + z
+    return (x.float() @ w.T).to(x.dtype)
+
+
+def norm_rotate_int4(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    weight_in_float: bool,
+    signs: torch.Tensor,
+    block: int,
+    dtype: torch.dtype,
+    w4: Int4Weight,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`norm_rotate`, then the rotated int4 linear's product: (R · rms_norm(residual + x) W^T in `dtype`,
+    residual + x), [N, out] (what LinearFormat.forward_rotated's matmul makes, before a bias)."""
+    xr, h = norm_rotate(x, residual, weight, eps, weight_in_float, signs, block, dtype)
+    return int4_matmul(xr, *w4), h
+
+
+def gated_act_rotate_int4(
+    gate_up: torch.Tensor, act: str, signs: torch.Tensor, block: int, dtype: torch.dtype, w4: Int4Weight
+) -> torch.Tensor:
+    """`gated_act_rotate`, then the rotated int4 linear's product (the down projection's, before a bias)."""
+    return int4_matmul(gated_act_rotate(gate_up, act, signs, block, dtype), *w4)

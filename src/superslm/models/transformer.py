@@ -25,9 +25,11 @@ from superslm.kernels.dispatch import (
     backend,
     gated_act,
     gated_act_rotate,
+    gated_act_rotate_int4,
     norm_gemv_rows,
     norm_linear,
     norm_rotate,
+    norm_rotate_int4,
     prepare_attention,
     rms_norm,
 )
@@ -97,7 +99,7 @@ class Layer(nn.Module):
         lora = meta.lora
         bias = None
         src, residual = (h, None) if pending is None else (pending, h)  # the first norm's input, what it adds to
-        done = self._rotated(self.qkv, self.attn_norm, src, residual, lora)
+        done = self._rotated(self.qkv, self.attn_norm, src, residual, lora, meta.deterministic)
         if done is not None:
             qkv, h = done
         else:
@@ -120,7 +122,7 @@ class Layer(nn.Module):
                 o = lora.apply(self.index, "o", o_in, o)
         if a.post_norms:
             o = self.norm(o, "post_attn_norm")
-        done = self._rotated(self.gate_up, self.ffn_norm, o, h, lora)
+        done = self._rotated(self.gate_up, self.ffn_norm, o, h, lora, meta.deterministic)
         if done is not None:
             gu, h = done
         elif _gemv_fused(self.gate_up, o, lora, meta.deterministic) and _fused_rotation(self.down, o, lora) is None:
@@ -134,7 +136,11 @@ class Layer(nn.Module):
                 gu = lora.apply(self.index, "gate_up", x, gu)
         rot = _fused_rotation(self.down, gu, lora)
         if rot is not None:  # the activation's kernel rotates the down projection's input
-            y = self.down.forward_rotated(gated_act_rotate(gu, a.act, *rot), gu.dtype)
+            w4 = _int4_gemv(self.down, gu, meta.deterministic)
+            if w4 is not None:  # ... inside the down projection's int4 GEMV
+                y = self.down.finish(gated_act_rotate_int4(gu, a.act, *rot, w4), gu.dtype)
+            else:
+                y = self.down.forward_rotated(gated_act_rotate(gu, a.act, *rot), gu.dtype)
             return h, (self.norm(y, "post_ffn_norm") if a.post_norms else y)
         return h, self._down(gated_act(gu, a.act), lora)
 
@@ -148,16 +154,23 @@ class Layer(nn.Module):
         return y
 
     def _rotated(
-        self, lin: nn.Module, norm: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, lora: Any
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self, lin: nn.Module, norm: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, lora: Any,
+        deterministic: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """(lin(rms_norm(residual + x)), residual + x) with the norm's kernel rotating lin's input (x alone
-        without a residual); None where that rotation cannot move into the norm (`_fused_rotation`)."""
+        without a residual), inside an int4 lin's GEMV at a few rows; None where that rotation cannot move into
+        the norm (`_fused_rotation`)."""
         rot = _fused_rotation(lin, x, lora)
         if rot is None:
             return None
         a = self.arch
+        dtype = norm_dtype(x.dtype, norm.dtype, a.norm_float)
+        w4 = _int4_gemv(lin, x, deterministic)
+        if w4 is not None:
+            y, h = norm_rotate_int4(x, residual, norm, a.norm_eps, a.norm_float, *rot, w4)
+            return lin.finish(y, dtype), (x if h is None else h)
         xr, h = norm_rotate(x, residual, norm, a.norm_eps, a.norm_float, *rot)
-        return lin.forward_rotated(xr, norm_dtype(x.dtype, norm.dtype, a.norm_float)), (x if h is None else h)
+        return lin.forward_rotated(xr, dtype), (x if h is None else h)
 
     def _qkv(
         self, src: torch.Tensor, residual: torch.Tensor | None, lora: Any, deterministic: bool
@@ -203,6 +216,15 @@ def _fused_rotation(lin: nn.Module, x: torch.Tensor, lora: Any) -> tuple[torch.T
     if rotation is None or lora is not None or backend(x.device) != "triton":
         return None
     return rotation()
+
+
+def _int4_gemv(lin: nn.Module, x: torch.Tensor, deterministic: bool) -> Any:
+    """The int4 weight (kernels.fused.Int4Weight) of a rotated linear whose input kernel may run inside its GEMV
+    (`norm_rotate_int4`, `gated_act_rotate_int4`): at most `norm_gemv_rows()` rows, not in deterministic mode;
+    None otherwise. The caller has checked `_fused_rotation` (the Triton path, no LoRA, no hooks)."""
+    if not 0 < x.shape[0] <= norm_gemv_rows() or deterministic:
+        return None
+    return lin.int4_weight()
 
 
 class Transformer(nn.Module):

@@ -20,6 +20,7 @@ from torch import nn
 
 from superslm.errors import FormatError, InvalidArgument, UnsupportedModel
 from superslm.formats.blocks import BlockType
+from superslm.kernels.fused import Int4Weight
 from superslm.quant.hadamard import Rotation, unrotate_weight
 
 #: name -> format class
@@ -188,10 +189,19 @@ class LinearFormat(nn.Module):
     def forward_rotated(self, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`forward`'s tail for an input already padded, rotated and cast: h [M, k_pad] in compute_dtype ->
         [M, out] in `dtype` (the caller's fused kernel made h: kernels.fused.norm_rotate, gated_act_rotate)."""
-        y = self._matmul(h)  # [M, out]
+        return self.finish(self._matmul(h), dtype)  # [M, out]
+
+    def finish(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`forward`'s last step on the format's product y [M, out] in compute_dtype (from `_matmul`, or a fused
+        kernel given `int4_weight`): the bias in float32, then the cast to `dtype`."""
         if self.bias is not None:
             y = y.float() + self.bias
         return y.to(dtype)
+
+    def int4_weight(self) -> Int4Weight | None:
+        """The weight in the int4 kernels' terms where a fused int4 GEMV may compute `_matmul` (Int4Linear off
+        torch's CPU path); None for other formats."""
+        return None
 
     def dequantize(self) -> torch.Tensor:
         """The weight this module computes with, float32 [out, in] in the model's (unrotated) basis."""

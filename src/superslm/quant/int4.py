@@ -22,36 +22,39 @@ import torch
 from superslm.errors import InternalError, InvalidArgument, UnsupportedModel
 from superslm.formats.blocks import BlockType, Int4BlockType
 from superslm.kernels import dispatch
+from superslm.kernels.fused import Int4Weight
 from superslm.quant.base import LinearFormat, as_bias, as_parts, register_format
 from superslm.quant.hadamard import pick_block, rotate_weight
 
 GROUPS = (32, 64, 128, 256)
-#: rows per block of the kernel's packed layout when N % 64 == 0
+#: rows per block of the stored packed layout (torch's kernel's on AVX-512; the C++ VNNI kernels read it)
 _BLOCK_N = 64
-_layout_checked = False
+#: rows per block of torch's packed layout on this CPU (`cpu_block`), once probed
+_cpu_block: int | None = None
 
 
 def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """codes uint8 [N, K] (0..15, N % 64 == 0) -> the kernel's packed uint8 [N, K / 2].
+def pack_int4(codes: torch.Tensor, block: int = _BLOCK_N) -> torch.Tensor:
+    """codes uint8 [N, K] (0..15, N % block == 0) -> the kernel's packed uint8 [N, K / 2].
 
-    Per block of 64 rows and per k, byte j holds row j (low nibble) and row j + 32 (high nibble):
-    what `_convert_weight_to_int4pack_for_cpu` writes, without its int32 copy of the codes. In numpy:
-    torch's uint8 elementwise ops measured ~50x slower here.
+    Per block of `block` rows and per k, byte j holds row j (low nibble) and row j + block / 2 (high nibble):
+    what `_convert_weight_to_int4pack_for_cpu` writes (blocks of 64 rows with AVX-512, 32 with AVX2:
+    `cpu_block`), without its int32 copy of the codes. In numpy: torch's uint8 elementwise ops measured ~50x
+    slower here.
     """
     n, k = codes.shape
-    v = codes.contiguous().numpy().reshape(n // _BLOCK_N, 2, _BLOCK_N // 2, k)  # [blocks, half, j, k]
+    v = codes.contiguous().numpy().reshape(n // block, 2, block // 2, k)  # [blocks, half, j, k]
     b = v[:, 0] | (v[:, 1] << np.uint8(4))  # [blocks, 32, k]
     return torch.from_numpy(np.ascontiguousarray(b.transpose(0, 2, 1)).reshape(n, k // 2))
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+def unpack_int4(packed: torch.Tensor, block: int = _BLOCK_N) -> torch.Tensor:
     """The inverse of `pack_int4`: packed uint8 [N, K / 2] -> codes uint8 [N, K]."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    b = packed.contiguous().numpy().reshape(n // _BLOCK_N, k, _BLOCK_N // 2).transpose(0, 2, 1)  # [blocks, 32, k]
+    b = packed.contiguous().numpy().reshape(n // block, k, block // 2).transpose(0, 2, 1)  # [blocks, block/2, k]
     return torch.from_numpy(np.stack((b & np.uint8(15), b >> np.uint8(4)), axis=1).reshape(n, k))
 
 
@@ -66,17 +69,35 @@ def load_nibbles(packed: np.ndarray) -> np.ndarray:
     return np.stack((packed & np.uint8(15), packed >> np.uint8(4)), axis=-1).reshape(packed.shape[0], -1)
 
 
-def _check_layout() -> None:
-    # our packer must match the op's; checked once per process so a torch change fails loudly
-    global _layout_checked
-    if _layout_checked:
-        return
-    g = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (128, 64), generator=g, dtype=torch.int32)
-    ref = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    if not torch.equal(ref, pack_int4(codes.to(torch.uint8))):
-        raise InternalError("torch's packed int4 CPU layout differs from superslm.quant.int4.pack_int4")
-    _layout_checked = True
+def cpu_block() -> int:
+    """Rows per block of torch's packed int4 layout on this CPU: its kernel's BLOCK_N follows the CPU capability
+    it dispatches to (64 with AVX-512, 32 with AVX2). Probed once per process against `pack_int4`, so a torch
+    release that changes the layout fails loudly (InternalError) instead of computing garbage."""
+    global _cpu_block
+    if _cpu_block is None:
+        g = torch.Generator().manual_seed(0)
+        codes = torch.randint(0, 16, (128, 64), generator=g, dtype=torch.int32)
+        ref = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        for block in (64, 32, 16):
+            if torch.equal(ref, pack_int4(codes.to(torch.uint8), block)):
+                _cpu_block = block
+                break
+        else:
+            raise InternalError("torch's packed int4 CPU layout differs from superslm.quant.int4.pack_int4")
+    return _cpu_block
+
+
+def to_cpu_layout(stored: torch.Tensor) -> torch.Tensor:
+    """Packed codes in the stored layout (blocks of 64 rows) -> torch's layout on this CPU (the same tensor where
+    they agree)."""
+    block = cpu_block()
+    return stored if block == _BLOCK_N else pack_int4(unpack_int4(stored), block)
+
+
+def to_stored_layout(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `to_cpu_layout`."""
+    block = cpu_block()
+    return packed if block == _BLOCK_N else pack_int4(unpack_int4(packed.cpu(), block))
 
 
 #: range shrink factors tried per group by `fit_groups` (llama.cpp's make_qkx2_quants does the same)
@@ -179,7 +200,7 @@ class Int4Linear(LinearFormat):
         if k_pad % group or scale.shape != (n, k_pad // group) or zero.shape != scale.shape or n != out_features:
             raise InvalidArgument(f"int4: codes {tuple(codes.shape)} and scales {tuple(scale.shape)} do not match")
         super().__init__(in_features, out_features, k_pad, bias, rotation, note)
-        _check_layout()
+        block = cpu_block()
         self.group = group
         n_pad = round_up(n, _BLOCK_N)
         if n_pad != n:
@@ -188,7 +209,7 @@ class Int4Linear(LinearFormat):
             codes = torch.from_numpy(np.concatenate([codes.to(torch.uint8).numpy(), pad]))
             scale = torch.cat([scale, scale.new_zeros(n_pad - n, scale.shape[1])])
             zero = torch.cat([zero, zero.new_zeros(n_pad - n, zero.shape[1])])
-        self.register_buffer("qweight", pack_int4(codes.to(torch.uint8).contiguous()))
+        self.register_buffer("qweight", pack_int4(codes.to(torch.uint8).contiguous(), block))
         sz = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)  # [N_pad, groups, 2]
         self.register_buffer("scales_zeros", sz.transpose(0, 1).contiguous())  # [groups, N_pad, 2]
 
@@ -242,6 +263,14 @@ class Int4Linear(LinearFormat):
         state, _ = self._state()
         return dispatch.int4_matmul(x, state["qweight"], state["scales"], state["zeros"], self.group)
 
+    def int4_weight(self) -> Int4Weight | None:
+        if self.layout == "nibbles":
+            return Int4Weight(self.qweight, self.scale, self.zero, self.group)
+        if dispatch.backend(self.qweight.device) == "torch":
+            return None  # torch's packed CPU kernel: no fused GEMV
+        state, _ = self._state()  # the kernels on a CPU tensor (TRITON_INTERPRET=1 tests), rebuilt per call
+        return Int4Weight(state["qweight"], state["scales"], state["zeros"], self.group)
+
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def, override]
         # .to(device): the packed CPU layout runs only on the CPU; elsewhere the kernels read nibbles. The
         # probe lives where qweight does, so a dtype-only change (.float(), .to(dtype)) keeps the layout.
@@ -280,7 +309,7 @@ class Int4Linear(LinearFormat):
             codes = torch.from_numpy(load_nibbles(self.qweight.cpu().numpy()))
             return codes, self.scale, self.zero
         sz = self.scales_zeros[:, :n].transpose(0, 1)  # [N, groups, 2]
-        return unpack_int4(self.qweight)[:n], sz[..., 0].contiguous(), sz[..., 1].contiguous()
+        return unpack_int4(self.qweight.cpu(), cpu_block())[:n], sz[..., 0].contiguous(), sz[..., 1].contiguous()
 
     def dequantize_stored(self) -> torch.Tensor:
         codes, scale, zero = self._params()

@@ -14,9 +14,10 @@ import torch
 from superslm.errors import FormatError, InvalidArgument
 from superslm.quant.base import LinearFormat, format_class, load_linear
 from superslm.quant.gguf_map import ConcatLinear
-from superslm.quant.int4 import Int4Linear, _check_layout, round_up
+from superslm.quant.int4 import Int4Linear, round_up, to_cpu_layout, to_stored_layout
 
-#: int4 weights are stored in torch's packed CPU layout (quant.int4.pack_int4), read without a repack
+#: int4 weights are stored in torch's packed CPU layout on AVX-512 (quant.int4.pack_int4, blocks of 64 rows), read
+#: without a repack there (other CPUs repack to their own blocks: quant.int4.to_cpu_layout)
 INT4_PACKED = "cpu-int4pack-n64"
 
 
@@ -33,7 +34,7 @@ def linear_state(module: LinearFormat) -> tuple[dict[str, torch.Tensor], dict[st
             metas.append(m)
         return tensors, dict(meta, parts=metas)
     if isinstance(module, Int4Linear) and module.layout == "cpu":
-        tensors = {"qweight": module.qweight, "scales_zeros": module.scales_zeros}
+        tensors = {"qweight": to_stored_layout(module.qweight), "scales_zeros": module.scales_zeros}
         if module.bias is not None:
             tensors["bias"] = module.bias
         return tensors, dict(meta, packed=INT4_PACKED)
@@ -52,13 +53,12 @@ def _int4_packed(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -
     if qw.dtype != torch.uint8 or tuple(qw.shape) != (n_pad, k_pad // 2) or sz.dtype != torch.bfloat16 \
             or tuple(sz.shape) != (k_pad // group, n_pad, 2):
         raise FormatError(f"packed int4 linear: tensors {tuple(qw.shape)}, {tuple(sz.shape)} do not fit {n}x{k_pad}")
-    _check_layout()  # the stored layout is torch's: fail loudly if a torch release changed it
     rot = meta.get("rotation")
     module = cls.__new__(cls)
     LinearFormat.__init__(module, k, n, k_pad, tensors.get("bias"),
                           None if rot is None else (int(rot["seed"]), int(rot["block"])), str(meta.get("note", "")))
     module.group = group
-    module.register_buffer("qweight", qw)
+    module.register_buffer("qweight", to_cpu_layout(qw))  # fails loudly if a torch release changed the layout
     module.register_buffer("scales_zeros", sz)
     return module
 

@@ -15,6 +15,7 @@ from superslm.kernels.triton.paged_args import PagedArgs, build_paged_args, page
 from superslm.kernels.triton.paged_attention import paged_attention, paged_attention_args, prepare_attention
 from superslm.kernels.triton.rmsnorm import add_rms_norm, rms_norm
 from superslm.kernels.triton.rope import apply_rope
+from superslm.kernels.triton.rotate_gemv import gated_act_rotate_int4, norm_rotate_int4
 from superslm.kernels.triton.sampling import select_tokens, shape_logits
 from superslm.kernels.triton.store_kv import store_kv
 
@@ -26,11 +27,13 @@ __all__ = [
     "apply_rope",
     "gated_act",
     "gated_act_rotate",
+    "gated_act_rotate_int4",
     "hadamard_rotate",
     "int4_matmul",
     "int8_matmul",
     "norm_linear",
     "norm_rotate",
+    "norm_rotate_int4",
     "rms_norm",
     "build_paged_args",
     "paged_args",

@@ -33,6 +33,7 @@ from superslm.kernels.triton.norm_rotate import _gated_act_rotate_kernel, _norm_
 from superslm.kernels.triton.paged_attention import _attn_kernel, _merge_kernel, attn_config
 from superslm.kernels.triton.rmsnorm import _rms_norm_kernel
 from superslm.kernels.triton.rope import _rope_kernel
+from superslm.kernels.triton.rotate_gemv import _rotate_int4_kernel, rotate_gemv_config
 from superslm.kernels.triton.sampling import _select_kernel, _shape_kernel
 from superslm.kernels.triton.store_kv import _store_kv_kernel
 
@@ -194,6 +195,22 @@ def cases(everything: bool = False) -> list[Case]:
             cx = dict(ACT=act, BLOCK_R=c["block_r"], B=b, LOG_B=b.bit_length() - 1, DOT=b >= 16, F32_DOT=False)
             out.append(Case(f"gated_act_rotate {t} act={act} b={b}", _gated_act_rotate_kernel,
                             dict(gu_ptr=t, s_ptr="fp32", o_ptr="bf16"), c["num_warps"], cx, False))  # fmt: skip
+        # the same inside the int4 GEMV: Qwen2.5-0.5B's qkv (first layer: no residual), gate_up and down (SiLU);
+        # SmolLM2's 576 padded to 640; with everything: Gemma-3's float32 norm weight and gelu-tanh, blocks of 8
+        r4 = dict(x_ptr=t, r_ptr=t, nw_ptr=t, sg_ptr="fp32", t_ptr="bf16", ro_ptr=t, qw_ptr="u8", sc_ptr="bf16",
+                  z_ptr="bf16", o_ptr="bf16")  # fmt: skip
+        rot4 = [(1152, 896, 128, False, None), (9728, 896, 128, True, None), (896, 4864, 128, False, 0),
+                (960, 640, 128, True, None)]
+        if everything:
+            rot4 += [(1536, 640, 128, True, None), (640, 2048, 128, False, 1), (64, 48, 8, True, None)]
+        for n, k, b, add, act in rot4:
+            c = rotate_gemv_config(k, n, b, 128 if k % 128 == 0 else 16, False)
+            assert c is not None
+            wf = everything and n == 1536  # Gemma-3: the norm's weight in float32, the product in float32
+            cx = dict(GATED=act is not None, ADD=add, WEIGHT_IN_FLOAT=wf, NORM_ROUND=not wf, ACT=act or 0, RB=c["rb"],
+                      B=b, LOG_B=b.bit_length() - 1, BLOCK_N=c["block_n"], GROUPS=c["groups"], HALF_G=c["half_g"])
+            out.append(Case(f"rotate_int4 {t} n={n} k={k} b={b} add={add} act={act}", _rotate_int4_kernel,
+                            dict(r4, nw_ptr="fp32" if wf else t), c["num_warps"], cx, False))  # fmt: skip
         # a norm in a dense GEMV: Qwen2.5-0.5B's qkv (first layer: no residual) and gate_up with SiLU, the head;
         # Gemma-3's norm weight in float32 and gelu-tanh
         ngv = dict(x_ptr=t, r_ptr=t, nw_ptr=t, w_ptr=t, o_ptr=t, ro_ptr=t)

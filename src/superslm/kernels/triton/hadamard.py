@@ -38,6 +38,18 @@ def rotate_rows(v, B: tl.constexpr, LOG_B: tl.constexpr, DOT: tl.constexpr, DOT_
 
 
 @triton.jit
+def fwht_rows(v, R: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr):
+    """v [R, B] float32 -> v · H_b (unscaled), as `rotate_rows`, by LOG_B butterfly stages (a fast Walsh-Hadamard
+    transform: pairs i, i + s -> sum, difference): no [B, B] matrix to build or load, ~B log B adds a row. The
+    sums run in another order than the dot's, so a result may differ from `rotate_rows`' in its last bit."""
+    for t in tl.static_range(LOG_B):
+        v = tl.reshape(v, [R, B // (2 << t), 2, 1 << t])  # [R, pairs of runs, the pair, s = 2^t]
+        a, b = tl.split(tl.permute(v, (0, 1, 3, 2)))
+        v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), [R, B])
+    return v
+
+
+@triton.jit
 def _hadamard_kernel(
     x_ptr, s_ptr, o_ptr,
     R, NB, x_row, o_row, h_scale,

@@ -61,16 +61,11 @@ def _int4_kernel(
 
 
 @triton.jit
-def _int4_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, o_ptr,
-    N, K, x_row, qw_row, s_row, o_row,
+def int4_gemv_acc(
+    xr_ptr, qw_ptr, s_ptr, z_ptr, n64, n_ok, K, qw_row, s_row,
     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, HALF_G: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    n_ok = n < N
-    n64 = n.to(tl.int64)
+    """float32 [BLOCK_N]: one activation row (xr_ptr, K inputs) times the int4 rows n64 of W (masked n_ok)."""
     gi = tl.arange(0, GROUPS)  # groups of this step
     jj = tl.arange(0, HALF_G)  # bytes of a group
     n_groups = K // (2 * HALF_G)
@@ -80,8 +75,8 @@ def _int4_gemv_kernel(
         g_ok = g < n_groups
         byte = g[:, None] * HALF_G + jj[None, :]  # [G, HG]: byte j holds codes k = 2j, 2j + 1
         xm = g_ok[:, None]
-        xe = tl.load(x_ptr + row * x_row + 2 * byte, mask=xm, other=0.0).to(tl.float32)
-        xo = tl.load(x_ptr + row * x_row + 2 * byte + 1, mask=xm, other=0.0).to(tl.float32)
+        xe = tl.load(xr_ptr + 2 * byte, mask=xm, other=0.0).to(tl.float32)
+        xo = tl.load(xr_ptr + 2 * byte + 1, mask=xm, other=0.0).to(tl.float32)
         wm = n_ok[:, None, None] & g_ok[None, :, None]
         b = tl.load(qw_ptr + n64[:, None, None] * qw_row + byte[None, :, :], mask=wm, other=0).to(tl.int32)
         lo = ((b & 15) - 8).to(tl.float32)  # [BN, G, HG]
@@ -92,6 +87,21 @@ def _int4_gemv_kernel(
         sc = tl.load(s_ptr + n64[:, None] * s_row + g[None, :], mask=sm, other=0.0).to(tl.float32)
         zr = tl.load(z_ptr + n64[:, None] * s_row + g[None, :], mask=sm, other=0.0).to(tl.float32)
         acc += tl.sum(sc * part + zr * xsum[None, :], 1)
+    return acc
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, o_ptr,
+    N, K, x_row, qw_row, s_row, o_row,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, HALF_G: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_ok = n < N
+    acc = int4_gemv_acc(x_ptr + row * x_row, qw_ptr, s_ptr, z_ptr, n.to(tl.int64), n_ok, K, qw_row, s_row,
+                        BLOCK_N, GROUPS, HALF_G)  # fmt: skip
     ot = o_ptr.dtype.element_ty
     tl.store(o_ptr + row * o_row + n, round_to(acc, ot).to(ot), mask=n_ok)
 
