@@ -43,7 +43,7 @@ def gen(seed: int) -> torch.Generator:
 @pytest.mark.parametrize("add", [False, True])
 @pytest.mark.parametrize("weight_in_float", [False, True])
 @pytest.mark.parametrize("float_weight", [False, True])  # a float32 norm weight: Llama's product promotes
-# k > dim: the linear's padded inputs (SmolLM2's 576 with groups of 128); block 8: below tl.dot's tile
+# k > dim: the linear's padded inputs (SmolLM2's 576 with groups of 128); block 8: the smallest tile
 @pytest.mark.parametrize("dim,k,block,n", [(896, 896, 128, 1), (576, 640, 128, 3), (576, 576, 64, 2), (40, 48, 8, 2)])
 def test_norm_rotate(dtype, add, weight_in_float, float_weight, dim, k, block, n) -> None:
     g = gen(dim + n)

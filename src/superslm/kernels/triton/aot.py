@@ -131,7 +131,7 @@ def cases(everything: bool = False) -> list[Case]:
         # the merge making a rotated o projection's input (bf16 whatever the model's dtype): blocks of 128 and 64
         for b in (128, 64):
             c = merge_rotate_config(1024, b, False)
-            cx = dict(BLOCK_R=c["block_r"], B=b, LOG_B=b.bit_length() - 1, DOT=True, F32_DOT=False)
+            cx = dict(BLOCK_R=c["block_r"], B=b, LOG_B=b.bit_length() - 1)
             out.append(Case(f"merge_rotate {t} b={b}", _merge_rotate_kernel,
                             dict(part_ptr="fp32", ml_ptr="fp32", s_ptr="fp32", o_ptr="bf16", t_ptr=t),
                             c["num_warps"], cx, False))  # fmt: skip
@@ -169,15 +169,15 @@ def cases(everything: bool = False) -> list[Case]:
                       F32_DOT=f32)  # fmt: skip
             out.append(Case(f"int8_matmul {t} m={m}", _int8_kernel, int8, c["num_warps"], cx))
         had = dict(x_ptr=t, s_ptr="fp32", o_ptr=t)
-        # 128 and 64 (SmolLM2's 576), then blocks under tl.dot's 16 (multiply and sum)
+        # 128 and 64 (SmolLM2's 576), then blocks of 8
         for block in (128, 64, 8) if everything else (128, 64):
             c = hadamard_config(1024, block, False)
-            cx = dict(BLOCK_R=c["block_r"], B=block, LOG_B=block.bit_length() - 1, DOT=block >= 16, F32_DOT=f32)
+            cx = dict(BLOCK_R=c["block_r"], B=block, LOG_B=block.bit_length() - 1)
             out.append(Case(f"hadamard_rotate {t} b={block}", _hadamard_kernel, had, c["num_warps"], cx))
         # the rotation inside the norm (Qwen2.5-0.5B's 896, Qwen2.5-1.5B's 1536, SmolLM2's 576 padded to 640)
         # and inside the activation (4864, 8960), into bf16 whatever the model's dtype
         # (SmolLM2's int8 576 in blocks of 64; with everything: a float32 norm weight (no rounding to x's dtype),
-        # the widest row one program takes, blocks under tl.dot's 16)
+        # the widest row one program takes, blocks of 8)
         nrot = dict(x_ptr=t, r_ptr=t, w_ptr=t, s_ptr="fp32", o_ptr="bf16", ro_ptr=t)
         rows = [(896, 896, 128, *norms[0], True), (1536, 1536, 128, *norms[-1], True),
                 (576, 640, 128, True, False, True), (576, 576, 64, True, False, True)]
@@ -185,14 +185,13 @@ def cases(everything: bool = False) -> list[Case]:
             rows += [(896, 896, 128, True, False, False), (8192, 8192, 128, True, False, True),
                      (40, 48, 8, True, False, True)]
         for dim, k, b, add, wf, rnd in rows:
-            cx = dict(ADD=add, WEIGHT_IN_FLOAT=wf, NORM_ROUND=rnd, NBP=max(16 if b >= 16 else 1, next_pow2(k // b)),
-                      B=b, LOG_B=b.bit_length() - 1, DOT=b >= 16, F32_DOT=False)  # fmt: skip
+            cx = dict(ADD=add, WEIGHT_IN_FLOAT=wf, NORM_ROUND=rnd, NBP=next_pow2(k // b), B=b, LOG_B=b.bit_length() - 1)
             warps = 4 if dim <= 2048 else 8  # as the launcher picks them
             out.append(Case(f"norm_rotate {t} dim={dim} k={k} b={b} add={add} round={rnd}", _norm_rotate_kernel, nrot,
                             warps, cx, False))  # fmt: skip
         for act, b in ((0, 128), (1, 64), (2, 8)) if everything else ((0, 128),):
             c = hadamard_config(8960 // b, b, False)
-            cx = dict(ACT=act, BLOCK_R=c["block_r"], B=b, LOG_B=b.bit_length() - 1, DOT=b >= 16, F32_DOT=False)
+            cx = dict(ACT=act, BLOCK_R=c["block_r"], B=b, LOG_B=b.bit_length() - 1)
             out.append(Case(f"gated_act_rotate {t} act={act} b={b}", _gated_act_rotate_kernel,
                             dict(gu_ptr=t, s_ptr="fp32", o_ptr="bf16"), c["num_warps"], cx, False))  # fmt: skip
         # the same inside the int4 GEMV: Qwen2.5-0.5B's qkv (first layer: no residual), gate_up and down (SiLU);

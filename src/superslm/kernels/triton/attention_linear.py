@@ -20,7 +20,7 @@ import triton.language as tl
 from superslm.kernels import fused as ref
 from superslm.kernels.attention import AttnMetadata
 from superslm.kernels.triton._util import FLOATS, gemv_block_n, interpreted, next_pow2, round_to
-from superslm.kernels.triton.hadamard import h_scale, hadamard_config, hadamard_rotate, rotate_rows
+from superslm.kernels.triton.hadamard import fwht_rows, h_scale, hadamard_config, hadamard_rotate
 from superslm.kernels.triton.norm_rotate import rotation_ok
 from superslm.kernels.triton.paged_args import paged_args
 from superslm.kernels.triton.paged_attention import attend, prep_for, prepare_attention
@@ -124,7 +124,7 @@ def attention_linear(
 def _merge_rotate_kernel(
     part_ptr, ml_ptr, s_ptr, o_ptr, t_ptr,
     R, NB, heads, head_dim, num_splits, width, k, hs,
-    BLOCK_R: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr, DOT: tl.constexpr, F32_DOT: tl.constexpr,
+    BLOCK_R: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (row, block) pairs: row r // NB, block r % NB
     r_ok = (r < R)[:, None]
@@ -148,10 +148,7 @@ def _merge_rotate_kernel(
     ot = o_ptr.dtype.element_ty
     x = round_to(num / tl.where(den > 0, den, 1.0), t_ptr.dtype.element_ty)  # the attention's output
     v = round_to(x, ot) * tl.load(s_ptr + c, mask=r_ok, other=0.0).to(tl.float32)  # the linear's cast, signs
-    if F32_DOT:
-        h = rotate_rows(v, B, LOG_B, DOT, tl.float32)
-    else:
-        h = rotate_rows(v, B, LOG_B, DOT, ot)
+    h = fwht_rows(v, BLOCK_R, B, LOG_B)
     tl.store(o_ptr + row * k + c, round_to(h * hs, ot).to(ot), mask=r_ok)
 
 
@@ -159,7 +156,7 @@ def merge_rotate_config(rows: int, block: int, interp: bool) -> dict[str, int]:
     """`hadamard_config`'s tiles with half the (row, block) pairs a program on the GPU: the merge holds three
     more [pairs, b] float32 tiles (max, numerator, denominator), which spilled registers at the Hadamard's size."""
     cfg = hadamard_config(rows, block, interp)
-    return cfg if interp else dict(cfg, block_r=max(16, cfg["block_r"] // 2))
+    return cfg if interp else dict(cfg, block_r=max(1, min(cfg["block_r"], 2048 // block)))
 
 
 def attention_rotate(
@@ -205,8 +202,8 @@ def attention_rotate(
     _merge_rotate_kernel[(triton.cdiv(rows, cfg["block_r"]),)](
         part, ml, signs.to(qkv.device).contiguous(), y, qkv,
         rows, k // block, heads, head_dim, part.shape[2], width, k, h_scale(block, dtype),
-        BLOCK_R=cfg["block_r"], B=block, LOG_B=block.bit_length() - 1, DOT=block >= 16,
-        F32_DOT=interp or dtype == torch.float32, num_warps=cfg["num_warps"], enable_fp_fusion=False,
+        BLOCK_R=cfg["block_r"], B=block, LOG_B=block.bit_length() - 1, num_warps=cfg["num_warps"],
+        enable_fp_fusion=False,
     )  # fmt: skip
     return y
 

@@ -2,10 +2,9 @@
 
 The map of quant/hadamard.py's `Rotation` (see kernels.dispatch.hadamard_rotate_reference). Each
 program takes BLOCK_R (row, block) pairs as a [BLOCK_R, b] tile and multiplies it with the ±1
-Sylvester matrix built in registers (H[i, j] = (-1)^popcount(i & j)) by tl.dot, then scales by
-1/sqrt(b) rounded to x's dtype, as `Rotation` rounds its matrix. x * signs and ±1 are exact in
-bf16/fp16, so the dot has no rounding but float32 accumulation's; blocks under 16 (below tl.dot's
-smallest tile) multiply and sum instead.
+Sylvester matrix (H[i, j] = (-1)^popcount(i & j)) by butterflies (`fwht_rows`), then scales by
+1/sqrt(b) rounded to x's dtype, as `Rotation` rounds its matrix. x * signs is exact in bf16/fp16, so
+the rotation has no rounding but float32 addition's (in another order than the reference's matmul).
 """
 
 from __future__ import annotations
@@ -21,27 +20,11 @@ from superslm.kernels.triton._util import interpreted, next_pow2, round_to
 
 
 @triton.jit
-def rotate_rows(v, B: tl.constexpr, LOG_B: tl.constexpr, DOT: tl.constexpr, DOT_T: tl.constexpr):
-    """v [R, B] float32 (exact in DOT_T) -> v · H_b with H_b's ±1 entries (unscaled), float32."""
-    i = tl.arange(0, B)
-    # parity of popcount(i & j), one bit at a time (LOG_B is at most 7)
-    ij = i[:, None] & i[None, :]
-    par = tl.zeros([B, B], tl.int32)
-    for t in tl.static_range(LOG_B):
-        par ^= (ij >> t) & 1
-    h = (1 - 2 * par).to(tl.float32)  # [B, B] ±1
-    if DOT:
-        y = tl.dot(v.to(DOT_T), h.to(DOT_T), input_precision="ieee")
-    else:
-        y = tl.sum(v[:, :, None] * h[None, :, :], 1)
-    return y
-
-
-@triton.jit
 def fwht_rows(v, R: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr):
-    """v [R, B] float32 -> v · H_b (unscaled), as `rotate_rows`, by LOG_B butterfly stages (a fast Walsh-Hadamard
-    transform: pairs i, i + s -> sum, difference): no [B, B] matrix to build or load, ~B log B adds a row. The
-    sums run in another order than the dot's, so a result may differ from `rotate_rows`' in its last bit."""
+    """v [R, B] float32 -> v · H_b with H_b's ±1 entries (unscaled, H[i, j] = (-1)^popcount(i & j)), by LOG_B
+    butterfly stages of a fast Walsh-Hadamard transform (pairs i, i + s -> sum, difference): ~B log B adds a row
+    and no [B, B] matrix, which a tl.dot would need built in registers (sm_90, a [16, 128] tile: ~914 PTX
+    instructions a thread, 92 registers, 36 KiB of shared memory by the dot; ~321, 32, 4 KiB by butterflies)."""
     for t in tl.static_range(LOG_B):
         v = tl.reshape(v, [R, B // (2 << t), 2, 1 << t])  # [R, pairs of runs, the pair, s = 2^t]
         a, b = tl.split(tl.permute(v, (0, 1, 3, 2)))
@@ -53,7 +36,7 @@ def fwht_rows(v, R: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr):
 def _hadamard_kernel(
     x_ptr, s_ptr, o_ptr,
     R, NB, x_row, o_row, h_scale,
-    BLOCK_R: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr, DOT: tl.constexpr, F32_DOT: tl.constexpr,
+    BLOCK_R: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # (row, block) pairs: row r // NB, block r % NB
@@ -65,7 +48,7 @@ def _hadamard_kernel(
     s = tl.load(s_ptr + col[:, None] + i[None, :], mask=r_ok[:, None], other=0.0)
     v = x.to(tl.float32) * s.to(tl.float32)  # a sign flip: exact in x's dtype too
     ot = o_ptr.dtype.element_ty
-    y = rotate_rows(v, B, LOG_B, DOT, tl.float32 if F32_DOT else x_ptr.dtype.element_ty)
+    y = fwht_rows(v, BLOCK_R, B, LOG_B)
     o = o_ptr + row[:, None] * o_row + col[:, None] + i[None, :]
     tl.store(o, round_to(y * h_scale, ot).to(ot), mask=r_ok[:, None])
 
@@ -80,12 +63,12 @@ def h_scale(block: int, dtype: torch.dtype) -> float:
 
 
 def hadamard_config(rows: int, block: int, interp: bool) -> dict[str, int]:
-    """Tiles of `_hadamard_kernel` for `rows` (row, block) pairs of `block` inputs each: ~4K float32
-    accumulators a program on the GPU (H_b takes as many registers again at b = 128), bigger tiles
+    """Tiles of `_hadamard_kernel` for `rows` (row, block) pairs of `block` inputs each: up to 4K float32 values
+    a program on the GPU (fewer for fewer pairs: a decode row's 7 blocks take one program of 8), bigger tiles
     (fewer Python-run programs) under the interpreter."""
     if interp:
-        return {"block_r": max(16, min(128, next_pow2(rows))), "num_warps": 4}
-    return {"block_r": max(16, min(64, 4096 // block)), "num_warps": 8 if block >= 128 else 4}
+        return {"block_r": min(128, next_pow2(rows)), "num_warps": 4}
+    return {"block_r": min(64, 4096 // block, next_pow2(rows)), "num_warps": 8 if block >= 128 else 4}
 
 
 def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
@@ -111,7 +94,7 @@ def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.T
     grid = (triton.cdiv(rows, cfg["block_r"]),)
     _hadamard_kernel[grid](
         x2, signs, out, rows, k // block, x2.stride(0), out.stride(0), h_scale(block, x.dtype),
-        BLOCK_R=cfg["block_r"], B=block, LOG_B=block.bit_length() - 1, DOT=block >= 16,
-        F32_DOT=interp or x.dtype == torch.float32, num_warps=cfg["num_warps"], enable_fp_fusion=True,
+        BLOCK_R=cfg["block_r"], B=block, LOG_B=block.bit_length() - 1, num_warps=cfg["num_warps"],
+        enable_fp_fusion=True,
     )  # fmt: skip
     return out.view(x.shape)

@@ -4,7 +4,7 @@ References in kernels/fused.py (`norm_rotate`, `gated_act_rotate`; same signatur
 an RMS norm or the MLP's activation otherwise costs one more launch (kernels/triton/hadamard.py) and a round
 trip of the activation through memory: three a layer. `_norm_rotate_kernel` runs one program per row (the
 norm needs the whole row): the row as a [blocks, b] tile, the norm rounded as kernels/triton/rmsnorm.py
-rounds it, then the linear's cast and the rotation by `rotate_rows`. `_gated_act_rotate_kernel` takes
+rounds it, then the linear's cast and the rotation by `fwht_rows`. `_gated_act_rotate_kernel` takes
 (row, block) pairs as the Hadamard kernel does. Results equal the references but for float32 sums. Shapes
 the fused kernels do not take (a row of more than MAX_ROW_BLOCKS blocks, strided rows) run the same steps as
 separate kernels.
@@ -20,7 +20,7 @@ from superslm.kernels import fused as ref
 from superslm.kernels.norm import norm_dtype
 from superslm.kernels.triton._util import FLOATS, interpreted, next_pow2, round_to
 from superslm.kernels.triton.fused import gate_activation, gated_act
-from superslm.kernels.triton.hadamard import h_scale, hadamard_config, hadamard_rotate, rotate_rows
+from superslm.kernels.triton.hadamard import fwht_rows, h_scale, hadamard_config, hadamard_rotate
 from superslm.kernels.triton.rmsnorm import add_rms_norm, rms_norm
 
 #: most blocks a row may hold for the one-program-per-row norm (64 x 128 inputs: registers beyond)
@@ -32,7 +32,7 @@ def _norm_rotate_kernel(
     x_ptr, r_ptr, w_ptr, s_ptr, o_ptr, ro_ptr,
     x_row, r_row, dim, k, nb, eps, hs,
     ADD: tl.constexpr, WEIGHT_IN_FLOAT: tl.constexpr, NORM_ROUND: tl.constexpr,
-    NBP: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr, DOT: tl.constexpr, F32_DOT: tl.constexpr,
+    NBP: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, NBP)[:, None] * B + tl.arange(0, B)[None, :]  # [blocks, b]: input index
@@ -52,10 +52,7 @@ def _norm_rotate_kernel(
         if NORM_ROUND:
             y = round_to(y, xt)
     v = round_to(y, ot) * tl.load(s_ptr + c, mask=m, other=0.0).to(tl.float32)  # the linear's cast, signs
-    if F32_DOT:
-        r = rotate_rows(v, B, LOG_B, DOT, tl.float32)
-    else:
-        r = rotate_rows(v, B, LOG_B, DOT, ot)
+    r = fwht_rows(v, NBP, B, LOG_B)
     tl.store(o_ptr + row * k + c, round_to(r * hs, ot).to(ot), mask=c < k)
 
 
@@ -63,8 +60,7 @@ def _norm_rotate_kernel(
 def _gated_act_rotate_kernel(
     gu_ptr, s_ptr, o_ptr,
     R, NB, inter, k, gu_row, hs,
-    ACT: tl.constexpr, BLOCK_R: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr, DOT: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    ACT: tl.constexpr, BLOCK_R: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (row, block) pairs: row r // NB, block r % NB
     r_ok = (r < R)[:, None]
@@ -78,10 +74,7 @@ def _gated_act_rotate_kernel(
     a = gate_activation(g, ACT)
     y = round_to(round_to(round_to(a, gt) * u, gt), ot)  # gated_act's roundings, then the linear's cast
     v = y * tl.load(s_ptr + c, mask=r_ok, other=0.0).to(tl.float32)
-    if F32_DOT:
-        h = rotate_rows(v, B, LOG_B, DOT, tl.float32)
-    else:
-        h = rotate_rows(v, B, LOG_B, DOT, ot)
+    h = fwht_rows(v, BLOCK_R, B, LOG_B)
     tl.store(o_ptr + row * k + c, round_to(h * hs, ot).to(ot), mask=r_ok)
 
 
@@ -119,8 +112,7 @@ def norm_rotate(
     res_out = None if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
     if n == 0:
         return out, res_out
-    interp, nb = interpreted(x), k // block
-    dot = block >= 16
+    nb = k // block
     _norm_rotate_kernel[(n,)](
         x, residual if residual is not None else x, weight.contiguous(), signs.to(x.device).contiguous(), out,
         res_out if res_out is not None else out,
@@ -128,8 +120,7 @@ def norm_rotate(
         h_scale(block, dtype),
         ADD=residual is not None, WEIGHT_IN_FLOAT=weight_in_float,
         NORM_ROUND=norm_dtype(x.dtype, weight.dtype, weight_in_float) == x.dtype,
-        NBP=max(16 if dot else 1, next_pow2(nb)), B=block, LOG_B=block.bit_length() - 1, DOT=dot,
-        F32_DOT=interp or dtype == torch.float32, num_warps=4 if dim <= 2048 else 8,
+        NBP=next_pow2(nb), B=block, LOG_B=block.bit_length() - 1, num_warps=4 if dim <= 2048 else 8,
         enable_fp_fusion=False,  # the reference's roundings, step by step
     )  # fmt: skip
     return out, res_out
@@ -157,7 +148,7 @@ def gated_act_rotate(
         gate_up, signs.to(gate_up.device).contiguous(), out, rows, k // block, inter, k, gate_up.stride(0),
         h_scale(block, dtype),
         ACT=ref.ACTIVATIONS.index(act), BLOCK_R=cfg["block_r"], B=block, LOG_B=block.bit_length() - 1,
-        DOT=block >= 16, F32_DOT=interp or dtype == torch.float32, num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"],
         enable_fp_fusion=False,
     )  # fmt: skip
     return out

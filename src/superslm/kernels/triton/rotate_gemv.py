@@ -78,7 +78,7 @@ def _rotate_int4_kernel(
                 if NORM_ROUND:
                     y = round_to(y, xt)
         s = round_to(y, ot) * tl.load(sg_ptr + c, mask=c < k, other=0.0).to(tl.float32)  # the cast, the signs
-        h = fwht_rows(s, RB, B, LOG_B)  # not rotate_rows' dot: each program would build its [b, b] matrix
+        h = fwht_rows(s, RB, B, LOG_B)
         tl.store(t_ptr + row * k + c, round_to(h * hs, ot).to(ot), mask=c < k)
     tl.debug_barrier()  # this block's scratch writes, visible to all its threads before the GEMV reads them
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
