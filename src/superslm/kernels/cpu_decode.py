@@ -52,7 +52,7 @@ def _lin(m: torch.nn.Module) -> tuple[list[torch.Tensor | None], list[int]] | No
         return [m.qweight, m.scales_zeros, m.bias, None, None, m.bits], [5, 32, *ints]
     if isinstance(m, Int4Linear):
         if cpu_block() != 64 and cext.vnni() is not None:
-            return None  # the VNNI kernels read blocks of 64 rows; torch's layout here has other blocks
+            return None  # the VNNI kernels read blocks of 64 rows, torch's layout here has others: no plan
         return [m.qweight, m.scales_zeros, m.bias, *rot, None], [1, m.group, *ints]
     if isinstance(m, Int8Linear):
         return [m.codes, m.scale, m.bias, *rot, None], [2, 0, *ints]

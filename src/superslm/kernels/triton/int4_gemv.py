@@ -61,32 +61,45 @@ def _int4_kernel(
 
 
 @triton.jit
+def int4_gemv_step(
+    xe, xo, g, n_groups, qw_ptr, s_ptr, z_ptr, n64, n_ok, qw_row, s_row, HALF_G: tl.constexpr,
+):  # fmt: skip
+    """float32 [BLOCK_N]: one step's inputs xe, xo [G, HALF_G] (float32: codes 2j and 2j + 1 of groups g [G])
+    times the int4 rows n64 of W (masked n_ok), each group's scale and zero applied once to its partial sum
+    (sum x w = s sum x (c - 8) + z sum x). Multiply-adds are explicit fma: the same bits whatever a kernel's
+    enable_fp_fusion."""
+    jj = tl.arange(0, HALF_G)  # bytes of a group
+    g_ok = g < n_groups
+    byte = g[:, None] * HALF_G + jj[None, :]  # [G, HG]: byte j holds codes k = 2j, 2j + 1
+    wm = n_ok[:, None, None] & g_ok[None, :, None]
+    b = tl.load(qw_ptr + n64[:, None, None] * qw_row + byte[None, :, :], mask=wm, other=0).to(tl.int32)
+    lo = ((b & 15) - 8).to(tl.float32)  # [BN, G, HG]
+    hi = ((b >> 4) - 8).to(tl.float32)
+    part = tl.sum(tl.fma(lo, xe[None, :, :], hi * xo[None, :, :]), 2)  # [BN, G]: sum x (c - 8) per group
+    xsum = tl.sum(xe + xo, 1)  # [G]
+    sm = n_ok[:, None] & g_ok[None, :]
+    sc = tl.load(s_ptr + n64[:, None] * s_row + g[None, :], mask=sm, other=0.0).to(tl.float32)
+    zr = tl.load(z_ptr + n64[:, None] * s_row + g[None, :], mask=sm, other=0.0).to(tl.float32)
+    return tl.sum(tl.fma(sc, part, zr * xsum[None, :]), 1)
+
+
+@triton.jit
 def int4_gemv_acc(
     xr_ptr, qw_ptr, s_ptr, z_ptr, n64, n_ok, K, qw_row, s_row,
     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, HALF_G: tl.constexpr,
 ):  # fmt: skip
     """float32 [BLOCK_N]: one activation row (xr_ptr, K inputs) times the int4 rows n64 of W (masked n_ok)."""
     gi = tl.arange(0, GROUPS)  # groups of this step
-    jj = tl.arange(0, HALF_G)  # bytes of a group
+    jj = tl.arange(0, HALF_G)
     n_groups = K // (2 * HALF_G)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for g0 in range(0, n_groups, GROUPS):
         g = g0 + gi  # [G]
-        g_ok = g < n_groups
-        byte = g[:, None] * HALF_G + jj[None, :]  # [G, HG]: byte j holds codes k = 2j, 2j + 1
-        xm = g_ok[:, None]
+        byte = g[:, None] * HALF_G + jj[None, :]
+        xm = (g < n_groups)[:, None]
         xe = tl.load(xr_ptr + 2 * byte, mask=xm, other=0.0).to(tl.float32)
         xo = tl.load(xr_ptr + 2 * byte + 1, mask=xm, other=0.0).to(tl.float32)
-        wm = n_ok[:, None, None] & g_ok[None, :, None]
-        b = tl.load(qw_ptr + n64[:, None, None] * qw_row + byte[None, :, :], mask=wm, other=0).to(tl.int32)
-        lo = ((b & 15) - 8).to(tl.float32)  # [BN, G, HG]
-        hi = ((b >> 4) - 8).to(tl.float32)
-        part = tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], 2)  # [BN, G]: sum x (c - 8) per group
-        xsum = tl.sum(xe + xo, 1)  # [G]
-        sm = n_ok[:, None] & g_ok[None, :]
-        sc = tl.load(s_ptr + n64[:, None] * s_row + g[None, :], mask=sm, other=0.0).to(tl.float32)
-        zr = tl.load(z_ptr + n64[:, None] * s_row + g[None, :], mask=sm, other=0.0).to(tl.float32)
-        acc += tl.sum(sc * part + zr * xsum[None, :], 1)
+        acc += int4_gemv_step(xe, xo, g, n_groups, qw_ptr, s_ptr, z_ptr, n64, n_ok, qw_row, s_row, HALF_G)
     return acc
 
 

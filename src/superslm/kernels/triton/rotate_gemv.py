@@ -2,14 +2,14 @@
 padding and Hadamard rotation in the prologue of the int4 GEMV, one launch where norm_rotate.py's kernels and
 int4_gemv.py's took two. References: kernels.fused.norm_rotate_int4 and gated_act_rotate_int4 (same signatures).
 
-At a few rows every program of a row makes that row's rotated input itself, chunk by chunk as
-kernels/triton/norm_rotate.py rounds it (a [RB, b] tile of rotation blocks a step, rotated by `fwht_rows`),
-and writes it to a scratch row; a block barrier makes the writes visible to its own threads, then the GEMV
-reads the scratch row from cache as int4_gemv.py's kernel reads its input. Every program of a row writes the
-same values, so another program's write landing in between changes nothing. The programs of the first column
-write the new residual (to its own buffer: all programs still read the old one). The norm's sum of squares
-takes a first pass over the row. Results equal the two kernels' but for the order of float32 sums (the norm's,
-and the rotation's butterflies where those kernels multiply by the Hadamard matrix).
+At a few rows every program of a row makes the part of the row's rotated input that each GEMV step needs, in
+registers: a step covers RB whole rotation blocks (512 or 1024 inputs, whole groups), made as
+kernels/triton/norm_rotate.py rounds them and rotated by butterflies (`fwht_rows`), then split into the even and
+odd inputs that the int4 bytes' two nibbles multiply (`int4_gemv_step`, shared with int4_gemv.py). The norm's sum
+of squares takes a first pass over the row; the programs of the first column write the new residual (to its own
+buffer: every program still reads the old one). Each program repeats the prologue for its row (the row is read
+from cache); nothing is shared between programs. Results equal the two kernels' but for the order of the norm's
+float32 sum.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import triton.language as tl
 
 from superslm.kernels import fused as ref
 from superslm.kernels.norm import norm_dtype
-from superslm.kernels.triton._util import FLOATS, interpreted, next_pow2, round_to
+from superslm.kernels.triton._util import FLOATS, interpreted, round_to
 from superslm.kernels.triton.fused import gate_activation
 from superslm.kernels.triton.hadamard import fwht_rows, h_scale
-from superslm.kernels.triton.int4_gemv import gemv_config, int4_gemv_acc, int4_matmul
+from superslm.kernels.triton.int4_gemv import gemv_config, int4_gemv_step, int4_matmul
 from superslm.kernels.triton.norm_rotate import gated_act_rotate, norm_rotate, rotation_ok
 
 #: most activation rows the fused kernel takes (the int4 GEMV's own limit; more rows run the two kernels)
@@ -32,7 +32,7 @@ MAX_ROWS = 4
 
 @triton.jit
 def _rotate_int4_kernel(
-    x_ptr, r_ptr, nw_ptr, sg_ptr, t_ptr, ro_ptr, qw_ptr, sc_ptr, z_ptr, o_ptr,
+    x_ptr, r_ptr, nw_ptr, sg_ptr, ro_ptr, qw_ptr, sc_ptr, z_ptr, o_ptr,
     x_row, r_row, width, k, eps, hs, N, qw_row, s_row, o_row,
     GATED: tl.constexpr, ADD: tl.constexpr, WEIGHT_IN_FLOAT: tl.constexpr, NORM_ROUND: tl.constexpr,
     ACT: tl.constexpr, RB: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr,
@@ -41,8 +41,8 @@ def _rotate_int4_kernel(
     pid = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     xt = x_ptr.dtype.element_ty
-    ot = t_ptr.dtype.element_ty  # the linear's compute dtype
-    tile = tl.arange(0, RB)[:, None] * B + tl.arange(0, B)[None, :]  # [RB, b]: a chunk's input offsets
+    ot = o_ptr.dtype.element_ty  # the linear's compute dtype
+    tile = tl.arange(0, RB)[:, None] * B + tl.arange(0, B)[None, :]  # [RB, b]: a step's input offsets
     # width: the norm's dim, or the activation's inputs (gate_up's half); inputs past it up to k are padding
     inv = 0.0
     if not GATED:
@@ -58,7 +58,13 @@ def _rotate_int4_kernel(
                 tl.store(ro_ptr + row * width + c, v.to(xt), mask=m & writes)
             ss += v * v
         inv = 1.0 / tl.sqrt_rn(tl.sum(tl.sum(ss, 1), 0) / width + eps)
-    # pass 2: the rotated input, chunk by chunk, into the scratch row
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    n64 = n.to(tl.int64)
+    gi = tl.arange(0, GROUPS)
+    n_groups = k // (2 * HALF_G)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    # pass 2: each GEMV step's rotated inputs (RB * b of them: GROUPS whole groups), then its multiply-adds
     for c0 in range(0, k, RB * B):
         c = c0 + tile
         m = c < width
@@ -78,23 +84,20 @@ def _rotate_int4_kernel(
                 if NORM_ROUND:
                     y = round_to(y, xt)
         s = round_to(y, ot) * tl.load(sg_ptr + c, mask=c < k, other=0.0).to(tl.float32)  # the cast, the signs
-        h = fwht_rows(s, RB, B, LOG_B)
-        tl.store(t_ptr + row * k + c, round_to(h * hs, ot).to(ot), mask=c < k)
-    tl.debug_barrier()  # this block's scratch writes, visible to all its threads before the GEMV reads them
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    acc = int4_gemv_acc(t_ptr + row * k, qw_ptr, sc_ptr, z_ptr, n.to(tl.int64), n_ok, k, qw_row, s_row,
-                        BLOCK_N, GROUPS, HALF_G)  # fmt: skip
+        h = round_to(fwht_rows(s, RB, B, LOG_B) * hs, ot)  # [RB, b]: the linear's input, 0 past k
+        xe, xo = tl.split(tl.reshape(h, [GROUPS, HALF_G, 2]))  # [G, HG]: inputs 2j and 2j + 1 of each byte j
+        acc += int4_gemv_step(xe, xo, c0 // (2 * HALF_G) + gi, n_groups, qw_ptr, sc_ptr, z_ptr, n64, n_ok,
+                              qw_row, s_row, HALF_G)  # fmt: skip
     tl.store(o_ptr + row * o_row + n, round_to(acc, ot).to(ot), mask=n_ok)
 
 
 def rotate_gemv_config(k: int, n: int, block: int, group: int, interp: bool) -> dict[str, int] | None:
-    """Tiles of `_rotate_int4_kernel`: the int4 GEMV's (`gemv_config`; None where it has none) and RB rotation
-    blocks a prologue step: the row's blocks, at most 2048 inputs (16 float32 a thread at 4 warps)."""
+    """Tiles of `_rotate_int4_kernel`: the int4 GEMV's (`gemv_config`; None where it has none), whose step of
+    2 * groups * half_g inputs (512 or more: whole groups) is RB whole rotation blocks."""
     gv = gemv_config(n, k, group, interp)
-    if gv is None:
+    if gv is None or (2 * gv["groups"] * gv["half_g"]) % block:
         return None
-    return {**gv, "rb": min(2048 // block, next_pow2(k // block))}
+    return {**gv, "rb": 2 * gv["groups"] * gv["half_g"] // block}
 
 
 def _fits(x: torch.Tensor, width: int, signs: torch.Tensor, block: int, dtype: torch.dtype,
@@ -114,11 +117,10 @@ def _launch(x, residual, nw, signs, block, dtype, w4, width, cfg, gated, act, ep
     """Launch `_rotate_int4_kernel`: (out [rows, N] in dtype, the new residual or None)."""
     rows, k, n = x.shape[0], signs.shape[0], w4.qweight.shape[0]
     out = torch.empty(rows, n, dtype=dtype, device=x.device)
-    scratch = torch.empty(rows, k, dtype=dtype, device=x.device)  # the rotated input, one row per row
-    res_out = torch.empty_like(x) if residual is not None else None
+    res_out = None if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
     qw, sc, zr = w4.qweight.contiguous(), w4.scale.contiguous(), w4.zero.contiguous()
     _rotate_int4_kernel[(triton.cdiv(n, cfg["block_n"]), rows)](
-        x, residual if residual is not None else x, nw, signs.to(x.device).contiguous(), scratch,
+        x, residual if residual is not None else x, nw, signs.to(x.device).contiguous(),
         res_out if res_out is not None else out, qw, sc, zr, out,
         x.stride(0), residual.stride(0) if residual is not None else 0, width, k, float(eps), h_scale(block, dtype),
         n, qw.stride(0), sc.stride(0), out.stride(0),
