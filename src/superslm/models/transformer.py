@@ -33,6 +33,7 @@ from superslm.kernels.dispatch import (
     prepare_attention,
     rms_norm,
 )
+from superslm.kernels.fused import Int4Weight
 from superslm.kernels.norm import norm_dtype
 from superslm.kernels.rope import rope_cos_sin
 from superslm.models.arch import Arch
@@ -218,7 +219,7 @@ def _fused_rotation(lin: nn.Module, x: torch.Tensor, lora: Any) -> tuple[torch.T
     return rotation()
 
 
-def _int4_gemv(lin: nn.Module, x: torch.Tensor, deterministic: bool) -> Any:
+def _int4_gemv(lin: nn.Module, x: torch.Tensor, deterministic: bool) -> Int4Weight | None:
     """The int4 weight (kernels.fused.Int4Weight) of a rotated linear whose input kernel may run inside its GEMV
     (`norm_rotate_int4`, `gated_act_rotate_int4`): at most `norm_gemv_rows()` rows, not in deterministic mode;
     None otherwise. The caller has checked `_fused_rotation` (the Triton path, no LoRA, no hooks)."""

@@ -20,7 +20,7 @@ import triton.language as tl
 from superslm.kernels import fused as ref
 from superslm.kernels.attention import AttnMetadata
 from superslm.kernels.triton._util import FLOATS, gemv_block_n, interpreted, next_pow2, round_to
-from superslm.kernels.triton.hadamard import fwht_rows, h_scale, hadamard_config, hadamard_rotate
+from superslm.kernels.triton.hadamard import h_scale, hadamard_config, hadamard_rotate, rotated_input
 from superslm.kernels.triton.norm_rotate import rotation_ok
 from superslm.kernels.triton.paged_args import paged_args
 from superslm.kernels.triton.paged_attention import attend, prep_for, prepare_attention
@@ -147,9 +147,8 @@ def _merge_rotate_kernel(
         den += w * l_s
     ot = o_ptr.dtype.element_ty
     x = round_to(num / tl.where(den > 0, den, 1.0), t_ptr.dtype.element_ty)  # the attention's output
-    v = round_to(x, ot) * tl.load(s_ptr + c, mask=r_ok, other=0.0).to(tl.float32)  # the linear's cast, signs
-    h = fwht_rows(v, BLOCK_R, B, LOG_B)
-    tl.store(o_ptr + row * k + c, round_to(h * hs, ot).to(ot), mask=r_ok)
+    h = rotated_input(x, tl.load(s_ptr + c, mask=r_ok, other=0.0).to(tl.float32), hs, ot, BLOCK_R, B, LOG_B)
+    tl.store(o_ptr + row * k + c, h.to(ot), mask=r_ok)
 
 
 def merge_rotate_config(rows: int, block: int, interp: bool) -> dict[str, int]:

@@ -150,6 +150,12 @@ def gate_activation(g, ACT: tl.constexpr):
 
 
 @triton.jit
+def gated_value(g, u, ACT: tl.constexpr, T: tl.constexpr):
+    """act(gate) * up as kernels.fused.gated_act rounds it in dtype T: the activation rounded, then the product."""
+    return round_to(round_to(gate_activation(g, ACT), T) * u, T)
+
+
+@triton.jit
 def _gated_act_kernel(gu_ptr, o_ptr, inter, gu_row, ACT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -157,8 +163,7 @@ def _gated_act_kernel(gu_ptr, o_ptr, inter, gu_row, ACT: tl.constexpr, BLOCK: tl
     T = o_ptr.dtype.element_ty
     g = tl.load(gu_ptr + row * gu_row + c, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * gu_row + inter + c, mask=m, other=0.0).to(tl.float32)
-    a = gate_activation(g, ACT)
-    tl.store(o_ptr + row * inter + c, round_to(round_to(a, T) * u, T).to(T), mask=m)
+    tl.store(o_ptr + row * inter + c, gated_value(g, u, ACT, T).to(T), mask=m)
 
 
 def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:

@@ -33,6 +33,13 @@ def fwht_rows(v, R: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr):
 
 
 @triton.jit
+def rotated_input(y, signs, hs, OT: tl.constexpr, R: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr):
+    """A rotated linear's input from y [R, B] float32, as `Rotation` makes it: cast to OT, times the signs, · H_b
+    (`fwht_rows`), times hs (1/sqrt(b) in OT: `h_scale`), rounded to OT; float32 values, exact in OT."""
+    return round_to(fwht_rows(round_to(y, OT) * signs, R, B, LOG_B) * hs, OT)
+
+
+@triton.jit
 def _hadamard_kernel(
     x_ptr, s_ptr, o_ptr,
     R, NB, x_row, o_row, h_scale,
@@ -46,11 +53,10 @@ def _hadamard_kernel(
     i = tl.arange(0, B)
     x = tl.load(x_ptr + row[:, None] * x_row + col[:, None] + i[None, :], mask=r_ok[:, None], other=0.0)
     s = tl.load(s_ptr + col[:, None] + i[None, :], mask=r_ok[:, None], other=0.0)
-    v = x.to(tl.float32) * s.to(tl.float32)  # a sign flip: exact in x's dtype too
-    ot = o_ptr.dtype.element_ty
-    y = fwht_rows(v, BLOCK_R, B, LOG_B)
+    ot = o_ptr.dtype.element_ty  # x's dtype: its cast is exact
+    y = rotated_input(x.to(tl.float32), s.to(tl.float32), h_scale, ot, BLOCK_R, B, LOG_B)
     o = o_ptr + row[:, None] * o_row + col[:, None] + i[None, :]
-    tl.store(o, round_to(y * h_scale, ot).to(ot), mask=r_ok[:, None])
+    tl.store(o, y.to(ot), mask=r_ok[:, None])
 
 
 @functools.lru_cache(maxsize=32)

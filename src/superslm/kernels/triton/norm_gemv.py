@@ -20,8 +20,8 @@ import triton.language as tl
 from superslm.kernels import fused as ref
 from superslm.kernels.norm import norm_dtype
 from superslm.kernels.triton._util import FLOATS, gemv_block_n, interpreted, next_pow2, round_to
-from superslm.kernels.triton.fused import gate_activation, gated_act
-from superslm.kernels.triton.rmsnorm import add_rms_norm, rms_norm
+from superslm.kernels.triton.fused import gated_act, gated_value
+from superslm.kernels.triton.rmsnorm import add_rms_norm, normalized, rms_norm
 
 
 @triton.jit
@@ -62,10 +62,7 @@ def _norm_gemv_kernel(
         if ADD:
             v = round_to(v + tl.load(r_ptr + row * r_row + k, mask=m, other=0.0).to(tl.float32), xt)
         nw = tl.load(nw_ptr + k, mask=m, other=0.0).to(tl.float32)
-        if WEIGHT_IN_FLOAT:
-            y = round_to(v * inv * nw, xt)
-        else:
-            y = round_to(round_to(v * inv, xt) * nw, xt)  # Llama: normalized x in its dtype, then the weight
+        y = normalized(v, inv, nw, xt, WEIGHT_IN_FLOAT, True)  # `fits`: the norm's dtype is x's
         wm = n_ok[:, None] & m[None, :]
         wt = tl.load(w_ptr + n64[:, None] * w_row + k[None, :], mask=wm, other=0.0).to(tl.float32)
         acc += tl.sum(wt * y[None, :], 1)
@@ -74,8 +71,7 @@ def _norm_gemv_kernel(
             acc_u += tl.sum(wu * y[None, :], 1)
     out = round_to(acc, xt)  # the linear's output, as F.linear rounds it
     if GATED:
-        a = gate_activation(out, ACT)
-        out = round_to(round_to(a, xt) * round_to(acc_u, xt), xt)
+        out = gated_value(out, round_to(acc_u, xt), ACT, xt)
     tl.store(o_ptr + row * o_row + n, out.to(xt), mask=n_ok)
 
 

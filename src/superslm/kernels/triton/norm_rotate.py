@@ -19,9 +19,9 @@ import triton.language as tl
 from superslm.kernels import fused as ref
 from superslm.kernels.norm import norm_dtype
 from superslm.kernels.triton._util import FLOATS, interpreted, next_pow2, round_to
-from superslm.kernels.triton.fused import gate_activation, gated_act
-from superslm.kernels.triton.hadamard import fwht_rows, h_scale, hadamard_config, hadamard_rotate
-from superslm.kernels.triton.rmsnorm import add_rms_norm, rms_norm
+from superslm.kernels.triton.fused import gated_act, gated_value
+from superslm.kernels.triton.hadamard import h_scale, hadamard_config, hadamard_rotate, rotated_input
+from superslm.kernels.triton.rmsnorm import add_rms_norm, normalized, rms_norm
 
 #: most blocks a row may hold for the one-program-per-row norm (64 x 128 inputs: registers beyond)
 MAX_ROW_BLOCKS = 64
@@ -45,15 +45,9 @@ def _norm_rotate_kernel(
         tl.store(ro_ptr + row * dim + c, x.to(xt), mask=m)  # the new residual
     inv = 1.0 / tl.sqrt_rn(tl.sum(tl.sum(x * x, 1), 0) / dim + eps)
     w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
-    if WEIGHT_IN_FLOAT:
-        y = round_to(x * inv * w, xt)
-    else:
-        y = round_to(x * inv, xt) * w  # rounded to the promoted dtype: x's, unless the weight is wider
-        if NORM_ROUND:
-            y = round_to(y, xt)
-    v = round_to(y, ot) * tl.load(s_ptr + c, mask=m, other=0.0).to(tl.float32)  # the linear's cast, signs
-    r = fwht_rows(v, NBP, B, LOG_B)
-    tl.store(o_ptr + row * k + c, round_to(r * hs, ot).to(ot), mask=c < k)
+    y = normalized(x, inv, w, xt, WEIGHT_IN_FLOAT, NORM_ROUND)  # Llama's product: x's dtype unless w is wider
+    r = rotated_input(y, tl.load(s_ptr + c, mask=m, other=0.0).to(tl.float32), hs, ot, NBP, B, LOG_B)
+    tl.store(o_ptr + row * k + c, r.to(ot), mask=c < k)
 
 
 @triton.jit
@@ -71,11 +65,9 @@ def _gated_act_rotate_kernel(
     m = r_ok & (c < inter)  # inputs past inter up to k: the linear's zero padding
     g = tl.load(gu_ptr + row * gu_row + c, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * gu_row + inter + c, mask=m, other=0.0).to(tl.float32)
-    a = gate_activation(g, ACT)
-    y = round_to(round_to(round_to(a, gt) * u, gt), ot)  # gated_act's roundings, then the linear's cast
-    v = y * tl.load(s_ptr + c, mask=r_ok, other=0.0).to(tl.float32)
-    h = fwht_rows(v, BLOCK_R, B, LOG_B)
-    tl.store(o_ptr + row * k + c, round_to(h * hs, ot).to(ot), mask=r_ok)
+    y = gated_value(g, u, ACT, gt)
+    h = rotated_input(y, tl.load(s_ptr + c, mask=r_ok, other=0.0).to(tl.float32), hs, ot, BLOCK_R, B, LOG_B)
+    tl.store(o_ptr + row * k + c, h.to(ot), mask=r_ok)
 
 
 def rotation_ok(width: int, signs: torch.Tensor, block: int) -> bool:

@@ -16,6 +16,20 @@ from superslm.kernels.triton._util import next_pow2, round_to
 
 
 @triton.jit
+def normalized(x, inv, w, T: tl.constexpr, WEIGHT_IN_FLOAT: tl.constexpr, ROUND: tl.constexpr):
+    """A norm's output from x (float32, in T's values), its 1/rms and the weight w, as kernels.norm.rms_norm rounds
+    it: Gemma (WEIGHT_IN_FLOAT) x * inv * w in float32, rounded to T; Llama x * inv rounded to T, times w, rounded to
+    T again when ROUND (the product's promoted dtype is T: the weight is not wider)."""
+    if WEIGHT_IN_FLOAT:
+        y = round_to(x * inv * w, T)
+    else:
+        y = round_to(x * inv, T) * w
+        if ROUND:
+            y = round_to(y, T)
+    return y
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, o_ptr, ro_ptr,
     inner, x_outer, x_inner, r_outer, r_inner, dim, eps,

@@ -21,10 +21,11 @@ import triton.language as tl
 from superslm.kernels import fused as ref
 from superslm.kernels.norm import norm_dtype
 from superslm.kernels.triton._util import FLOATS, interpreted, round_to
-from superslm.kernels.triton.fused import gate_activation
-from superslm.kernels.triton.hadamard import fwht_rows, h_scale
+from superslm.kernels.triton.fused import gated_value
+from superslm.kernels.triton.hadamard import h_scale, rotated_input
 from superslm.kernels.triton.int4_gemv import gemv_config, int4_gemv_step, int4_matmul
 from superslm.kernels.triton.norm_rotate import gated_act_rotate, norm_rotate, rotation_ok
+from superslm.kernels.triton.rmsnorm import normalized
 
 #: most activation rows the fused kernel takes (the int4 GEMV's own limit; more rows run the two kernels)
 MAX_ROWS = 4
@@ -71,20 +72,15 @@ def _rotate_int4_kernel(
         if GATED:
             g = tl.load(x_ptr + row * x_row + c, mask=m, other=0.0).to(tl.float32)
             u = tl.load(x_ptr + row * x_row + width + c, mask=m, other=0.0).to(tl.float32)
-            y = round_to(round_to(gate_activation(g, ACT), xt) * u, xt)  # gated_act's roundings
+            y = gated_value(g, u, ACT, xt)
         else:
             v = tl.load(x_ptr + row * x_row + c, mask=m, other=0.0).to(tl.float32)
             if ADD:
                 v = round_to(v + tl.load(r_ptr + row * r_row + c, mask=m, other=0.0).to(tl.float32), xt)
             w = tl.load(nw_ptr + c, mask=m, other=0.0).to(tl.float32)
-            if WEIGHT_IN_FLOAT:
-                y = round_to(v * inv * w, xt)
-            else:
-                y = round_to(v * inv, xt) * w  # rounded to the promoted dtype: x's, unless the weight is wider
-                if NORM_ROUND:
-                    y = round_to(y, xt)
-        s = round_to(y, ot) * tl.load(sg_ptr + c, mask=c < k, other=0.0).to(tl.float32)  # the cast, the signs
-        h = round_to(fwht_rows(s, RB, B, LOG_B) * hs, ot)  # [RB, b]: the linear's input, 0 past k
+            y = normalized(v, inv, w, xt, WEIGHT_IN_FLOAT, NORM_ROUND)
+        # [RB, b]: the linear's input, 0 past k
+        h = rotated_input(y, tl.load(sg_ptr + c, mask=c < k, other=0.0).to(tl.float32), hs, ot, RB, B, LOG_B)
         xe, xo = tl.split(tl.reshape(h, [GROUPS, HALF_G, 2]))  # [G, HG]: inputs 2j and 2j + 1 of each byte j
         acc += int4_gemv_step(xe, xo, c0 // (2 * HALF_G) + gi, n_groups, qw_ptr, sc_ptr, z_ptr, n64, n_ok,
                               qw_row, s_row, HALF_G)  # fmt: skip
