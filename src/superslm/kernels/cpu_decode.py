@@ -272,10 +272,29 @@ def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = 
         return None
     got = _vnni_int8(module)
     if got is None:
-        return None
+        return None if deterministic else _avx2_int8(module, x)
     ext, rowsum = got
     kernel = ext.int8_gemv if rows == 1 else ext.int8_gemm
     y = kernel(_vnni_input(ext, module, x), module.codes, module.scale, rowsum)
+    if module.bias is not None:
+        y = y.float() + module.bias
+    return y.to(x.dtype)
+
+
+def _avx2_int8(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """module(x) for one row through the AVX2 int8 GEMV (kernels/cpu/avx2.cpp: the VNNI GEMV's bits), or
+    None where it does not apply. Not in deterministic mode: AVX2 has no GEMM with the same bits, so there
+    every row count keeps torch's kernel."""
+    from superslm.quant.dense import Int8Linear
+
+    ext = cext.extension()
+    if (type(module) is not Int8Linear or x.shape[0] != 1 or ext is None or not ext.avx2_available()
+            or cext.torch_kernels_forced() or module.k_pad % 64
+            or (module.rotation is None and module.k_pad != module.in_features)):  # fmt: skip
+        return None
+    y = ext.int8_gemv_avx2(_vnni_input(ext, module, x), module.codes, module.scale)
+    if y is None:  # x cannot be split (a NaN, an inf, an outlier): torch's kernel
+        return None
     if module.bias is not None:
         y = y.float() + module.bias
     return y.to(x.dtype)

@@ -29,6 +29,13 @@ at::Tensor int5_reference(const at::Tensor& x, const at::Tensor& qweight, const 
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& rowsum);
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros, int64_t group);
 at::Tensor int8_rownorm(const at::Tensor& codes, const at::Tensor& scale);
+// avx2.cpp
+bool avx2_available();
+void set_avx2(bool on);
+int64_t torch_int4_block();
+at::Tensor int4_gemv_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group,
+                          int64_t block);
+at::Tensor int8_gemv_avx2(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale);
 std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const at::Tensor& codes,
                                                     const at::Tensor& scale, const at::Tensor& rowsum,
                                                     const at::Tensor& w2, int64_t limit);
@@ -74,8 +81,9 @@ struct Lin {
   at::Tensor extra;
   // int8: sum of each output row's codes, for the VNNI GEMV's offset correction
   at::Tensor rowsum;
-  // int4: the VNNI kernels apply (AVX-512 VNNI here, groups a multiple of 4, N of 64)
-  bool vnni4 = false;
+  // int4: the C++ kernels take its shape (groups a multiple of 4, N of 64, contiguous scales), and the
+  // VNNI ones run here (AVX-512 VNNI); otherwise the AVX2 GEMV where it can
+  bool fits4 = false, vnni4 = false;
   // CONCAT: its parts, each run on the same input, outputs side by side
   std::vector<Lin> parts;
 
@@ -104,7 +112,8 @@ struct Lin {
     TORCH_CHECK(l.kind != INT5 || (l.extra.defined() && l.b.defined()), "DecodePlan: an int5 linear without its bits");
     TORCH_CHECK(l.kind == CONCAT || l.a.defined(), "DecodePlan: a linear without its weight");
     if (l.kind == INT8) l.rowsum = int8_rowsum(l.a);
-    l.vnni4 = l.kind == INT4 && l.group % 4 == 0 && l.a.size(0) % 64 == 0 && l.b.is_contiguous() && vnni_available();
+    l.fits4 = l.kind == INT4 && l.group % 4 == 0 && l.a.size(0) % 64 == 0 && l.b.is_contiguous();
+    l.vnni4 = l.fits4 && vnni_available();
     return l;
   }
 
@@ -146,6 +155,8 @@ struct Lin {
       const int64_t rows_h = h.size(0);
       if (vnni4 && rows_h == 1) y = int4_gemv(h, a, b, group);
       else if (vnni4 && (deterministic || rows_h >= 32)) y = int4_gemm(h, a, b, group);
+      // AVX2 has a GEMV only: deterministic steps keep torch's kernel at every row count (batch-invariant)
+      else if (fits4 && !vnni4 && !deterministic && rows_h == 1) y = int4_gemv_avx2(h, a, b, group, 0);
       if (!y.defined()) y = at::_weight_int4pack_mm_for_cpu(h, a, group, b);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == INT5) {
@@ -157,7 +168,8 @@ struct Lin {
       const bool vnni = kpad % 64 == 0 && rowsum.defined() && vnni_available();
       if (vnni && h.size(0) == 1) y = int8_gemv(h, a, b, rowsum);
       else if (vnni && deterministic) y = int8_gemm(h, a, b, rowsum);
-      else y = at::_weight_int8pack_mm(h, a, b);
+      else if (!vnni && !deterministic && h.size(0) == 1 && kpad % 64 == 0) y = int8_gemv_avx2(h, a, b);
+      if (!y.defined()) y = at::_weight_int8pack_mm(h, a, b);
     } else {
       y = at::linear(h, a);
       if (pad) y = y.narrow(0, 0, rows);
@@ -320,6 +332,12 @@ class DecodePlan {
                               scores.data(), attn_p + b * qs + kvh * groups * D, D);
             continue;
           }
+#elif defined(SUPERSLM_ROWS_AVX2)
+          if (D % 8 == 0 && D <= 256 && groups <= 64) {
+            attend_group8<T>(qf.data(), groups, kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale,
+                             scores.data(), attn_p + b * qs + kvh * groups * D, D);
+            continue;
+          }
 #endif
           for (int64_t g = 0; g < groups; ++g)
             attend<T>(qf.data() + g * D, kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale,
@@ -370,6 +388,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("vnni_available", &vnni_available);
   m.def("set_vnni", &set_vnni);
+  m.def("avx2_available", &avx2_available);
+  m.def("set_avx2", &set_avx2);
+  m.def("torch_int4_block", &torch_int4_block);
+  m.def("int4_gemv_avx2", &int4_gemv_avx2, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int8_gemv_avx2", &int8_gemv_avx2, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int8_rowsum", &int8_rowsum);
   m.def("int8_gemv", &int8_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_gemv", &int4_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());

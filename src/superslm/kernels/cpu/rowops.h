@@ -10,36 +10,16 @@
 #include <cstdint>
 #include <cstring>
 
+#include "rowbase.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define SUPERSLM_AVX512 1
 #endif
 
+#include "rowops_avx2.h"  // 8-lane versions where there is no AVX-512
+
 namespace superslm_rows {
-
-// ---- scalar helpers ----
-
-inline float bf16_round(float x) {
-  // round-to-nearest-even to bf16 and back, as a bf16 tensor op rounds its float result
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7f800000u) == 0x7f800000u) return x;  // inf / nan
-  u += 0x7fffu + ((u >> 16) & 1u);
-  u &= 0xffff0000u;
-  float r;
-  std::memcpy(&r, &u, 4);
-  return r;
-}
-
-template <typename T>
-inline float rnd(float x);
-template <>
-inline float rnd<float>(float x) { return x; }
-template <>
-inline float rnd<at::BFloat16>(float x) { return bf16_round(x); }
-
-template <typename T>
-inline float ld(const T* p) { return static_cast<float>(*p); }
 
 // one query row against its keys key_slots[first:len]: scores, softmax and the value sum in float32
 template <typename T>
@@ -314,6 +294,8 @@ void act_rows(const T* gu, T* out, int64_t B, int64_t inter, int64_t act) {
     if (act != 2)
       for (; j + 16 <= inter; j += 16)
         store16<T>(ap + j, _mm512_mul_ps(rnd16<T>(act16(act, load16<T>(gp + j))), load16<T>(gp + inter + j)));
+#elif defined(SUPERSLM_ROWS_AVX2)
+    j = act_row8<T>(gp, ap, inter, act);
 #endif
     for (; j < inter; ++j) ap[j] = static_cast<T>(rnd<T>(act_fn(act, ld(gp + j))) * ld(gp + inter + j));
   }
