@@ -178,6 +178,8 @@ inline int32_t hsum8(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+constexpr int64_t PF = 16;
+
 void int8_rows(const int8_t* hi, const int8_t* lo, const int8_t* codes, const at::BFloat16* scale, float sh,
                float sl, at::BFloat16* out, int64_t K, int64_t n0, int64_t n1) {
   int64_t n = n0;
@@ -188,6 +190,9 @@ void int8_rows(const int8_t* hi, const int8_t* lo, const int8_t* codes, const at
     for (int64_t k = 0; k < K; k += 32) {
       const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + k));
       const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + k));
+      // the next rows' lines, PF rows ahead: one core's misses in flight are what limits a streamed head
+      if (n + 4 + PF <= n1)
+        for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(c + (PF + r) * K + k), _MM_HINT_T0);
       for (int r = 0; r < 4; ++r) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + r * K + k));
         h[r] = _mm256_add_epi32(h[r], int8_dot32(w, xh));
@@ -213,6 +218,16 @@ void int8_rows(const int8_t* hi, const int8_t* lo, const int8_t* codes, const at
 }  // namespace
 #endif
 
+// x's one row rounded to bf16 and back, as torch's kernels and the VNNI kernels see it (decode rows come in
+// bf16 already: a loop instead of two tensor ops per linear)
+static std::vector<float> bf16_row(const at::Tensor& x) {
+  const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+  const at::BFloat16* p = xb.data_ptr<at::BFloat16>();
+  std::vector<float> out(xb.numel());
+  for (size_t k = 0; k < out.size(); ++k) out[k] = static_cast<float>(p[k]);
+  return out;
+}
+
 // x [1, K] -> [1, N] bf16 for int4 weights packed in blocks of `block` rows (0: torch's layout here), as
 // gemv.cpp int4_gemv computes it (the same bits); undefined where it does not apply (no AVX2, an unknown
 // layout, x that cannot be split: a NaN, an inf, an outlier): the caller takes torch's kernel.
@@ -226,10 +241,10 @@ at::Tensor int4_gemv_avx2(const at::Tensor& x, const at::Tensor& qweight, const 
 #ifdef SUPERSLM_AVX2
   const int64_t K = x.size(1), N = qweight.size(0), G = K / group;
   // x rounded to bf16 first, as torch's kernel and the VNNI kernels see it
-  at::Tensor xf = x.to(at::kBFloat16).to(at::kFloat).contiguous();
+  const std::vector<float> xf = bf16_row(x);
   std::vector<int8_t> hi(K), lo(K);
   std::vector<float> gsum(G), gsl(G);
-  if (!superslm_vnni::split_groups(xf.data_ptr<float>(), K, group, hi.data(), lo.data(), gsum.data(), gsl.data()))
+  if (!superslm_vnni::split_groups(xf.data(), K, group, hi.data(), lo.data(), gsum.data(), gsl.data()))
     return at::Tensor();
   const std::vector<__m256i> xh = quad_table(hi.data(), K), xl = quad_table(lo.data(), K);
   at::Tensor out = at::empty({1, N}, x.options().dtype(at::kBFloat16));
@@ -271,10 +286,10 @@ at::Tensor int8_gemv_avx2(const at::Tensor& x, const at::Tensor& codes, const at
   TORCH_CHECK(K % 64 == 0, "int8_gemv_avx2: K must be a multiple of 64");
   if (!avx2_available()) return at::Tensor();
 #ifdef SUPERSLM_AVX2
-  at::Tensor xf = x.to(at::kBFloat16).to(at::kFloat).contiguous();
+  const std::vector<float> xf = bf16_row(x);
   std::vector<int8_t> hi(K), lo(K);
   float sh = 0.f, sl = 0.f;
-  if (!superslm_vnni::split_int8(xf.data_ptr<float>(), K, hi.data(), lo.data(), &sh, &sl)) return at::Tensor();
+  if (!superslm_vnni::split_int8(xf.data(), K, hi.data(), lo.data(), &sh, &sl)) return at::Tensor();
   at::Tensor out = at::empty({1, N}, x.options().dtype(at::kBFloat16));
   at::Tensor sc = scale.contiguous();
   const int8_t* cp = codes.data_ptr<int8_t>();
