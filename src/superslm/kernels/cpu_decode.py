@@ -266,7 +266,8 @@ def _vnni_input(ext: Any, module: torch.nn.Module, x: torch.Tensor) -> torch.Ten
 def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor | None:
     """module(x) through the VNNI int8 kernels (kernels/cpu/gemv.cpp, gemm.cpp), or None where they do not
     apply (another format, K not a multiple of 64, a CPU or build without AVX-512 VNNI), or where torch's
-    kernel is as fast: several rows outside deterministic mode. A row gets the same bits alone or in a batch."""
+    kernel is as fast: several rows outside deterministic mode. A row gets the same bits alone or in a batch.
+    Without VNNI, one row of the default mode takes the AVX2 GEMV (kernels/cpu/avx2.cpp, the same bits)."""
     rows = x.shape[0]
     if rows == 0 or (rows > 1 and not deterministic) or x.device.type != "cpu":
         return None

@@ -3,8 +3,8 @@
 // Eager torch spent ~8 ms of a SmolLM2 decode step on ~1,000 small calls (norms, rope, paged attention,
 // casts) around ~3.4 ms of weight kernels. This file runs the arithmetic of models/transformer.py
 // Layer.forward for a step's rows (decode rows, and prompt chunks where models/transformer.py sends
-// them): the linears through the VNNI kernels (gemv.cpp, gemm.cpp) or torch's, everything between them
-// in per-row loops (rowops.h). Rounding to the model dtype happens where the torch reference rounds,
+// them): the linears through the VNNI kernels (gemv.cpp, gemm.cpp), the AVX2 GEMVs (avx2.cpp: one row,
+// default mode, CPUs without VNNI) or torch's, everything between them in per-row loops (rowops.h). Rounding to the model dtype happens where the torch reference rounds,
 // so bf16 results stay within a rounding of it.
 // The torch reference with the same signature is kernels/cpu_decode.py `decode_layers_reference`.
 #include <torch/extension.h>
