@@ -67,7 +67,7 @@ namespace {
 // apart). A byte unpack of [k0 | k1] with [k2 | k3] puts each row's codes in one 16-bit lane, (k0, k2) in
 // the low 128 bits and (k1, k3) in the high, which quad_table's activation layout matches. h[0] / l[0]:
 // rows 0-7, [1] 8-15 (low nibbles), [2] 16-23, [3] 24-31 (high nibbles). Named accumulators and this order
-// keep every value in the 16 ymm registers.
+// keep the live values close to AVX2's 16 ymm registers (GCC 12 still spills one accumulator).
 template <int STRIDE>
 inline void quad_sums(const uint8_t* p, const __m256i* xh, const __m256i* xl, int64_t nq, __m256i h[4], __m256i l[4]) {
   const __m256i nib = _mm256_set1_epi8(0x0f);
@@ -102,7 +102,7 @@ inline void quad_sums(const uint8_t* p, const __m256i* xh, const __m256i* xl, in
   l[0] = l0, l[1] = l1, l[2] = l2, l[3] = l3;
 }
 
-// An int8 part of x laid out for unpack_quad16's codes: per quad of k, 32 bytes whose low 128 bits repeat
+// An int8 part of x laid out for quad_sums' codes: per quad of k, 32 bytes whose low 128 bits repeat
 // (x0, x2) and high 128 bits (x1, x3), so maddubs pairs each row's codes with their own k.
 std::vector<__m256i> quad_table(const int8_t* x, int64_t K) {
   std::vector<__m256i> t(K / 4);
