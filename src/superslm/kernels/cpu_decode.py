@@ -237,16 +237,28 @@ def int8_gemv_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tenso
     return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), codes, scale)
 
 
-def _vnni_int8(module: torch.nn.Module) -> tuple[Any, torch.Tensor] | None:
-    """(extension, the codes' row sums, cached on the module) where the VNNI int8 kernels run `module`: an
-    Int8Linear with K a multiple of 64, unpadded unless rotated (`_vnni_input` pads and rotates), the
-    kernels built with VNNI."""
+def _int8_fits(module: torch.nn.Module) -> bool:
+    """Whether the C++ int8 GEMVs (VNNI or AVX2) take `module`: an Int8Linear with K a multiple of 64,
+    unpadded unless rotated (`_vnni_input` pads and rotates)."""
     from superslm.quant.dense import Int8Linear
 
     if type(module) is not Int8Linear:
-        return None
+        return False
+    return module.k_pad % 64 == 0 and (module.rotation is not None or module.k_pad == module.in_features)
+
+
+def _with_bias(module: torch.nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A kernel's bf16 output with the module's bias added in float, in x's dtype (as the module returns it)."""
+    if module.bias is not None:
+        y = y.float() + module.bias
+    return y.to(x.dtype)
+
+
+def _vnni_int8(module: torch.nn.Module) -> tuple[Any, torch.Tensor] | None:
+    """(extension, the codes' row sums, cached on the module) where the VNNI int8 kernels run `module`: one
+    that `_int8_fits`, the kernels built with VNNI."""
     ext = cext.vnni()
-    if ext is None or module.k_pad % 64 or (module.rotation is None and module.k_pad != module.in_features):
+    if ext is None or not _int8_fits(module):
         return None
     rowsum = getattr(module, "_rowsum", None)
     if rowsum is None or rowsum.shape[0] != module.codes.shape[0]:
@@ -276,29 +288,22 @@ def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = 
         return None if deterministic else _avx2_int8(module, x)
     ext, rowsum = got
     kernel = ext.int8_gemv if rows == 1 else ext.int8_gemm
-    y = kernel(_vnni_input(ext, module, x), module.codes, module.scale, rowsum)
-    if module.bias is not None:
-        y = y.float() + module.bias
-    return y.to(x.dtype)
+    return _with_bias(module, kernel(_vnni_input(ext, module, x), module.codes, module.scale, rowsum), x)
 
 
 def _avx2_int8(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """module(x) for one row through the AVX2 int8 GEMV (kernels/cpu/avx2.cpp: the VNNI GEMV's bits), or
     None where it does not apply. Not in deterministic mode: AVX2 has no GEMM with the same bits, so there
     every row count keeps torch's kernel."""
-    from superslm.quant.dense import Int8Linear
-
     ext = cext.extension()
-    if (type(module) is not Int8Linear or x.shape[0] != 1 or ext is None or not ext.avx2_available()
-            or cext.torch_kernels_forced() or module.k_pad % 64
-            or (module.rotation is None and module.k_pad != module.in_features)):  # fmt: skip
+    if x.shape[0] != 1 or ext is None or not ext.avx2_available() or cext.torch_kernels_forced():
+        return None
+    if not _int8_fits(module):
         return None
     y = ext.int8_gemv_avx2(_vnni_input(ext, module, x), module.codes, module.scale)
     if y is None:  # x cannot be split (a NaN, an inf, an outlier): torch's kernel
         return None
-    if module.bias is not None:
-        y = y.float() + module.bias
-    return y.to(x.dtype)
+    return _with_bias(module, y, x)
 
 
 #: a union of candidates larger than this costs more to rescore than it saved: the caller takes the full head

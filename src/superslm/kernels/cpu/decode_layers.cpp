@@ -4,8 +4,9 @@
 // casts) around ~3.4 ms of weight kernels. This file runs the arithmetic of models/transformer.py
 // Layer.forward for a step's rows (decode rows, and prompt chunks where models/transformer.py sends
 // them): the linears through the VNNI kernels (gemv.cpp, gemm.cpp), the AVX2 GEMVs (avx2.cpp: one row,
-// default mode, CPUs without VNNI) or torch's, everything between them in per-row loops (rowops.h). Rounding to the model dtype happens where the torch reference rounds,
-// so bf16 results stay within a rounding of it.
+// default mode, CPUs without VNNI) or torch's, everything between them in per-row loops (rowops.h).
+// Rounding to the model dtype happens where the torch reference rounds, so bf16 results stay within a
+// rounding of it.
 // The torch reference with the same signature is kernels/cpu_decode.py `decode_layers_reference`.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
