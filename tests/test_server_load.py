@@ -145,6 +145,8 @@ def test_sigterm_drains(tmp_path) -> None:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
         wait_for(lambda: _healthy(url), timeout=90, every=0.2)
+        # served as its own name and as --model was typed (vLLM's default)
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == [folder.name, str(folder)]
         # 6 long streams on 2 slots: most of them still wait or run when the signal comes
         results: dict[int, list[str]] = {}
         started = threading.Event()
@@ -189,6 +191,15 @@ def test_sigterm_drains(tmp_path) -> None:
         frames = read_sse("".join(f"{x}\n\n" for x in lines))
         assert frames[-2]["usage"]["completion_tokens"] == 480
         assert frames[-3]["choices"][0]["finish_reason"] == "length"
+
+
+def test_default_served_names() -> None:
+    from superslm.serve.cli import default_names
+
+    assert default_names("SmolLM2-135M-Instruct.Q4_1.gguf", None) == ["SmolLM2-135M-Instruct.Q4_1.gguf",
+                                                                     "smollm2-135m-instruct"]
+    assert default_names("m.gguf", "m.gguf") == ["m.gguf"]
+    assert default_names("tiny", "/x/tiny") == ["tiny", "/x/tiny"]
 
 
 def _healthy(url: str) -> bool:

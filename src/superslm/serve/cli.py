@@ -38,7 +38,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--context", type=int, default=None,
                    help="tokens per sequence, prompt and answer (default: the model's, at most 4096)")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="the name(s) clients pass as `model` (default: the model's name)")
+                   help="the name(s) clients pass as `model` (default: the model's name and --model as given)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="sequences admitted beyond the slots before requests get 503")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
@@ -46,6 +46,14 @@ def add_parser(sub: Any) -> None:
                    help="seconds a SIGTERM waits for requests in flight before cancelling them")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
+
+
+def default_names(model_name: str, model_arg: str | None) -> list[str]:
+    """The model's own name, then --model as the user typed it (a path or a known name), as vLLM serves it."""
+    from superslm.hub import DEFAULT_MODEL
+
+    typed = DEFAULT_MODEL if model_arg is None else model_arg
+    return [model_name] if typed == model_name else [model_name, typed]
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -64,7 +72,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     kind = "decoder" if ns.model is None else model_kind(ns.model)
     loader = {"encoder": Encoder.load, "cross-encoder": CrossEncoder.load}.get(kind, superslm.load)
     model = loader(ns.model, device=ns.device, dtype=ns.dtype)
-    app = create_app(model, slots=ns.slots, context=ns.context, served_model_name=ns.served_model_name,
+    names = ns.served_model_name or default_names(model.name, ns.model)
+    app = create_app(model, slots=ns.slots, context=ns.context, served_model_name=names,
                      api_key=ns.api_key, max_waiting=ns.max_waiting, max_body_bytes=ns.max_body_bytes)
     state = app.state.server
 
