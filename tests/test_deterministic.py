@@ -11,6 +11,7 @@ from superslm.cache.kv import slot_mapping
 from superslm.kernels import attention_invariant
 from superslm.kernels.attention import AttnMetadata, paged_attention
 from superslm.kernels.attention_invariant import KEYS, ROWS, block_sum, paged_attention_invariant
+from superslm.kernels.row_blocks import BLOCK, by_row_blocks
 from tests.test_engine import engine_page_bytes, prompts
 from tests.tiny_models import SingleSequence, build_hf_model
 
@@ -72,24 +73,26 @@ def test_invariant_attention_matches_reference(model) -> None:
 
 
 def test_matmul_rows_do_not_depend_on_the_batch() -> None:
-    """What the invariant attention assumes of the CPU matmuls where the tests run: with a multiple
-    of ROWS query rows and whole blocks of KEYS keys, a row's results have the same bits whatever the
-    row count, the key count, the batch count and the row's place (scores: baddbmm with the mask
-    bias; then P @ [V | 1] over one block)."""
+    """What the invariant attention assumes of the batched matmuls where the tests run: with one matrix
+    shape (ROWS query rows by KEYS keys), a row's results have the same bits whatever the batch count, the
+    matrix's place in the batch and the other rows of its matrix (scores: baddbmm with the mask bias and
+    the keys transposed; then P @ [V | 1] over one block)."""
     g = torch.Generator().manual_seed(5)
-    for k, cols in ((64, KEYS), (32, KEYS), (KEYS, 65), (KEYS, 33)):
-        a, b = torch.randn(k, generator=g), torch.randn(k, cols, generator=g)
-        want = None
-        for rows, n, batch in ((ROWS, cols, 1), (3 * ROWS, 4 * cols, 3), (48, 10 * cols, 24), (200, cols, 50)):
-            x, y = torch.randn(batch, rows, k, generator=g), torch.randn(batch, k, n, generator=g)
-            i, j, c = rows - 1 - batch % rows, n - cols, batch // 2
-            x[c, i], y[c, :, j:] = a, b
-            if k == KEYS:
-                got = torch.bmm(x, y)[c, i, j:]
-            else:
-                got = torch.baddbmm(torch.zeros(batch, rows, n), x, y, alpha=0.125)[c, i, j:]
-            want = got if want is None else want
-            assert torch.equal(got, want), (k, cols, rows, n, batch)
+    for d in (32, 64, 128, 256):
+        for scores in (True, False):
+            k, n = (d, KEYS) if scores else (KEYS, d + 1)
+            a, b = torch.randn(k, generator=g), torch.randn(k, n, generator=g)
+            want = None
+            for batch in (1, 3, 24, 50, 768):
+                x, y = torch.randn(batch, ROWS, k, generator=g), torch.randn(batch, n, k, generator=g)
+                i, c = batch % ROWS, batch // 2
+                x[c, i], y[c] = a, b.T
+                if scores:
+                    got = torch.baddbmm(torch.zeros(batch, ROWS, n), x, y.transpose(1, 2), alpha=0.125)[c, i]
+                else:
+                    got = torch.bmm(x, y.transpose(1, 2).contiguous())[c, i]
+                want = got if want is None else want
+                assert torch.equal(got, want), (d, scores, batch)
 
 
 def test_block_sum_is_sequential_and_ignores_zero_blocks() -> None:
@@ -157,3 +160,53 @@ def test_invariant_attention_ignores_the_rest_of_the_step(dtype, budget, monkeyp
                 one = meta(pos[r : r + 1], slots[r : r + 1], (0, 1), (pos[r] + 1,), (tables[s],))
                 got = paged_attention_invariant(q[r : r + 1], kc, vc, one, window, d**-0.5)
                 assert torch.equal(got, full[r : r + 1]), (window, s, r)
+
+
+def test_row_blocks_give_each_row_one_shape() -> None:
+    """Deterministic linears multiply 16 rows at a time: a row's bits are those of its row alone (padded
+    to 16), whatever the step's row count, at the shapes where MKL on an Intel Xeon summed a 64-row GEMM's
+    rows otherwise (SmolLM2's down projection, 2 threads)."""
+    g = torch.Generator().manual_seed(4)
+    shapes: list[int] = []
+
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(576, 1536, generator=g).to(dtype)
+        x = torch.randn(130, 1536, generator=g).to(dtype)
+
+        def linear(rows: torch.Tensor, w: torch.Tensor = w) -> torch.Tensor:
+            shapes.append(rows.shape[0])
+            return torch.nn.functional.linear(rows, w)
+
+        alone = torch.cat([by_row_blocks(linear, x[i : i + 1]) for i in range(len(x))])
+        for n in (1, 15, 16, 17, 64, 128, 130):
+            assert torch.equal(by_row_blocks(linear, x[:n]), alone[:n]), (dtype, n)
+    assert set(shapes) == {BLOCK}
+
+
+@pytest.fixture(scope="module")
+def wide_folder(tmp_path_factory):
+    """One Llama layer with SmolLM2's widths: where BLAS shape choices show."""
+    from tests.tiny_models import CONFIGS
+
+    folder = tmp_path_factory.mktemp("det-wide")
+    kw = dict(CONFIGS["llama"][1], hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
+              num_attention_heads=9, num_key_value_heads=3)  # fmt: skip
+    CONFIGS["wide"] = ("LlamaConfig", kw)
+    try:
+        build_hf_model("wide", folder)
+    finally:
+        del CONFIGS["wide"]
+    return folder
+
+
+@pytest.mark.parametrize("plan", [True, False])
+def test_dense_fp32_rows_are_batch_invariant(wide_folder, plan: bool) -> None:
+    """A dense float32 model (BLAS GEMMs, no packed kernels) in the C++ plan and on the torch path: a
+    request's tokens and logprobs alone equal those in a batch of long prompts and in other chunkings."""
+    model = superslm.load(wide_folder)
+    model.net.fast_decode = plan
+    ps = prompts(4, seed=23, lo=60, hi=90)
+    kw = dict(slots=4, context=160)
+    alone = [run(model, [p], **kw)[0] for p in ps]
+    assert run(model, ps, **kw) == alone
+    assert run(model, ps, chunk=16, **kw) == alone

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from superslm.errors import AdapterInUse, AdapterMismatch, FormatError, ModelNotFound, UnsupportedModel
+from superslm.kernels.row_blocks import by_row_blocks
 from superslm.models.arch import Arch
 
 #: our fused linears and the HF module names of their parts, in row order
@@ -150,8 +151,8 @@ class LoraBatch:
     """The adapters of a step's rows: (adapter, row indices) groups; rows without one are absent."""
 
     groups: list[tuple[Adapter, torch.Tensor]]
-    #: deterministic mode: pad each group's rows to a multiple of this before its matmuls
-    row_multiple: int = 1
+    #: deterministic mode: each group's low-rank matmuls take 16 rows at a time (kernels/row_blocks.py)
+    deterministic: bool = False
 
     def apply(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + each group's low-rank delta on its own rows (x [N, in], y [N, out])."""
@@ -161,13 +162,20 @@ class LoraBatch:
                 continue
             a, b = w
             xr = x.index_select(0, rows)
-            n = xr.shape[0]
-            pad = (-n) % self.row_multiple
-            if pad:
-                xr = torch.cat([xr, xr.new_zeros(pad, xr.shape[1])])
-            delta = (xr @ a.T) @ b.T
-            y = y.index_add(0, rows, delta[:n].to(y.dtype))
+            delta = by_row_blocks(_LowRank(a, b), xr) if self.deterministic else _LowRank(a, b)(xr)
+            y = y.index_add(0, rows, delta.to(y.dtype))
         return y
+
+
+@dataclass
+class _LowRank:
+    """x -> (x A^T) B^T: a LoRA delta."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.a.T) @ self.b.T
 
 
 def group_rows(adapters: Sequence[Adapter | None], device: torch.device) -> list[tuple[Adapter, torch.Tensor]]:

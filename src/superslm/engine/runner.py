@@ -58,7 +58,7 @@ def build_step(
         from superslm.adapters.lora import LoraBatch, group_rows
 
         per_row = [seq.request.adapter for seq, n in chunks for _ in range(n)]
-        lora = LoraBatch(group_rows(per_row, device), 16 if deterministic else 1)
+        lora = LoraBatch(group_rows(per_row, device), deterministic)
     meta = AttnMetadata(
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),

@@ -2,11 +2,14 @@
 
 A row's result must not depend on the other rows of its step, nor on how its prompt was chunked. So
 every reduction a row takes part in has an order fixed by the row alone:
-- the query rows of a matmul are padded to a multiple of ROWS (4): on the CPU kernels a row then gets
-  the same bits whatever the matrix's row count, column count, batch count or the row's place
-  (`tests/test_deterministic.py` checks this where the tests run);
-- keys are cut in blocks of KEYS (64) positions aligned to position 0; a block's P @ [V | 1] is one
-  matmul over its 64 keys (the last column gives the softmax denominator); masked keys give exact zeros;
+- every matrix product has one shape: ROWS (4) query rows by one block of KEYS (64) key positions
+  aligned to position 0, the scores [ROWS, D] @ [D, KEYS] and P @ [V | 1] [ROWS, KEYS] @ [KEYS, D + 1]
+  (the last column gives the softmax denominator), batched. BLAS libraries choose their kernel, and so
+  the order of a dot product's terms, by the matrix shape (MKL on Intel CPUs: a row's scores changed
+  between 4 and 64+ rows); one shape gives a row the same bits whatever else is in the batch and
+  wherever it sits (`tests/test_deterministic.py` checks this where the tests run). Each query quad
+  gets its own copy of its keys and values: memory, not arithmetic, grows with the rows of a unit;
+- masked keys give exact zeros;
 - the block results are added one after the other in block order, in float64 (`block_sum`), so
   fully masked blocks, before or after the row's keys, add exact zeros;
 - the softmax maximum is exact in any order.
@@ -24,15 +27,14 @@ import torch
 
 from superslm.kernels.attention import AttnMetadata
 
-#: deterministic mode pads a step's rows to a multiple of this for the linears (models/transformer.py)
-BLOCK = 16
-#: query rows of an attention matmul: a multiple of this
+#: query rows of every attention matmul
 ROWS = 4
 #: keys per block: one matmul reduces a block, the blocks are added in order
 KEYS = 64
 #: query tokens of a prompt chunk per unit of work (a longer chunk is cut; rows are independent)
 TILE = 64
-#: most elements of one tensor of a group (scores, gathered keys): kv heads * units * keys * max(rows, dim + 1)
+#: most elements of one tensor of a group (the keys and values copied per query quad):
+#: kv heads * units * quads * keys * (dim + 1); a prompt chunk's tiles are cut shorter to fit
 GROUP_BUDGET = 1 << 22
 #: a masked score; exp() inputs are clamped to CLAMP first (no denormals: they are ~10x slower)
 _MASKED = -1e30
@@ -41,15 +43,16 @@ _CLAMP = -80.0
 
 @dataclass
 class _Group:
-    """Fixed-shape layout of some units (query rows of one sequence): kv heads x units x M rows x nb blocks."""
+    """Layout of some units (query rows of one sequence): kv heads x units x M/ROWS quads x nb blocks, each
+    (quad, block) pair one ROWS x KEYS matmul."""
 
     units: int
     rows: int  # M, a multiple of ROWS
     blocks: int  # nb; a unit's keys are nb * KEYS slots from its first block on
     q_index: torch.Tensor  # [kv * U * M] rows of q.view(-1, D) (padding rows repeat a real row)
     kv_index: torch.Tensor  # [kv * U * nb * KEYS] rows of k_cache.view(-1, D) (masked keys: any slot)
-    bias: torch.Tensor  # [kv * U, M, nb * KEYS] 0 where the key is visible to the row, _MASKED elsewhere
-    visible: torch.Tensor  # [1, U, M, nb * KEYS] bool
+    bias: torch.Tensor  # [kv * U * M/ROWS * nb, ROWS, KEYS] 0 where the key is visible to the row, _MASKED elsewhere
+    visible: torch.Tensor  # [1, U, M/ROWS, nb, ROWS, KEYS] bool
     out_index: torch.Tensor  # [kv * U * M] where each result row goes (padding rows: trash rows)
 
 
@@ -69,15 +72,24 @@ def block_sum(x: torch.Tensor) -> torch.Tensor:
     return x.cumsum(1)[:, -1]
 
 
-def _units(meta: AttnMetadata) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-    """(sequence, first row, row count) of the one-row sequences and of the chunk tiles."""
+def _units(meta: AttnMetadata, window: int | None, kv: int, groups: int, dim: int
+           ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:  # fmt: skip
+    """(sequence, first row, row count) of the one-row sequences and of the chunk tiles: at most TILE
+    tokens, fewer where the keys and values copied for their quads would pass GROUP_BUDGET (a row's
+    result does not depend on its tile)."""
     single, chunks = [], []
     for s in range(meta.num_seqs):
         a, b = meta.query_start[s], meta.query_start[s + 1]
         if b - a == 1:
             single.append((s, a, 1))
-        for t in range(a, b if b - a > 1 else a, TILE):
-            chunks.append((s, t, min(TILE, b - t)))
+            continue
+        keys = -(-meta.seq_lens[s] // KEYS) * KEYS
+        if window is not None:
+            keys = min(keys, (-(-(window + TILE) // KEYS) + 1) * KEYS)
+        quads = max(1, GROUP_BUDGET // (kv * keys * (dim + 1)))
+        tile = max(1, min(TILE, quads * ROWS // groups))
+        for t in range(a, b, tile):
+            chunks.append((s, t, min(tile, b - t)))
     return single, chunks
 
 
@@ -111,6 +123,8 @@ def _group(meta: AttnMetadata, units: list[tuple[int, int, int]], pos: list[int]
     visible = kpos[:, None, :] <= qpos[:, :, None]  # [U, M, Lp]; every row sees its own key at least
     if window is not None:
         visible &= kpos[:, None, :] > qpos[:, :, None] - window
+    # [U, M, Lp] -> [U, M/ROWS, nb, ROWS, KEYS]: one (quad, block) pair per matmul
+    visible = visible.view(u, m // ROWS, ROWS, nb, KEYS).transpose(2, 3).contiguous()
     bias = torch.zeros(visible.shape, dtype=dtype, device=dev).masked_fill_(~visible, _MASKED)
     h = torch.arange(kv, device=dev)[:, None, None] * groups + (r % groups)[None, None, :]  # [kv, 1, M]
     q_index = (row[None] * heads + h).reshape(-1)
@@ -118,20 +132,21 @@ def _group(meta: AttnMetadata, units: list[tuple[int, int, int]], pos: list[int]
     pad = ~(r[None, :] < count[:, None] * groups).expand(kv, u, m).reshape(-1)
     out_index = q_index.clone()
     out_index[pad] = first_out + torch.arange(int(pad.sum()), device=dev)
-    return _Group(u, m, nb, q_index, kv_index, bias.expand(kv, u, m, lp).reshape(kv * u, m, lp), visible[None],
+    return _Group(u, m, nb, q_index, kv_index, bias.expand(kv, *bias.shape).reshape(-1, ROWS, KEYS), visible[None],
                   out_index)
 
 
 def _pack(units: list[tuple[int, int, int]], pos: list[int], kv: int, groups: int, dim: int) -> list[list]:
-    """Units, longest keys first, in groups whose tensors hold at most GROUP_BUDGET elements each."""
+    """Units, longest keys first, in groups whose copied keys and values hold at most GROUP_BUDGET
+    elements each (a unit alone may hold more: a decode row's keys are not cut)."""
     units = sorted(units, key=lambda t: -pos[t[1] + t[2] - 1])
     out: list[list[tuple[int, int, int]]] = []
     for t in units:
         if out:
             cur = out[-1]
             keys = (pos[cur[0][1] + cur[0][2] - 1] // KEYS + 1) * KEYS  # the first unit's are the most
-            rows = -(-max(n for _, _, n in cur + [t]) * groups // ROWS) * ROWS
-            if kv * (len(cur) + 1) * keys * max(rows, dim + 1) <= GROUP_BUDGET:
+            quads = -(-max(n for _, _, n in cur + [t]) * groups // ROWS)
+            if kv * (len(cur) + 1) * quads * keys * (dim + 1) <= GROUP_BUDGET:
                 cur.append(t)
                 continue
         out.append([t])
@@ -142,7 +157,7 @@ def _plan(meta: AttnMetadata, window: int | None, kv: int, groups: int, dim: int
           dtype: torch.dtype) -> _Plan:
     dev = meta.slot_mapping.device
     pos = meta.positions.tolist()
-    single, chunks = _units(meta)
+    single, chunks = _units(meta, window, kv, groups, dim)
     # decoding sequences apart from prompt chunks: their 1-token units need only ROWS query rows
     batches = _pack(single, pos, kv, groups, dim) + _pack(chunks, pos, kv, groups, dim)
     real = q_rows * kv * groups
@@ -162,20 +177,20 @@ def _plan(meta: AttnMetadata, window: int | None, kv: int, groups: int, dim: int
 def _attend(g: _Group, qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, scale: float, kv: int) -> torch.Tensor:
     """One group: [kv * units * M, D] results in the bias's dtype."""
     d, dt = qf.shape[1], g.bias.dtype
-    b, m, nb, lp = kv * g.units, g.rows, g.blocks, g.blocks * KEYS
-    q = qf.index_select(0, g.q_index).to(dt)
-    k = kf.index_select(0, g.kv_index).to(dt)
-    v = vf.index_select(0, g.kv_index)
-    v = torch.cat([v, g.bias.new_ones(1, 1).expand(v.shape[0], 1)], 1)  # [V | 1], promoted to dt
-    s = torch.baddbmm(g.bias, q.view(b, m, d), k.view(b, lp, d).transpose(1, 2), alpha=scale)  # [B, M, Lp]
-    s.sub_(s.amax(-1, keepdim=True)).clamp_min_(_CLAMP).exp_()
-    s.view(kv, g.units, m, lp).mul_(g.visible)  # masked keys: exact zeros
-    if nb > 1:
-        p = s.view(b, m, nb, KEYS).transpose(1, 2).reshape(b * nb, m, KEYS)
-        acc = block_sum(torch.bmm(p, v.view(b * nb, KEYS, d + 1)).view(b, nb, m, d + 1))
-    else:
-        acc = torch.bmm(s, v.view(b, KEYS, d + 1))
-    return (acc[..., :d] / acc[..., d:]).reshape(b * m, d)
+    b, quads, nb = kv * g.units, g.rows // ROWS, g.blocks
+    pairs = (b, quads, nb)  # one matmul per (kv head and unit, quad, key block)
+    q = qf.index_select(0, g.q_index).to(dt).view(b, quads, 1, ROWS, d).expand(*pairs, ROWS, d)
+    k = kf.index_select(0, g.kv_index).to(dt).view(b, 1, nb, KEYS, d).expand(*pairs, KEYS, d)
+    v = vf.index_select(0, g.kv_index).view(b, nb, KEYS, d)
+    v = torch.cat([v, v.new_ones(1, 1, 1, 1).expand(b, nb, KEYS, 1)], -1).to(dt)  # [V | 1]
+    v = v.view(b, 1, nb, KEYS, d + 1).expand(*pairs, KEYS, d + 1)
+    s = torch.baddbmm(g.bias, q.reshape(-1, ROWS, d), k.reshape(-1, KEYS, d).transpose(1, 2), alpha=scale)
+    s6 = s.view(kv, g.units, quads, nb, ROWS, KEYS)
+    s6.sub_(s6.amax((3, 5), keepdim=True)).clamp_min_(_CLAMP).exp_()
+    s6.mul_(g.visible)  # masked keys: exact zeros
+    acc = torch.bmm(s, v.reshape(-1, KEYS, d + 1))  # [b * quads * nb, ROWS, D + 1]
+    acc = block_sum(acc.view(b * quads, nb, ROWS * (d + 1))).reshape(b * quads * ROWS, d + 1)
+    return acc[:, :d] / acc[:, d:]
 
 
 def paged_attention_invariant(

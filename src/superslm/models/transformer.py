@@ -16,7 +16,6 @@ from torch import nn
 
 from superslm.kernels import cpu_decode
 from superslm.kernels.attention import AttnMetadata
-from superslm.kernels.attention_invariant import BLOCK
 from superslm.kernels.cpu_decode import decode_layers, row_key_slots
 from superslm.kernels.dispatch import (
     add_rms_norm,
@@ -36,13 +35,14 @@ from superslm.kernels.dispatch import (
 from superslm.kernels.fused import Int4Weight
 from superslm.kernels.norm import norm_dtype
 from superslm.kernels.rope import rope_cos_sin
+from superslm.kernels.row_blocks import BLOCK, by_row_blocks
 from superslm.models.arch import Arch
 
 
 class DenseLinear(nn.Module):
     """y = x W^T (+ b) with W in the compute dtype; other weight formats replace this module."""
 
-    #: BLAS may sum a row differently with another number of rows: deterministic mode pads to 16
+    #: BLAS may sum a row differently with another number of rows: deterministic mode multiplies 16 at a time
     row_invariant = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -111,14 +111,14 @@ class Layer(nn.Module):
                 meta, self.window, a.attn_scale)  # fmt: skip
         rot = _fused_rotation(self.o, qkv, lora)
         if rot is not None:  # the merge of the attention's key splits rotates o's input (int4/int8)
-            o = self.o.forward_rotated(attention_rotate(*prep, *rot), qkv.dtype)
+            o = _linear(self.o, attention_rotate(*prep, *rot), meta.deterministic, qkv.dtype)
         elif _gemv_fused(self.o, qkv, lora, meta.deterministic) and self.o.bias is None:
             # a few rows: the o projection's GEMV merges the attention's key splits
             o = attention_linear(*prep, self.o.weight)
         else:
             # bias, q/k norms, RoPE, the KV store and the attention: one launch of a decode step on the GPU
             o_in = prepare_attention(*prep).reshape(n, a.heads * a.head_dim)
-            o = self.o(o_in)
+            o = _linear(self.o, o_in, meta.deterministic)
             if lora is not None:
                 o = lora.apply(self.index, "o", o_in, o)
         if a.post_norms:
@@ -129,10 +129,10 @@ class Layer(nn.Module):
         elif _gemv_fused(self.gate_up, o, lora, meta.deterministic) and _fused_rotation(self.down, o, lora) is None:
             # add + norm, gate_up and the activation in one GEMV launch
             act, h = norm_linear(o, h, self.ffn_norm, a.norm_eps, a.norm_float, self.gate_up.weight, a.act)
-            return h, self._down(act, lora)
+            return h, self._down(act, lora, meta.deterministic)
         else:
             x, h = add_rms_norm(o, h, self.ffn_norm, a.norm_eps, a.norm_float)
-            gu = self.gate_up(x)
+            gu = _linear(self.gate_up, x, meta.deterministic)
             if lora is not None:
                 gu = lora.apply(self.index, "gate_up", x, gu)
         rot = _fused_rotation(self.down, gu, lora)
@@ -141,13 +141,13 @@ class Layer(nn.Module):
             if w4 is not None:  # ... inside the down projection's int4 GEMV
                 y = self.down.finish(gated_act_rotate_int4(gu, a.act, *rot, w4), gu.dtype)
             else:
-                y = self.down.forward_rotated(gated_act_rotate(gu, a.act, *rot), gu.dtype)
+                y = _linear(self.down, gated_act_rotate(gu, a.act, *rot), meta.deterministic, gu.dtype)
             return h, (self.norm(y, "post_ffn_norm") if a.post_norms else y)
-        return h, self._down(gated_act(gu, a.act), lora)
+        return h, self._down(gated_act(gu, a.act), lora, meta.deterministic)
 
-    def _down(self, act: torch.Tensor, lora: Any) -> torch.Tensor:
+    def _down(self, act: torch.Tensor, lora: Any, deterministic: bool) -> torch.Tensor:
         """The MLP's output from its activation: the down projection (+ LoRA), then Gemma's post-norm."""
-        y = self.down(act)
+        y = _linear(self.down, act, deterministic)
         if lora is not None:
             y = lora.apply(self.index, "down", act, y)
         if self.arch.post_norms:
@@ -171,7 +171,7 @@ class Layer(nn.Module):
             y, h = norm_rotate_int4(x, residual, norm, a.norm_eps, a.norm_float, *rot, w4)
             return lin.finish(y, dtype), (x if h is None else h)
         xr, h = norm_rotate(x, residual, norm, a.norm_eps, a.norm_float, *rot)
-        return lin.forward_rotated(xr, dtype), (x if h is None else h)
+        return _linear(lin, xr, deterministic, dtype), (x if h is None else h)
 
     def _qkv(
         self, src: torch.Tensor, residual: torch.Tensor | None, lora: Any, deterministic: bool
@@ -195,10 +195,19 @@ class Layer(nn.Module):
             # (not past a hook on the module: calibration watches its inputs)
             qkv, bias = F.linear(x, lin.weight), lin.bias
         else:
-            qkv = lin(x)
+            qkv = _linear(lin, x, deterministic)
             if lora is not None:
                 qkv = lora.apply(self.index, "qkv", x, qkv)
         return qkv, h, bias
+
+
+def _linear(lin: nn.Module, x: torch.Tensor, deterministic: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """lin(x), or lin.forward_rotated(x, dtype) for an input already rotated; in deterministic mode a linear
+    whose BLAS rounds a row by the row count multiplies 16 rows at a time (kernels/row_blocks.py)."""
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        return lin(rows) if dtype is None else lin.forward_rotated(rows, dtype)
+
+    return by_row_blocks(fn, x) if deterministic and not getattr(lin, "row_invariant", False) else fn(x)
 
 
 def _gemv_fused(lin: nn.Module, x: torch.Tensor, lora: Any, deterministic: bool) -> bool:
@@ -387,7 +396,7 @@ class Transformer(nn.Module):
         y = cpu_decode.vnni_linear(self.head, x[:n], deterministic)
         if y is not None:
             return y.float()
-        return self.head(x)[:n].float()
+        return _linear(self.head, x, deterministic)[:n].float()
 
     def greedy_tokens(self, h: torch.Tensor, deterministic: bool = False) -> torch.Tensor | None:
         """Residual rows [n, dim] -> each row's argmax token (int64 [n], first index on ties) where the head

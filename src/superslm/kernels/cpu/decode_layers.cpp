@@ -73,6 +73,17 @@ at::Tensor rotate_input(const at::Tensor& x, const at::Tensor& signs_f, int64_t 
 // INT5: GGUF Q5_0 as it is (quant/int5.py): int4 nibbles, `extra` their fifth bits
 enum LinKind : int64_t { DENSE_MODULE = 0, INT4 = 1, INT8 = 2, DENSE_FORMAT = 3, CONCAT = 4, INT5 = 5 };
 
+// MKL picks its kernel, and a dot product's term order, by the matrix shape: on an Intel Xeon a row of a
+// 64-row GEMM got other bits than in a 16-row one. One shape for every call: 16 rows (x has a multiple).
+static at::Tensor blocks16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  const int64_t n = x.size(0);
+  if (n == 16) return at::linear(x, w, bias);
+  TORCH_CHECK(n % 16 == 0, "DecodePlan: a deterministic dense linear needs a multiple of 16 rows, got ", n);
+  at::Tensor y = at::empty({n, w.size(0)}, x.options());
+  for (int64_t r = 0; r < n; r += 16) y.narrow(0, r, 16).copy_(at::linear(x.narrow(0, r, 16), w, bias));
+  return y;
+}
+
 struct Lin {
   int64_t kind = 0, group = 0, out = 0, in = 0, kpad = 0;
   at::Tensor a, b, bias;
@@ -123,8 +134,8 @@ struct Lin {
     return rotate_input(x, signs_f, hadamard.size(0), kpad, ht);
   }
 
-  // deterministic: every row gets the same bits whatever the other rows (dense GEMMs see a multiple of
-  // 16 rows, as models/transformer.py pads them; the rotation and the VNNI kernels work row by row)
+  // deterministic: every row gets the same bits whatever the other rows (dense GEMMs take 16 rows at a
+  // time, `blocks16`; the rotation and the VNNI kernels work row by row)
   at::Tensor operator()(const at::Tensor& x, bool deterministic) const {
     if (kind == CONCAT) {
       TORCH_CHECK(!parts.empty(), "DecodePlan: a concatenated linear without parts");
@@ -138,7 +149,8 @@ struct Lin {
     const bool pad = deterministic && rows % 16 && (kind == DENSE_MODULE || kind == DENSE_FORMAT);
     at::Tensor xin = pad ? at::constant_pad_nd(x, {0, 0, 0, 16 - rows % 16}) : x;
     if (kind == DENSE_MODULE) {
-      at::Tensor y = at::linear(xin.to(a.scalar_type()), a, bias).to(x.scalar_type());
+      const at::Tensor xa = xin.to(a.scalar_type());
+      at::Tensor y = (deterministic ? blocks16(xa, a, bias) : at::linear(xa, a, bias)).to(x.scalar_type());
       return pad ? y.narrow(0, 0, rows).contiguous() : y;
     }
     const at::ScalarType ht = kind == DENSE_FORMAT ? a.scalar_type() : at::kBFloat16;
@@ -172,7 +184,7 @@ struct Lin {
       else if (!vnni && !deterministic && h.size(0) == 1 && kpad % 64 == 0) y = int8_gemv_avx2(h, a, b);
       if (!y.defined()) y = at::_weight_int8pack_mm(h, a, b);
     } else {
-      y = at::linear(h, a);
+      y = deterministic ? blocks16(h, a, at::Tensor()) : at::linear(h, a);
       if (pad) y = y.narrow(0, 0, rows);
     }
     if (bias.defined()) y = y.to(at::kFloat) + bias;

@@ -1,0 +1,30 @@
+"""Fixed-shape matmuls for deterministic mode: every row block multiplied on its own.
+
+BLAS libraries choose a kernel, and with it the order of a dot product's terms, by the matrix shape
+and the thread count: MKL on an Intel Xeon gave the rows of a [64, 1536] @ [1536, 576] product other
+bits than the same rows in a [16, 1536] product (2 threads). Padding a step's rows to a multiple of 16
+is not enough there; multiplying each 16-row block on its own gives every call one shape, so a row's
+bits do not depend on how many rows its step has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+#: rows of every deterministic matmul (models/transformer.py pads a step's rows to a multiple of this)
+BLOCK = 16
+
+
+def by_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn(x) computed on BLOCK rows at a time (the last block zero-padded): x [N, ...] -> [N, ...].
+
+    fn must treat rows independently (a linear, a low-rank product)."""
+    n = x.shape[0]
+    pad = (-n) % BLOCK
+    if pad:
+        x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
+    if x.shape[0] == BLOCK:
+        return fn(x)[:n]
+    return torch.cat([fn(block) for block in x.split(BLOCK)])[:n]
