@@ -75,13 +75,18 @@ enum LinKind : int64_t { DENSE_MODULE = 0, INT4 = 1, INT8 = 2, DENSE_FORMAT = 3,
 
 // MKL picks its kernel, and a dot product's term order, by the matrix shape: on an Intel Xeon a row of a
 // 64-row GEMM got other bits than in a 16-row one. One shape for every call: 16 rows (x has a multiple).
+// fp32: one batched call of 16-row matrices (twice as fast as a loop there); bf16: a loop (bmm is slow).
 static at::Tensor blocks16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
-  const int64_t n = x.size(0);
-  if (n == 16) return at::linear(x, w, bias);
+  const int64_t n = x.size(0), k = x.size(1), o = w.size(0);
   TORCH_CHECK(n % 16 == 0, "DecodePlan: a deterministic dense linear needs a multiple of 16 rows, got ", n);
-  at::Tensor y = at::empty({n, w.size(0)}, x.options());
-  for (int64_t r = 0; r < n; r += 16) y.narrow(0, r, 16).copy_(at::linear(x.narrow(0, r, 16), w, bias));
-  return y;
+  at::Tensor y;
+  if (x.scalar_type() == at::kFloat) {
+    y = at::bmm(x.reshape({n / 16, 16, k}), w.t().unsqueeze(0).expand({n / 16, k, o})).view({n, o});
+  } else {
+    y = at::empty({n, o}, x.options());
+    for (int64_t r = 0; r < n; r += 16) y.narrow(0, r, 16).copy_(at::linear(x.narrow(0, r, 16), w));
+  }
+  return bias.defined() ? y.add_(bias) : y;
 }
 
 struct Lin {
