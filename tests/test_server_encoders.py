@@ -358,7 +358,8 @@ def test_serve_cli_with_an_encoder_folder(minilm_folder: Path, st_model) -> None
         wait_for(lambda: _healthy(url) or proc.poll() is not None, timeout=90, every=0.2)
         assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
         name = minilm_folder.name
-        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == [name]
+        # its own name, and --model as typed
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == [name, str(minilm_folder)]
         r = httpx.post(f"{url}/v1/embeddings", json={"model": name, "input": TEXTS, "encoding_format": "float"},
                        timeout=60)
         assert r.status_code == 200, r.text
