@@ -114,8 +114,9 @@ def test_bfloat16_formats_within_rounding(family: str, fmt: str | None, folders)
     generic, ref, cpp = _three_ways(net, [2, 7, 13, 35])
     scale = generic.float().abs().max().item()
     # one bf16 rounding (2^-8 relative) compounds over a few layers; a wrong kernel is off by O(1)
-    # the same roundings in the same order: equal but for a rare flip of one bf16 ulp (2^-7 relative)
-    assert (cpp.float() - ref.float()).abs().max().item() <= 2**-6 * scale
+    # the same kernels, the rotation rounded differently (float rows vs a bf16 matmul): a few flips of one
+    # bf16 ulp compound over the layers (1.4-1.8% of the scale on rotated int4 Gemma-3 on either kernel)
+    assert (cpp.float() - ref.float()).abs().max().item() <= 2**-5 * scale
     assert (cpp.float() - generic.float()).abs().max().item() <= 0.03 * scale
     cos = torch.nn.functional.cosine_similarity(cpp.float(), generic.float(), dim=-1)
     assert cos.min().item() > 0.999
@@ -163,7 +164,7 @@ def test_vnni_int8_gemv_equals_torch_kernel(shape) -> None:
     g = torch.Generator().manual_seed(n)
     m = Int8Linear.from_dense(torch.randn(n, k, generator=g))
     x = (torch.randn(1, k, generator=g) * torch.rand(1, k, generator=g) ** 4).to(torch.bfloat16)  # wide range
-    want = m(x).float()
+    want = _torch_int8(m, x)
     got = cpu_decode.vnni_linear(m, x)
     ext = cpu_decode.extension()
     # without VNNI the AVX2 GEMV (tests/test_cpu_avx2.py) runs one row, with the same arithmetic
@@ -176,7 +177,16 @@ def test_vnni_int8_gemv_equals_torch_kernel(shape) -> None:
     assert ((got.float() - want).abs() <= 2**-7 * want.abs() + 1e-3 * want.abs().max()).all()
     zero = cpu_decode.vnni_linear(m, torch.zeros_like(x))  # AVX2: None, torch's kernel takes an all-zero row
     assert torch.equal(zero.float(), torch.zeros(1, n)) if ext.vnni_available() else zero is None
-    assert cpu_decode.vnni_linear(m, x.repeat(2, 1)) is None
+    two = cpu_decode.vnni_linear(m, x.repeat(2, 1))  # torch's kernel, or ours where faster (gemm_rows)
+    assert two is None if not ext.vnni_available() or ext.gemm_rows(True) > 2 else torch.equal(two[1:], got)
+
+
+def _torch_int8(m, x: torch.Tensor) -> torch.Tensor:
+    """torch's packed int8 kernel on an unrotated Int8Linear, float32."""
+    assert m.rotation is None
+    x = torch.nn.functional.pad(x, (0, m.k_pad - x.shape[1]))
+    y = torch.ops.aten._weight_int8pack_mm(x, m.codes, m.scale).float()
+    return y if m.bias is None else y + m.bias.float()
 
 
 @pytest.mark.parametrize("n,k,group", [(64, 128, 32), (960, 576, 32), (192, 512, 64), (128, 256, 128), (64, 512, 256)])
@@ -291,11 +301,15 @@ def test_vnni_int8_gemm_rows_equal_the_single_row_gemv(shape) -> None:
         x = (torch.randn(rows, k, generator=g) * torch.rand(rows, k, generator=g) ** 4).to(torch.bfloat16)
         x[1, 5] = float("nan")
         got = cpu_decode.vnni_linear(m, x, deterministic=True)
-        assert cpu_decode.vnni_linear(m, x) is None  # several rows, default mode: torch's kernel
+        default = cpu_decode.vnni_linear(m, x)  # several rows, default mode: torch's kernel, or ours from gemm_rows
+        if rows < ext.gemm_rows(True):
+            assert default is None
+        else:
+            assert torch.equal(default.view(torch.int16), got.view(torch.int16))
         for r in range(rows):
             one = cpu_decode.vnni_linear(m, x[r : r + 1])
             assert torch.equal(got[r : r + 1].view(torch.int16), one.view(torch.int16)), (rows, r)
-        want = m(x).float()
+        want = _torch_int8(m, x)
         ok = torch.arange(rows) != 1
         assert ((got[ok].float() - want[ok]).abs() <= 2**-7 * want[ok].abs() + 1e-3 * want[ok].abs().max()).all()
         assert torch.isnan(got[1]).all()

@@ -260,10 +260,7 @@ def _vnni_int8(module: torch.nn.Module) -> tuple[Any, torch.Tensor] | None:
     ext = cext.vnni()
     if ext is None or not _int8_fits(module):
         return None
-    rowsum = getattr(module, "_rowsum", None)
-    if rowsum is None or rowsum.shape[0] != module.codes.shape[0]:
-        rowsum = module._rowsum = ext.int8_rowsum(module.codes)
-    return ext, rowsum
+    return ext, module.vnni_rowsum(ext)
 
 
 def _vnni_input(ext: Any, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -278,15 +275,18 @@ def _vnni_input(ext: Any, module: torch.nn.Module, x: torch.Tensor) -> torch.Ten
 def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor | None:
     """module(x) through the VNNI int8 kernels (kernels/cpu/gemv.cpp, gemm.cpp), or None where they do not
     apply (another format, K not a multiple of 64, a CPU or build without AVX-512 VNNI), or where torch's
-    kernel is as fast: several rows outside deterministic mode. A row gets the same bits alone or in a batch.
-    Without VNNI, one row of the default mode takes the AVX2 GEMV (kernels/cpu/avx2.cpp, the same bits)."""
+    kernel is as fast: several rows outside deterministic mode on CPUs with AVX512-BF16 (`gemm_rows`,
+    kernels/cpu/gemv.cpp). A row gets the same bits alone or in a batch. Without VNNI, one row of the
+    default mode takes the AVX2 GEMV (kernels/cpu/avx2.cpp, the same bits)."""
     rows = x.shape[0]
-    if rows == 0 or (rows > 1 and not deterministic) or x.device.type != "cpu":
+    if rows == 0 or x.device.type != "cpu":
         return None
     got = _vnni_int8(module)
     if got is None:
-        return None if deterministic else _avx2_int8(module, x)
+        return None if deterministic or rows > 1 else _avx2_int8(module, x)
     ext, rowsum = got
+    if rows > 1 and not deterministic and rows < ext.gemm_rows(True):
+        return None
     kernel = ext.int8_gemv if rows == 1 else ext.int8_gemm
     return _with_bias(module, kernel(_vnni_input(ext, module, x), module.codes, module.scale, rowsum), x)
 

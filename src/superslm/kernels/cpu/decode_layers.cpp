@@ -20,6 +20,7 @@
 // gemv.cpp
 bool vnni_available();
 void set_vnni(bool on);
+int64_t gemm_rows(bool int8);
 at::Tensor int8_rowsum(const at::Tensor& codes);
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& rowsum);
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group);
@@ -169,10 +170,10 @@ struct Lin {
     at::Tensor y;
     if (kind == INT4) {
       // the VNNI kernels give a row the same bits alone or in a batch (gemm.cpp), so deterministic steps
-      // use them at every row count; otherwise 2..31 rows take torch's kernel, as fast or faster there
+      // use them at every row count; otherwise from gemm_rows (gemv.cpp: torch's kernel below, where faster)
       const int64_t rows_h = h.size(0);
       if (vnni4 && rows_h == 1) y = int4_gemv(h, a, b, group);
-      else if (vnni4 && (deterministic || rows_h >= 32)) y = int4_gemm(h, a, b, group);
+      else if (vnni4 && (deterministic || rows_h >= gemm_rows(false))) y = int4_gemm(h, a, b, group);
       // AVX2 has a GEMV only: deterministic steps keep torch's kernel at every row count (batch-invariant)
       else if (fits4 && !vnni4 && !deterministic && rows_h == 1) y = int4_gemv_avx2(h, a, b, group, 0);
       if (!y.defined()) y = at::_weight_int4pack_mm_for_cpu(h, a, group, b);
@@ -182,10 +183,10 @@ struct Lin {
       y = h.size(0) == 1 ? int5_gemv(h, a, b, extra) : int5_gemm(h, a, b, extra);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == INT8) {
-      // as int4: the VNNI kernels for one row, and for every row count in deterministic steps
+      // as int4: the VNNI kernels for one row, for every row count in deterministic steps, else from gemm_rows
       const bool vnni = kpad % 64 == 0 && rowsum.defined() && vnni_available();
       if (vnni && h.size(0) == 1) y = int8_gemv(h, a, b, rowsum);
-      else if (vnni && deterministic) y = int8_gemm(h, a, b, rowsum);
+      else if (vnni && (deterministic || h.size(0) >= gemm_rows(true))) y = int8_gemm(h, a, b, rowsum);
       else if (!vnni && !deterministic && h.size(0) == 1 && kpad % 64 == 0) y = int8_gemv_avx2(h, a, b);
       if (!y.defined()) y = at::_weight_int8pack_mm(h, a, b);
     } else {
@@ -405,6 +406,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("vnni_available", &vnni_available);
+  m.def("gemm_rows", &gemm_rows);
   m.def("set_vnni", &set_vnni);
   m.def("avx2_available", &avx2_available);
   m.def("set_avx2", &set_avx2);

@@ -27,6 +27,20 @@ bool vnni_available() {
 #endif
 }
 
+// The default mode's kernel for 2+ rows. torch's packed int4/int8 kernels take bf16 activations through
+// AVX512-BF16 dot products where the CPU has them: on such AMD EPYCs they were as fast as ours or faster at
+// 2-31 rows, so ours ran from 32 int4 rows only. Without AVX512-BF16 (an Intel Xeon, 2026-12-01) ours were
+// 1.2-2x faster at 4-32 rows (int4) and 2-32 rows (int8): ours from 2 rows. A fixed rule per machine, not
+// a timing, so the default mode stays the same from run to run.
+int64_t gemm_rows(bool int8) {
+#if defined(SUPERSLM_VNNI) && !defined(__AVX512BF16__)
+  (void)int8;
+  return 2;
+#else
+  return int8 ? INT64_MAX : 32;
+#endif
+}
+
 // codes int8 [N, K] -> sum over k of each row (int32 [N]): the correction for the +128 offset
 // (a loop: torch's sum with an int32 result would first copy the whole matrix to int32)
 at::Tensor int8_rowsum(const at::Tensor& codes) {
