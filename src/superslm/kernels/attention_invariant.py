@@ -10,7 +10,7 @@ every reduction a row takes part in has an order fixed by the row alone:
   wherever it sits (`tests/test_deterministic.py` checks this where the tests run). Each query quad
   gets its own copy of its keys and values: memory, not arithmetic, grows with the rows of a unit;
 - masked keys give exact zeros;
-- the block results are added one after the other in block order, in float64 (`block_sum`), so
+- the block results are added one after the other in block order (`block_sum`, a cumsum), so
   fully masked blocks, before or after the row's keys, add exact zeros;
 - the softmax maximum is exact in any order.
 Each step's layout (which q rows, which key slots, masks as an additive bias and as 0/1) is built once
@@ -67,7 +67,7 @@ class _Plan:
 
 
 def block_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over dim 1 one block after the other, in float64 (cumsum on the CPU): zero blocks
+    """Sum over dim 1 one block after the other, in x's dtype (a cumsum): zero blocks
     anywhere add exact zeros, and no other dim changes the order (torch.sum's does not promise that)."""
     return x.cumsum(1)[:, -1]
 
