@@ -124,9 +124,10 @@ def vnni() -> Any:
 def every_row() -> Any:
     """The extension where the quantized modules run its VNNI kernels at every row count too (prompt chunks,
     LoRA steps): a CPU without AVX512-BF16, where they beat torch's packed kernels from 2 rows on
-    (`gemm_rows`, kernels/cpu/gemv.cpp); else None. A row gets the same bits alone or in a batch."""
+    (`gemm_rows`, kernels/cpu/gemv.cpp); else None, and with SUPERSLM_KERNELS=torch. A row gets the same bits
+    alone or in a batch."""
     ext = vnni()
-    return ext if ext is not None and ext.gemm_rows(False) <= 2 else None
+    return ext if ext is not None and ext.gemm_rows(False) <= 2 and not torch_kernels_forced() else None
 
 
 def int4_rows(x: Any, qweight: Any, scales_zeros: Any, group: int) -> Any:
