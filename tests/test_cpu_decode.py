@@ -431,7 +431,7 @@ def test_float32_rows_get_the_same_bits_alone_or_batched() -> None:
         assert torch.equal(cpu_decode.vnni_linear(m8, x[r : r + 1]), many8[r : r + 1])
 
 
-def test_quantized_modules_take_the_vnni_kernels_where_faster() -> None:
+def test_quantized_modules_take_the_vnni_kernels_where_faster(monkeypatch) -> None:
     """Where `cext.every_row` says so (VNNI without AVX512-BF16) the int4/int8 modules run the VNNI kernels at
     every row count, else torch's packed kernels; either way a row has the same bits alone or in a batch."""
     from superslm import cext
@@ -448,6 +448,9 @@ def test_quantized_modules_take_the_vnni_kernels_where_faster() -> None:
         assert torch.equal(y, torch.cat([m(x[i : i + 1]) for i in range(len(x))]))
     torch4 = torch.ops.aten._weight_int4pack_mm_for_cpu(x, m4.qweight, 32, m4.scales_zeros)
     torch8 = torch.ops.aten._weight_int8pack_mm(x, m8.codes, m8.scale)
+    with monkeypatch.context() as mp:
+        mp.setenv("SUPERSLM_KERNELS", "torch")  # torch's kernels everywhere
+        assert torch.equal(m4(x), torch4) and torch.equal(m8(x), torch8)
     if ext is None or cpu_block() != 64:
         assert torch.equal(m4(x), torch4) and torch.equal(m8(x), torch8)
         return
