@@ -199,11 +199,15 @@ def wide_folder(tmp_path_factory):
     return folder
 
 
+@pytest.mark.parametrize("quant", [None, "int4"])
 @pytest.mark.parametrize("plan", [True, False])
-def test_dense_fp32_rows_are_batch_invariant(wide_folder, plan: bool) -> None:
-    """A dense float32 model (BLAS GEMMs, no packed kernels) in the C++ plan and on the torch path: a
-    request's tokens and logprobs alone equal those in a batch of long prompts and in other chunkings."""
-    model = superslm.load(wide_folder)
+def test_dense_fp32_rows_are_batch_invariant(wide_folder, plan: bool, quant: str | None) -> None:
+    """A dense float32 model (BLAS GEMMs, no packed kernels), and the same with rotated int4 linears (on the
+    torch path the rotation is a bf16 matmul), in the C++ plan and on the torch path: a request's tokens and
+    logprobs alone equal those in a batch of long prompts and in other chunkings."""
+    model = superslm.load(wide_folder, quant=quant)
+    if quant is not None:
+        assert model.net.layers[0].down.rotation is not None and model.net.row_multiple == BLOCK
     model.net.fast_decode = plan
     ps = prompts(4, seed=23, lo=60, hi=90)
     kw = dict(slots=4, context=160)

@@ -402,8 +402,8 @@ class Transformer(nn.Module):
         """Residual rows [n, dim] -> each row's argmax token (int64 [n], first index on ties) where the head
         can certify it without all the logits (an int8 head at 4+ rows: cpu_decode.greedy_head), else None.
         The tokens are those of the VNNI kernels' logits: `logits` itself for one row and in deterministic
-        mode; at several rows the default mode's `logits` runs torch's kernel, whose roundings may break a
-        tie within one bf16 ulp the other way."""
+        mode; at several rows the default mode's `logits` may run torch's kernel (CPUs with AVX512-BF16,
+        `gemm_rows`), whose roundings may break a tie within one bf16 ulp the other way."""
         if not self.has_head:
             return None
         return cpu_decode.greedy_head(self.head, self._head_input(h, deterministic)[: h.shape[0]])

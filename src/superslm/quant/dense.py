@@ -110,7 +110,7 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Linear(LinearFormat):
     """Symmetric int8 with one scale per output channel, on `_weight_int8pack_mm` with bf16 activations."""
 
-    row_invariant: ClassVar[bool] = True
+    kernel_row_invariant: ClassVar[bool] = True
 
     name: ClassVar[str] = "int8"
 

@@ -174,7 +174,7 @@ def quantize_groups(
 class Int4Linear(LinearFormat):
     """Groupwise asymmetric int4 (group 32, 64, 128 or 256) on the packed CPU kernel, bf16 activations."""
 
-    row_invariant: ClassVar[bool] = True
+    kernel_row_invariant: ClassVar[bool] = True
 
     name: ClassVar[str] = "int4"
     #: "cpu": torch's packed CPU layout (qweight, scales_zeros); "nibbles": on other devices, the stored
