@@ -431,32 +431,18 @@ def test_float32_rows_get_the_same_bits_alone_or_batched() -> None:
         assert torch.equal(cpu_decode.vnni_linear(m8, x[r : r + 1]), many8[r : r + 1])
 
 
-def test_quantized_modules_take_the_vnni_kernels_where_faster(monkeypatch) -> None:
-    """Where `cext.every_row` says so (VNNI without AVX512-BF16) the int4/int8 modules run the VNNI kernels at
-    every row count, else torch's packed kernels; either way a row has the same bits alone or in a batch."""
-    from superslm import cext
+def test_quantized_modules_keep_torchs_kernels() -> None:
+    """Prompt chunks run the int4/int8 modules on torch's packed kernels on every CPU, also where the plan
+    takes ours from 2 rows (`gemm_rows`): their roundings decide the default model's near-tie answers (the
+    docs' "capital of France" example flips with the VNNI kernels' two-part activations)."""
     from superslm.quant.dense import Int8Linear
-    from superslm.quant.int4 import Int4Linear, cpu_block
+    from superslm.quant.int4 import Int4Linear
 
     g = torch.Generator().manual_seed(9)
     m4 = Int4Linear.from_dense(torch.randn(192, 256, generator=g), group=32)
     m8 = Int8Linear.from_dense(torch.randn(192, 256, generator=g))
     x = (torch.randn(20, 256, generator=g) * torch.rand(20, 256, generator=g) ** 4).to(torch.bfloat16)
-    ext = cext.every_row()
-    for m in (m4, m8):
-        y = m(x)
-        assert torch.equal(y, torch.cat([m(x[i : i + 1]) for i in range(len(x))]))
-    torch4 = torch.ops.aten._weight_int4pack_mm_for_cpu(x, m4.qweight, 32, m4.scales_zeros)
-    torch8 = torch.ops.aten._weight_int8pack_mm(x, m8.codes, m8.scale)
-    with monkeypatch.context() as mp:
-        mp.setenv("SUPERSLM_KERNELS", "torch")  # torch's kernels everywhere
-        assert torch.equal(m4(x), torch4) and torch.equal(m8(x), torch8)
-    if ext is None or cpu_block() != 64:
-        assert torch.equal(m4(x), torch4) and torch.equal(m8(x), torch8)
-        return
-    assert ext.gemm_rows(False) == ext.gemm_rows(True) == 2
-    assert torch.equal(m4(x), ext.int4_gemm(x, m4.qweight, m4.scales_zeros, 32))
-    assert torch.equal(m8(x), ext.int8_gemm(x, m8.codes, m8.scale, m8.vnni_rowsum(ext)))
-    for got, want in ((m4(x).float(), torch4.float()), (m8(x).float(), torch8.float())):
-        # two int8 parts of x: within bf16 rounding of torch's kernels
-        assert ((got - want).abs() <= 2**-7 * want.abs() + 1e-3 * want.abs().max()).all()
+    assert torch.equal(m4(x), torch.ops.aten._weight_int4pack_mm_for_cpu(x, m4.qweight, 32, m4.scales_zeros))
+    assert torch.equal(m8(x), torch.ops.aten._weight_int8pack_mm(x, m8.codes, m8.scale))
+    ext = cpu_decode.extension()
+    assert ext.gemm_rows(False) in (2, 32) and ext.gemm_rows(True) in (2, 2**63 - 1)

@@ -121,26 +121,6 @@ def vnni() -> Any:
     return ext if ext is not None and ext.vnni_available() else None
 
 
-def every_row() -> Any:
-    """The extension where the quantized modules run its VNNI kernels at every row count too (prompt chunks,
-    LoRA steps): a CPU without AVX512-BF16, where they beat torch's packed kernels from 2 rows on
-    (`gemm_rows`, kernels/cpu/gemv.cpp); else None, and with SUPERSLM_KERNELS=torch. A row gets the same bits
-    alone or in a batch."""
-    ext = vnni()
-    return ext if ext is not None and ext.gemm_rows(False) <= 2 and not torch_kernels_forced() else None
-
-
-def int4_rows(x: Any, qweight: Any, scales_zeros: Any, group: int) -> Any:
-    """x [M, K] bf16 @ int4 weights in torch's packed CPU layout (blocks of 64 rows) through the VNNI kernels,
-    or None where `every_row` says no or they do not take the shape (the caller runs torch's kernel)."""
-    ext = every_row()
-    if ext is None or group % 4 or qweight.shape[0] % 64 or not scales_zeros.is_contiguous():
-        return None
-    if x.shape[0] == 1:
-        return ext.int4_gemv(x, qweight, scales_zeros, group)  # None where x cannot be split
-    return ext.int4_gemm(x, qweight, scales_zeros, group)
-
-
 def torch_kernels_forced() -> bool:
     """Whether `SUPERSLM_KERNELS=torch` asks for torch's kernels everywhere (no C++ plan, no 5-bit codes)."""
     return os.environ.get("SUPERSLM_KERNELS", "auto").strip().lower() == "torch"

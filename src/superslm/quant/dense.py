@@ -13,7 +13,6 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from superslm import cext
 from superslm.kernels import dispatch
 from superslm.quant.base import LinearFormat, as_bias, as_parts, register_format
 from superslm.quant.hadamard import pick_block, rotate_weight
@@ -147,10 +146,6 @@ class Int8Linear(LinearFormat):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and dispatch.backend(x.device) == "torch":
-            ext = cext.every_row()
-            if ext is not None and self.k_pad % 64 == 0:  # the VNNI kernels, where they are faster at every row
-                kernel = ext.int8_gemv if x.shape[0] == 1 else ext.int8_gemm
-                return kernel(x, self.codes, self.scale, self.vnni_rowsum(ext))
             return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
         return dispatch.int8_matmul(x, self.codes, self.scale)  # GPUs (and the kernel tests on the CPU)
 

@@ -19,7 +19,6 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from superslm import cext
 from superslm.errors import InternalError, InvalidArgument, UnsupportedModel
 from superslm.formats.blocks import BlockType, Int4BlockType
 from superslm.kernels import dispatch
@@ -256,9 +255,7 @@ class Int4Linear(LinearFormat):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "cpu" and dispatch.backend(x.device) == "torch":
-            y = cext.int4_rows(x, self.qweight, self.scales_zeros, self.group) if cpu_block() == 64 else None
-            if y is None:
-                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group, self.scales_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group, self.scales_zeros)
             return y if y.shape[1] == self._out else y[:, : self._out]
         if self.layout == "nibbles":
             return dispatch.int4_matmul(x, self.qweight, self.scale, self.zero, self.group)
