@@ -162,7 +162,8 @@ class LoraBatch:
                 continue
             a, b = w
             xr = x.index_select(0, rows)
-            delta = by_row_blocks(_LowRank(a, b), xr) if self.deterministic else _LowRank(a, b)(xr)
+            low_rank = _LowRank(a, b)
+            delta = by_row_blocks(low_rank, xr) if self.deterministic else low_rank(xr)
             y = y.index_add(0, rows, delta.to(y.dtype))
         return y
 

@@ -260,7 +260,10 @@ def _vnni_int8(module: torch.nn.Module) -> tuple[Any, torch.Tensor] | None:
     ext = cext.vnni()
     if ext is None or not _int8_fits(module):
         return None
-    return ext, module.vnni_rowsum(ext)
+    rowsum = getattr(module, "_rowsum", None)
+    if rowsum is None or rowsum.shape[0] != module.codes.shape[0]:
+        rowsum = module._rowsum = ext.int8_rowsum(module.codes)
+    return ext, rowsum
 
 
 def _vnni_input(ext: Any, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

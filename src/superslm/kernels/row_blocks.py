@@ -17,14 +17,18 @@ import torch
 BLOCK = 16
 
 
+def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """x with zero rows appended up to a multiple of `multiple` rows."""
+    pad = (-x.shape[0]) % multiple
+    return torch.cat([x, x.new_zeros((pad, *x.shape[1:]))]) if pad else x
+
+
 def by_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """fn(x) computed on BLOCK rows at a time (the last block zero-padded): x [N, ...] -> [N, ...].
 
     fn must treat rows independently (a linear, a low-rank product)."""
     n = x.shape[0]
-    pad = (-n) % BLOCK
-    if pad:
-        x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
+    x = pad_rows(x, BLOCK)
     if x.shape[0] == BLOCK:
         return fn(x)[:n]
     return torch.cat([fn(block) for block in x.split(BLOCK)])[:n]

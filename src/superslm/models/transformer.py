@@ -35,7 +35,7 @@ from superslm.kernels.dispatch import (
 from superslm.kernels.fused import Int4Weight
 from superslm.kernels.norm import norm_dtype
 from superslm.kernels.rope import rope_cos_sin
-from superslm.kernels.row_blocks import BLOCK, by_row_blocks
+from superslm.kernels.row_blocks import BLOCK, by_row_blocks, pad_rows
 from superslm.models.arch import Arch
 
 
@@ -407,9 +407,3 @@ class Transformer(nn.Module):
         if not self.has_head:
             return None
         return cpu_decode.greedy_head(self.head, self._head_input(h, deterministic)[: h.shape[0]])
-
-
-def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """x with zero rows appended up to a multiple of `multiple` rows."""
-    pad = (-x.shape[0]) % multiple
-    return torch.cat([x, x.new_zeros((pad, *x.shape[1:]))]) if pad else x

@@ -149,13 +149,6 @@ class Int8Linear(LinearFormat):
             return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
         return dispatch.int8_matmul(x, self.codes, self.scale)  # GPUs (and the kernel tests on the CPU)
 
-    def vnni_rowsum(self, ext: Any) -> torch.Tensor:
-        """Each output row's code sum (the VNNI kernels' offset correction), computed once."""
-        rowsum = getattr(self, "_rowsum", None)
-        if rowsum is None or rowsum.shape[0] != self.codes.shape[0]:
-            rowsum = self._rowsum = ext.int8_rowsum(self.codes)
-        return rowsum
-
     def dequantize_stored(self) -> torch.Tensor:
         return self.codes.float() * self.scale.float()[:, None]
 
