@@ -23,11 +23,11 @@ def model(request, tmp_path_factory) -> superslm.Model:
     return superslm.load(folder)
 
 
-def run(model: superslm.Model, ps: list[list[int]], budget: int | None = None, **kw) -> list[tuple]:
+def run(model: superslm.Model, ps: list[list[int]], budget: int | None = None, tokens: int = 10, **kw) -> list[tuple]:
     """Tokens and logprobs of each prompt; a prompt's seed is a function of the prompt alone."""
     engine = model.engine(**{"slots": 8, "context": 128, "deterministic": True, **kw})
     samplings = [Sampling(temperature=0.9, top_p=0.95, seed=sum(p), logprobs=3, ignore_eos=True) for p in ps]
-    ids = [engine.add(Request(p, 10, s)) for p, s in zip(ps, samplings)]
+    ids = [engine.add(Request(p, tokens, s)) for p, s in zip(ps, samplings)]
     got: dict[int, list] = {i: [] for i in ids}
     while engine.busy():
         for p in engine.advance(layer_budget=budget):

@@ -11,7 +11,8 @@ with the same launch sizes, so
 - a batch is padded to the next bucket with rows that write no KV (slot -1) and read none (seq_len 0);
   their logits are dropped.
 Only decode steps of the default mode on the Triton kernels qualify: prompt chunks vary in shape, LoRA
-and deterministic mode take the torch path. On a CPU (tests, TRITON_INTERPRET=1) the same static step
+steps take the torch path, and deterministic mode runs its steps eagerly (whether a captured cuBLAS call keeps
+an eager one's bits is unmeasured). On a CPU (tests, TRITON_INTERPRET=1) the same static step
 runs eagerly (`capture=False`): the buffers, padding and launch sizes are those a GPU would replay.
 """
 
@@ -46,7 +47,7 @@ def bucket_for(batch: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
 def graph_reason(net: Transformer, deterministic: bool) -> str | None:
     """Why decode steps of this model cannot run from static buffers, or None where they can."""
     if deterministic:
-        return "deterministic mode runs the batch-invariant torch kernels"
+        return "deterministic mode runs its batch-invariant steps eagerly"
     if dispatch.backend(net.device) != "triton":
         return f"the kernels on {net.device.type} are the torch references (SUPERSLM_KERNELS, triton)"
     if not net.has_head:

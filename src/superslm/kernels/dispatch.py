@@ -7,7 +7,7 @@ kernel import (how CI tests them). The references for the fused ops that have no
 their own (`add_rms_norm_reference`, `int4_matmul_reference`, `int8_matmul_reference`,
 `hadamard_rotate_reference`) live here; those of device-side sampling (`shape_logits_reference`,
 `select_tokens_reference`, with their inputs `LogitBias` and `Penalties`) in kernels/sampling_reference.py.
-Deterministic steps (meta.deterministic) always take the batch-invariant attention reference.
+Deterministic steps (meta.deterministic) take the batch-invariant attention: its Triton kernel or its reference.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import torch
 
 from superslm.errors import InvalidArgument, UnsupportedModel
 from superslm.kernels import attention as _attention
+from superslm.kernels import attention_invariant as _attention_invariant
 from superslm.kernels import fused as _fused
 from superslm.kernels import norm as _norm
 from superslm.kernels import rope as _rope
 from superslm.kernels.attention import AttnMetadata
-from superslm.kernels.attention_invariant import paged_attention_invariant
 from superslm.kernels.sampling_reference import (  # noqa: F401  (re-exported: sampling/batch.py, the kernels)
     LogitBias,
     Penalties,
@@ -141,11 +141,26 @@ def paged_attention(
     window: int | None,
     scale: float,
 ) -> torch.Tensor:
-    """kernels.attention.paged_attention on the chosen backend (the invariant reference in deterministic mode)."""
+    """kernels.attention.paged_attention on the chosen backend (`paged_attention_invariant` in deterministic
+    mode)."""
     if meta.deterministic:
         return paged_attention_invariant(q, k_cache, v_cache, meta, window, scale)
     t = _kernels(q.device)
     return (t.paged_attention if t else _attention.paged_attention)(q, k_cache, v_cache, meta, window, scale)
+
+
+def paged_attention_invariant(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """kernels.attention_invariant.paged_attention_invariant (batch-invariant attention) on the chosen backend."""
+    t = _kernels(q.device)
+    fn = t.paged_attention_invariant if t else _attention_invariant.paged_attention_invariant
+    return fn(q, k_cache, v_cache, meta, window, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float: bool = False) -> torch.Tensor:
@@ -206,8 +221,8 @@ def prepare_attention(
     window: int | None,
     scale: float,
 ) -> torch.Tensor:
-    """kernels.fused.prepare_attention on the chosen backend (deterministic mode: `prepare_qkv`, then the
-    invariant attention reference)."""
+    """kernels.fused.prepare_attention on the chosen backend (deterministic mode: `prepare_qkv`, then
+    `paged_attention_invariant`)."""
     if meta.deterministic:
         q = prepare_qkv(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache,
                         meta.slot_mapping)  # fmt: skip

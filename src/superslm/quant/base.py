@@ -90,9 +90,6 @@ class LinearFormat(nn.Module):
     name: ClassVar[str]
     #: dtype the kernel wants its activations in (bf16: the packed CPU kernels are fast only there)
     compute_dtype: torch.dtype = torch.bfloat16
-    #: the kernel gives a row's output the same bits whatever the other rows of the call (the packed
-    #: CPU int4/int8 kernels, ours and torch's); see `row_invariant`
-    kernel_row_invariant: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -166,12 +163,18 @@ class LinearFormat(nn.Module):
 
     # --- shared --------------------------------------------------------------------------------
 
+    def kernel_row_invariant(self) -> bool:
+        """Whether the kernel that runs now gives a row's output the same bits whatever the other rows of the
+        call (the packed CPU int4/int8 kernels, ours and torch's; not the Triton GEMV/GEMM, whose tiles
+        follow the row count, nor BLAS)."""
+        return False
+
     @property
     def row_invariant(self) -> bool:
         """Whether a row's output has the same bits whatever the other rows: the kernel's, and no input
         rotation (on the CPU it is a bf16 matmul with the Hadamard table, [rows * k / b, b] @ [b, b], whose
         BLAS kernel may depend on the row count). False: deterministic mode multiplies 16 rows at a time."""
-        return self.kernel_row_invariant and self.rotation is None
+        return self.kernel_row_invariant() and self.rotation is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype, lead = x.dtype, x.shape[:-1]

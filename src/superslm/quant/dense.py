@@ -109,8 +109,6 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Linear(LinearFormat):
     """Symmetric int8 with one scale per output channel, on `_weight_int8pack_mm` with bf16 activations."""
 
-    kernel_row_invariant: ClassVar[bool] = True
-
     name: ClassVar[str] = "int8"
 
     def __init__(
@@ -143,6 +141,9 @@ class Int8Linear(LinearFormat):
         w, k, rot = _prepare(weight, _INT8_K, rotate, block)
         codes, scale = quantize_int8(w)
         return cls(codes, scale, k, bias=as_bias(bias, w.shape[0]), rotation=rot, note=note)
+
+    def kernel_row_invariant(self) -> bool:
+        return self.codes.device.type == "cpu" and dispatch.backend(self.codes.device) == "torch"
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and dispatch.backend(x.device) == "torch":

@@ -134,7 +134,7 @@ class ConcatLinear(LinearFormat):
         self.parts = torch.nn.ModuleList(parts)
 
     @property
-    def row_invariant(self) -> bool:  # type: ignore[override]
+    def row_invariant(self) -> bool:
         return all(p.row_invariant for p in self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

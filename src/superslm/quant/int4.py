@@ -173,8 +173,6 @@ def quantize_groups(
 class Int4Linear(LinearFormat):
     """Groupwise asymmetric int4 (group 32, 64, 128 or 256) on the packed CPU kernel, bf16 activations."""
 
-    kernel_row_invariant: ClassVar[bool] = True
-
     name: ClassVar[str] = "int4"
     #: "cpu": torch's packed CPU layout (qweight, scales_zeros); "nibbles": on other devices, the stored
     #: order (qweight [N, k_pad / 2], scale and zero [N, groups]) that the dispatcher's int4_matmul reads
@@ -252,6 +250,9 @@ class Int4Linear(LinearFormat):
             h = torch.nn.functional.pad(hessian.float(), (0, k_pad - k, 0, k_pad - k))
             codes, scale, zero = gptq_int4(w, rotated_hessian(h, *rot) if rot else h, group)
         return cls(codes, scale, zero, group, k, n, as_bias(bias, n), rot, note)
+
+    def kernel_row_invariant(self) -> bool:
+        return self.layout == "cpu" and dispatch.backend(self.qweight.device) == "torch"
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "cpu" and dispatch.backend(x.device) == "torch":

@@ -88,10 +88,9 @@ class GGUFInt5Linear(LinearFormat):
         sz = torch.stack([db, db * -8], dim=-1)  # [N_pad, groups, 2]; -8 d is exact in bf16
         self.register_buffer("scales_zeros", sz.transpose(0, 1).contiguous())  # [groups, N_pad, 2]
 
-    @property
-    def row_invariant(self) -> bool:  # type: ignore[override]
-        # the VNNI kernels give a row its bits whatever the batch; the bf16 fallback matmul does not
-        return cext.vnni() is not None
+    def kernel_row_invariant(self) -> bool:
+        # the VNNI kernels give a row its bits whatever the batch; the dense fallback matmul does not
+        return cext.vnni() is not None and self.qweight.device.type == "cpu"
 
     @classmethod
     def from_gguf_parts(cls, parts: Sequence[tuple[np.ndarray, type[BlockType], Sequence[int], Any]],

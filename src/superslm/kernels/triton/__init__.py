@@ -12,7 +12,12 @@ from superslm.kernels.triton.int8_gemv import int8_matmul
 from superslm.kernels.triton.norm_gemv import norm_linear
 from superslm.kernels.triton.norm_rotate import gated_act_rotate, norm_rotate
 from superslm.kernels.triton.paged_args import PagedArgs, build_paged_args, paged_args
-from superslm.kernels.triton.paged_attention import paged_attention, paged_attention_args, prepare_attention
+from superslm.kernels.triton.paged_attention import (
+    paged_attention,
+    paged_attention_args,
+    paged_attention_invariant,
+    prepare_attention,
+)
 from superslm.kernels.triton.rmsnorm import add_rms_norm, rms_norm
 from superslm.kernels.triton.rope import apply_rope
 from superslm.kernels.triton.rotate_gemv import gated_act_rotate_int4, norm_rotate_int4
@@ -39,6 +44,7 @@ __all__ = [
     "paged_args",
     "paged_attention",
     "paged_attention_args",
+    "paged_attention_invariant",
     "prepare_attention",
     "prepare_qkv",
     "select_tokens",

@@ -70,7 +70,8 @@ def _attn_kernel(
     # keys this tile can see: [lo, hi), then this program's share of them
     hi = tl.minimum(tl.max(tl.where(row_ok, qpos, -1)) + 1, seq_len)
     first = tl.min(tl.where(row_ok, qpos, 2147483647)) - window + 1
-    lo = tl.where(window > 0, tl.maximum(first, 0), 0)
+    # key blocks start at multiples of BLOCK_N: a row meets the same blocks whatever its tile (batch invariance)
+    lo = tl.where(window > 0, tl.maximum(first, 0), 0) // BLOCK_N * BLOCK_N
     if SPLIT:
         chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), num_splits), BLOCK_N) * BLOCK_N
         lo = lo + split * chunk
@@ -166,8 +167,20 @@ def attn_config(groups: int, head_dim: int, dtype: torch.dtype, decode: bool, in
         block_q = max(1, rows // groups)
     block_m = max(16, next_pow2(block_q * groups))
     block_n = 32 if interp or dtype == torch.float32 else 64
-    num_warps = 8 if block_m >= 64 or head_dim > 128 else 4
-    return {"block_q": block_q, "block_m": block_m, "block_n": block_n, "num_warps": num_warps}
+    return {"block_q": block_q, "block_m": block_m, "block_n": block_n, "num_warps": _warps(block_m, head_dim)}
+
+
+def _warps(block_m: int, head_dim: int) -> int:
+    return 8 if block_m >= 64 or head_dim > 128 else 4
+
+
+def invariant_config(groups: int, head_dim: int, dtype: torch.dtype, interp: bool) -> dict[str, int]:
+    """Deterministic mode's one tile for every step, decode or prompt chunk: block_q tokens of 16 query
+    rows (or one token of G heads), no key splits."""
+    block_q = max(1, 16 // groups)
+    block_m = max(16, next_pow2(block_q * groups))
+    block_n = 32 if interp or dtype == torch.float32 else 64
+    return {"block_q": block_q, "block_m": block_m, "block_n": block_n, "num_warps": _warps(block_m, head_dim)}
 
 
 @functools.cache
@@ -239,6 +252,7 @@ def attend(
     block_q = block_q or cfg["block_q"]
     block_m = max(16, next_pow2(block_q * groups))  # tl.dot needs >= 16 rows
     block_n = block_n or cfg["block_n"]
+    num_warps = _warps(block_m, head_dim)  # of the tile that runs: one tile, one compiled kernel
     items, num_items = args.items(block_q)
     if num_splits is None:
         num_splits = _num_splits(args, num_items * kv_heads, window, q.device) if decode else 1
@@ -267,7 +281,7 @@ def attend(
         PREP=p is not None, HAS_BIAS=p is not None and p.bias is not None, NORM=norm,
         WEIGHT_IN_FLOAT=p is not None and p.norm_float,
         # prepare_qkv's roundings step by step: no fused multiply-adds where it prepares
-        num_warps=cfg["num_warps"], enable_fp_fusion=p is None,
+        num_warps=num_warps, enable_fp_fusion=p is None,
     )  # fmt: skip
     return out, ((part, ml) if split else None)
 
@@ -313,6 +327,32 @@ def paged_attention(
 ) -> torch.Tensor:
     """Same signature and meaning as kernels.attention.paged_attention; q [N, heads, D] -> [N, heads, D]."""
     return paged_attention_args(q, k_cache, v_cache, paged_args(meta, q.device), window, scale, num_splits)
+
+
+def paged_attention_invariant(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """Same signature and meaning as kernels.attention_invariant.paged_attention_invariant: a row's bits do not
+    depend on the other rows of its step nor on how its prompt was chunked; q [N, heads, D] -> [N, heads, D],
+    rows past the metadata's (deterministic padding) zeros.
+
+    Every step runs one compiled kernel (`invariant_config`) without key splits, so a row is reduced by one
+    program over key blocks aligned to position 0, in order; blocks it cannot see (its tile's other rows'
+    keys) leave its online softmax exactly as it was (p = 0, alpha = 1, or all zeros before its first key).
+    """
+    args = paged_args(meta, q.device)
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
+    cfg = invariant_config(max(1, heads // max(kv_heads, 1)), q.shape[2], q.dtype, interpreted(q))
+    out = paged_attention_args(q, k_cache, v_cache, args, window, scale, num_splits=1, block_q=cfg["block_q"],
+                               block_n=cfg["block_n"])  # fmt: skip
+    if out.shape[0] > args.num_rows:
+        out[args.num_rows :].zero_()
+    return out
 
 
 def prepare_attention(

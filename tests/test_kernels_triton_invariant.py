@@ -1,0 +1,133 @@
+"""Deterministic mode on the Triton path: the batch-invariant attention kernel, row-invariant linears, and a
+whole engine whose tokens and logprobs do not depend on the batch (under TRITON_INTERPRET=1 on the CPU, on the
+GPU where present)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.triton_interpret import DEV, import_kernels
+
+tk = import_kernels()
+pytestmark = pytest.mark.usefixtures("triton_interpret")
+
+import superslm  # noqa: E402
+from superslm.cache.kv import slot_mapping  # noqa: E402
+from superslm.kernels import dispatch  # noqa: E402
+from superslm.kernels.attention import AttnMetadata, paged_attention  # noqa: E402
+from superslm.kernels.attention_invariant import paged_attention_invariant as invariant_ref  # noqa: E402
+from superslm.models.transformer import _linear  # noqa: E402
+from superslm.quant import Int4Linear, Int8Linear, quantize_linears  # noqa: E402
+from tests.test_deterministic import run  # noqa: E402
+from tests.test_engine import prompts  # noqa: E402
+from tests.tiny_models import build_hf_model  # noqa: E402
+
+
+def _step(lens: list[int], rows: list[int], page_size: int, seed: int) -> tuple:
+    """Shuffled block tables for sequences of `lens` tokens whose last `rows` tokens are this step's rows."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [-(-n // page_size) for n in lens]
+    perm = torch.randperm(sum(pages) + 3, generator=g).tolist()
+    tables = [tuple(perm[sum(pages[:i]) : sum(pages[: i + 1])]) for i in range(len(lens))]
+    pos = [p for n, r in zip(lens, rows) for p in range(n - r, n)]
+    slots = [s for n, r, t in zip(lens, rows, tables) for s in slot_mapping(t, n - r, n, page_size)]
+    starts = [0]
+    for r in rows:
+        starts.append(starts[-1] + r)
+    return tables, pos, slots, starts, (sum(pages) + 3) * page_size
+
+
+@pytest.mark.parametrize("dtype,groups", [(torch.float32, 3), (torch.bfloat16, 3), (torch.float32, 1)])
+def test_invariant_kernel_ignores_the_rest_of_the_step(dtype: torch.dtype, groups: int) -> None:
+    """A row gets the same bits in a mixed step (decodes, long and short chunks, windows that start mid-block),
+    with its sequence alone, one token per step, and with padding rows; and stays close to the references."""
+    kv, d, ps = 2, 32, 4
+    heads = kv * groups
+    lens, rows = [37, 5, 130, 70, 16, 90, 200], [1, 5, 40, 1, 9, 1, 1]
+    tables, pos, slots, starts, nslots = _step(lens, rows, ps, seed=7)
+    g = torch.Generator().manual_seed(8)
+    kc, vc = (torch.randn(nslots, kv, d, generator=g).to(DEV, dtype) for _ in range(2))
+    q = torch.randn(len(pos), heads, d, generator=g).to(DEV, dtype)
+
+    def meta(p, sl, st, ln, tb):
+        return AttnMetadata(torch.tensor(p, device=DEV), torch.tensor(sl, device=DEV), tuple(st), tuple(ln),
+                            tuple(tb), ps, deterministic=True)  # fmt: skip
+
+    for window in (None, 6, 50):
+        step = meta(pos, slots, starts, lens, tables)
+        full = tk.paged_attention_invariant(q, kc, vc, step, window, d**-0.5)
+        want = paged_attention(q.cpu().float(), kc.cpu().float(), vc.cpu().float(), step, window, d**-0.5)
+        ref = invariant_ref(q.cpu(), kc.cpu(), vc.cpu(), step, window, d**-0.5)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert (full.cpu().float() - want.to(DEV).cpu()).abs().max() <= tol
+        assert (full.cpu().float() - ref.float()).abs().max() <= tol
+        padded = tk.paged_attention_invariant(torch.cat([q, q[:3]]), kc, vc, step, window, d**-0.5)
+        assert torch.equal(padded[: len(pos)], full) and not padded[len(pos) :].any()
+        for s, (a, b) in enumerate(zip(starts, starts[1:])):
+            alone = meta(pos[a:b], slots[a:b], (0, b - a), (lens[s],), (tables[s],))
+            assert torch.equal(tk.paged_attention_invariant(q[a:b], kc, vc, alone, window, d**-0.5), full[a:b])
+            for r in range(a, b, 7):  # as if the prompt had been fed one token per step
+                one = meta(pos[r : r + 1], slots[r : r + 1], (0, 1), (pos[r] + 1,), (tables[s],))
+                got = tk.paged_attention_invariant(q[r : r + 1], kc, vc, one, window, d**-0.5)
+                assert torch.equal(got, full[r : r + 1]), (window, s, r)
+
+
+def test_deterministic_steps_dispatch_to_the_invariant_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv, heads, d, ps = 2, 4, 16, 4
+    tables, pos, slots, starts, nslots = _step([20, 9], [6, 1], ps, seed=3)
+    g = torch.Generator().manual_seed(4)
+    kc, vc = (torch.randn(nslots, kv, d, generator=g).to(DEV) for _ in range(2))
+    q = torch.randn(len(pos), heads, d, generator=g).to(DEV)
+    step = AttnMetadata(torch.tensor(pos, device=DEV), torch.tensor(slots, device=DEV), tuple(starts), (20, 9),
+                        tuple(tables), ps, deterministic=True)  # fmt: skip
+    want = tk.paged_attention_invariant(q, kc, vc, step, None, 0.25)
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    assert torch.equal(dispatch.paged_attention(q, kc, vc, step, None, 0.25), want)
+    monkeypatch.setenv(dispatch.ENV, "torch")
+    assert torch.equal(dispatch.paged_attention(q.cpu(), kc.cpu(), vc.cpu(), step, None, 0.25),
+                       invariant_ref(q.cpu(), kc.cpu(), vc.cpu(), step, None, 0.25))  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_triton_linears_multiply_16_rows_at_a_time(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton int4/int8 kernels pick their tiles by the row count (a GEMV up to 4 rows, then 16- or
+    64-row tiles), so they are not row-invariant: deterministic mode gives them 16 rows at a time, and a
+    row's bits are then those of the row alone. torch's packed CPU kernels are row-invariant. (Under the
+    interpreter a GEMV and a GEMM seldom round a bf16 output differently: the kernel's row counts show it.)"""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(48, 256, generator=g)
+    lin = Int4Linear.from_dense(w, group=32) if fmt == "int4" else Int8Linear.from_dense(w)
+    monkeypatch.setenv(dispatch.ENV, "torch")
+    assert lin.row_invariant
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    lin = lin.to(DEV)
+    assert not lin.row_invariant
+    name = f"{fmt}_matmul"
+    kernel, rows = getattr(dispatch, name), []
+
+    def counted(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return kernel(x, *args)
+
+    monkeypatch.setattr(dispatch, name, counted)
+    x = torch.randn(40, 256, generator=g).to(DEV, torch.bfloat16)
+    alone = torch.cat([_linear(lin, x[i : i + 1], True) for i in range(len(x))])
+    for n in (2, 5, 17, 40):
+        assert torch.equal(_linear(lin, x[:n], True), alone[:n]), n
+    assert set(rows) == {16}
+
+
+def test_engine_tokens_and_logprobs_are_bit_identical(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """test_deterministic's contract on the Triton path: Gemma 3 (sliding windows) with an int4 body and an int8
+    head, unrotated as a GGUF file's blocks load, so every linear is a Triton GEMV at few rows and a GEMM at
+    more; few short prompts: the interpreter runs every program in Python."""
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    build_hf_model("gemma3", tmp_path)
+    model = superslm.load(tmp_path, device=DEV, dtype="bf16", quant=None)
+    quantize_linears(model.net, "int4", "int8", group=32, rotate=False)
+    assert model.net.has_head and isinstance(model.net.head, Int8Linear)
+    ps = prompts(3, seed=23, lo=4, hi=12)
+    alone = [run(model, [p], slots=1, tokens=4)[0] for p in ps]
+    assert run(model, ps, tokens=4) == alone
+    assert run(model, ps, chunk=5, tokens=4) == alone
