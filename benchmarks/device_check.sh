@@ -17,13 +17,13 @@ export PYTHONPATH=/tmp/site:$PWD/src:$PWD
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 
-# the kernels against their references, graphs, overlap, int4/int8 on the device, bf16 agreement (SmolLM2's real
-# weights need a download the machine cannot make: skipped)
+# the kernels against their references, graphs, overlap, int4/int8 on the device, bf16 agreement, deterministic
+# mode on the Triton path (SmolLM2's real weights need a download the machine cannot make: skipped)
 timeout 270 python3 -m pytest -q -p no:cacheprovider --maxfail=5 -k "not smollm2" \
   tests/test_kernels_rotate_gemv.py tests/test_kernels_norm_gemv.py tests/test_kernels_prepare_attention.py \
   tests/test_kernels_attention_rotate.py tests/test_kernels_rotate.py tests/test_kernels_triton.py tests/test_kernels_fused.py \
   tests/test_kernels_triton_more.py tests/test_kernels_triton_sampling.py tests/test_graphs.py \
-  tests/test_overlap.py tests/test_quant_device.py tests/test_gpu_agreement.py 2>&1 | tee "$OUT/tests.log" | tail -25
+  tests/test_overlap.py tests/test_quant_device.py tests/test_gpu_agreement.py tests/test_kernels_triton_invariant.py 2>&1 | tee "$OUT/tests.log" | tail -25
 
 # the acceptance workloads on Qwen2.5-0.5B (bf16 and int4 batch 1, batches 64 and 256, nano-vllm), with transformers
 timeout 210 python3 benchmarks/gpu.py --models qwen2.5-0.5b 2>&1 | tee "$OUT/bench.log"
