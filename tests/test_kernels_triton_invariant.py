@@ -17,6 +17,7 @@ from superslm.cache.kv import slot_mapping  # noqa: E402
 from superslm.kernels import dispatch  # noqa: E402
 from superslm.kernels.attention import AttnMetadata, paged_attention  # noqa: E402
 from superslm.kernels.attention_invariant import paged_attention_invariant as invariant_ref  # noqa: E402
+from superslm.kernels.row_blocks import by_row_blocks  # noqa: E402
 from superslm.models.transformer import _linear  # noqa: E402
 from superslm.quant import Int4Linear, Int8Linear, quantize_linears  # noqa: E402
 from tests.test_deterministic import run  # noqa: E402
@@ -90,32 +91,67 @@ def test_deterministic_steps_dispatch_to_the_invariant_kernel(monkeypatch: pytes
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_triton_linears_multiply_16_rows_at_a_time(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("rotate", [None, 3])
+def test_triton_linears_take_16_rows_a_program(fmt: str, rotate: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Triton int4/int8 kernels pick their tiles by the row count (a GEMV up to 4 rows, then 16- or
-    64-row tiles), so they are not row-invariant: deterministic mode gives them 16 rows at a time, and a
-    row's bits are then those of the row alone. torch's packed CPU kernels are row-invariant. (Under the
-    interpreter a GEMV and a GEMM seldom round a bf16 output differently: the kernel's row counts show it.)"""
+    64-row tiles), so they are not row-invariant. Deterministic mode runs them with 16 rows per program in
+    one launch: a row's bits are those of its 16-row block alone (`by_row_blocks`, a launch per block),
+    whatever the row count. torch's packed CPU kernels are row-invariant. (Under the interpreter a GEMV and
+    a GEMM seldom round a bf16 output differently: the kernel's calls show the rule.)"""
     g = torch.Generator().manual_seed(9)
     w = torch.randn(48, 256, generator=g)
-    lin = Int4Linear.from_dense(w, group=32) if fmt == "int4" else Int8Linear.from_dense(w)
+    opts = {"rotate": rotate} if rotate is not None else {}
+    lin = Int4Linear.from_dense(w, group=32, **opts) if fmt == "int4" else Int8Linear.from_dense(w, **opts)
     monkeypatch.setenv(dispatch.ENV, "torch")
-    assert lin.row_invariant
+    assert lin.row_invariant == (rotate is None)
     monkeypatch.setenv(dispatch.ENV, "triton")
     lin = lin.to(DEV)
     assert not lin.row_invariant
     name = f"{fmt}_matmul"
-    kernel, rows = getattr(dispatch, name), []
+    kernel, calls = getattr(dispatch, name), []
 
-    def counted(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
-        rows.append(x.shape[0])
+    def counted(x: torch.Tensor, *args) -> torch.Tensor:
+        weight = 4 if fmt == "int4" else 2  # (qweight, scale, zero, group) or (codes, scale), then tile_rows
+        calls.append((x.shape[0], args[weight] if len(args) > weight else None))
         return kernel(x, *args)
 
     monkeypatch.setattr(dispatch, name, counted)
     x = torch.randn(40, 256, generator=g).to(DEV, torch.bfloat16)
     alone = torch.cat([_linear(lin, x[i : i + 1], True) for i in range(len(x))])
     for n in (2, 5, 17, 40):
-        assert torch.equal(_linear(lin, x[:n], True), alone[:n]), n
-    assert set(rows) == {16}
+        calls.clear()
+        got = _linear(lin, x[:n], True)
+        assert calls == [(-(-n // 16) * 16, 16)]
+        assert torch.equal(got, alone[:n]), n
+        assert torch.equal(got, by_row_blocks(lin, x[:n])), n  # the same bits as a call per 16-row block
+    if rotate is not None:  # an input rotated by the caller's kernel (`forward_rotated`)
+        h = lin.prepare_input(x)
+        want = by_row_blocks(lambda r: lin.forward_rotated(r, torch.float32), h)
+        assert torch.equal(_linear(lin, h, True, torch.float32), want)
+
+
+def test_deterministic_qkv_with_bias_goes_16_rows_at_a_time(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen2's qkv bias: the default mode on the Triton path adds it in prepare_qkv after one matmul over every
+    row; deterministic mode multiplies 16 rows at a time like any dense linear."""
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    build_hf_model("qwen2", tmp_path)
+    model = superslm.load(tmp_path, device=DEV, dtype="fp32", quant=None)
+    assert model.net.layers[0].qkv.bias is not None
+    rows: list[int] = []
+    linear = torch.nn.functional.linear
+
+    def counted(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return linear(x, w, b)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", counted)
+    for deterministic, want in ((True, {16}), (False, {27})):
+        rows.clear()
+        engine = model.engine(slots=2, context=64, deterministic=deterministic, graphs=False)
+        engine.add(superslm.Request(list(range(5, 25)), 1, superslm.Sampling(ignore_eos=True)))
+        engine.add(superslm.Request(list(range(7, 14)), 1, superslm.Sampling(ignore_eos=True)))
+        engine.advance()
+        assert set(rows[:3]) == want, rows  # the first layer's qkv, o, gate_up
 
 
 def test_engine_tokens_and_logprobs_are_bit_identical(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -518,6 +518,32 @@ def test_logprobs_are_raw_log_softmax() -> None:
             assert value == pytest.approx(ref[b, t].item(), abs=1e-6)
 
 
+def test_ranked_top_orders_ties_by_token_id() -> None:
+    """Value descending, ties to the lowest id, whatever k: the independent reference is Python's stable sort."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 300, generator=g).to(torch.bfloat16).float()  # bf16 values: many ties
+    x[1] = 0.5  # a row of one value
+    x[2, ::3] = float("-inf")
+    x[3, :40] = -0.0
+    x[3, 40:80] = 0.0
+    for k in (1, 2, 7, 64, 300):
+        values, ids = shaping.ranked_top(x, k)
+        for r in range(len(x)):
+            want = sorted(range(300), key=lambda t: (-x[r, t].item(), t))[:k]
+            assert ids[r].tolist() == want, (k, r)
+            assert torch.equal(values[r], x[r, want])
+
+
+def test_top_logprobs_do_not_depend_on_other_rows() -> None:
+    """A row's top list is the same alone and next to a row asking for more (topk orders ties by k)."""
+    logits = torch.zeros(2, 4096)
+    logits[:, 100:140] = 3.0  # 40 tied maxima
+    alone = sample(logits[:1], [SamplerState.create(Sampling(logprobs=2))]).logprobs()[0]
+    both = sample(logits, [SamplerState.create(Sampling(logprobs=n)) for n in (2, 20)]).logprobs()
+    assert [t for t, _ in alone.top] == [t for t, _ in both[0].top] == [100, 101]
+    assert [t for t, _ in both[1].top] == list(range(100, 120))
+
+
 def test_no_logprobs_no_tensors() -> None:
     res = sample(torch.randn(2, 10), [SamplerState.create(Sampling()) for _ in range(2)])
     assert res.logprobs() == [None, None] and res.chosen_logprobs is None

@@ -109,10 +109,13 @@ def add_rms_norm_reference(
 int4_matmul_reference = _fused.int4_matmul
 
 
-def int8_matmul_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int8_matmul_reference(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, tile_rows: int | None = None
+) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype, computed in float32 from the dequantized weight.
 
-    codes int8 [N, K], scale [N]: W = codes * scale[:, None], the int8 format's stored state.
+    codes int8 [N, K], scale [N]: W = codes * scale[:, None], the int8 format's stored state. `tile_rows`: the
+    kernel's rows per program (they change its rounding only); the reference has no tiles.
     """
     w = codes.float() * scale.float()[:, None]  # [N, K]
     return (x.float() @ w.T).to(x.dtype)
@@ -363,17 +366,19 @@ def gated_act_rotate_int4(
 
 
 def int4_matmul(
-    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
+    tile_rows: int | None = None,
 ) -> torch.Tensor:
     """`int4_matmul_reference` on the chosen backend."""
     t = _kernels(x.device)
-    return (t.int4_matmul if t else int4_matmul_reference)(x, qweight, scale, zero, group)
+    return (t.int4_matmul if t else int4_matmul_reference)(x, qweight, scale, zero, group, tile_rows)
 
 
-def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, tile_rows: int | None = None
+                ) -> torch.Tensor:  # fmt: skip
     """`int8_matmul_reference` on the chosen backend."""
     t = _kernels(x.device)
-    return (t.int8_matmul if t else int8_matmul_reference)(x, codes, scale)
+    return (t.int8_matmul if t else int8_matmul_reference)(x, codes, scale, tile_rows)
 
 
 def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:

@@ -263,9 +263,11 @@ class Int4Weight(NamedTuple):
 
 
 def int4_matmul(
-    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
+    tile_rows: int | None = None,
 ) -> torch.Tensor:
-    """x [..., K] @ W^T -> [..., N] in x's dtype, computed in float32 from the dequantized weight (`Int4Weight`)."""
+    """x [..., K] @ W^T -> [..., N] in x's dtype, computed in float32 from the dequantized weight (`Int4Weight`).
+    `tile_rows`: the kernel's rows per program (they change its rounding only); the reference has no tiles."""
     n = qweight.shape[0]
     codes = torch.stack((qweight & 15, qweight >> 4), dim=-1).reshape(n, -1)  # [N, K]
     s = scale.float().repeat_interleave(group, dim=1)

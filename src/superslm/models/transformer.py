@@ -190,9 +190,10 @@ class Layer(nn.Module):
             x, h = add_rms_norm(src, residual, self.attn_norm, a.norm_eps, a.norm_float)
         bias = None
         if (lora is None and type(lin) is DenseLinear and lin.bias is not None and backend(x.device) == "triton"
-                and not (lin._forward_pre_hooks or lin._forward_hooks)):
+                and not deterministic and not (lin._forward_pre_hooks or lin._forward_hooks)):
             # the bias joins the fused kernel below: torch's matmul with a bias is two launches at one row
-            # (not past a hook on the module: calibration watches its inputs)
+            # (not past a hook on the module: calibration watches its inputs; not in deterministic mode, whose
+            # matmuls go 16 rows at a time)
             qkv, bias = F.linear(x, lin.weight), lin.bias
         else:
             qkv = _linear(lin, x, deterministic)
@@ -207,7 +208,10 @@ def _linear(lin: nn.Module, x: torch.Tensor, deterministic: bool, dtype: torch.d
     def fn(rows: torch.Tensor) -> torch.Tensor:
         return lin(rows) if dtype is None else lin.forward_rotated(rows, dtype)
 
-    return by_row_blocks(fn, x) if deterministic and not getattr(lin, "row_invariant", False) else fn(x)
+    if not deterministic or getattr(lin, "row_invariant", False):
+        return fn(x)
+    blocks = getattr(lin, "forward_row_blocks", None)  # the formats: one call where their kernel tiles rows
+    return by_row_blocks(fn, x) if blocks is None else blocks(x, dtype)
 
 
 def _gemv_fused(lin: nn.Module, x: torch.Tensor, lora: Any, deterministic: bool) -> bool:

@@ -21,6 +21,7 @@ from torch import nn
 from superslm.errors import FormatError, InvalidArgument, UnsupportedModel
 from superslm.formats.blocks import BlockType
 from superslm.kernels.fused import Int4Weight
+from superslm.kernels.row_blocks import BLOCK, by_row_blocks, pad_rows
 from superslm.quant.hadamard import Rotation, unrotate_weight
 
 #: name -> format class
@@ -177,13 +178,33 @@ class LinearFormat(nn.Module):
         return self.kernel_row_invariant() and self.rotation is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype, lead = x.dtype, x.shape[:-1]
+        return self.forward_rotated(self.prepare_input(x), x.dtype).reshape(*x.shape[:-1], self._out)
+
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward`'s head: x [..., in] -> [M, k_pad] in compute_dtype, padded and rotated."""
         h = x.reshape(-1, x.shape[-1]).to(self.compute_dtype)  # [M, in]
         if self.k_pad != self.in_features:
             h = F.pad(h, (0, self.k_pad - self.in_features))
-        if self.rotation is not None:
-            h = self.rotation(h)
-        return self.forward_rotated(h, dtype).reshape(*lead, self._out)
+        return h if self.rotation is None else self.rotation(h)
+
+    def forward_row_blocks(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Deterministic mode's rule for a linear that is not `row_invariant`: `forward(x)`, or
+        `forward_rotated(x, dtype)` for an input already rotated, 16 rows at a time (kernels/row_blocks.py);
+        x [M, ...] -> [M, out]. Where the kernel takes tiles of 16 rows (`_tiles_rows`) that is one call with
+        the same bits: its rows per program fixed, its input rotation row by row on that path."""
+        if type(self).forward is not LinearFormat.forward or not self._tiles_rows(x):
+            return by_row_blocks(self if dtype is None else (lambda rows: self.forward_rotated(rows, dtype)), x)
+        n, xp = x.shape[0], pad_rows(x, BLOCK)
+        h = self.prepare_input(xp) if dtype is None else xp
+        return self.finish(self._matmul_tiled(h, BLOCK), x.dtype if dtype is None else dtype)[:n]
+
+    def _tiles_rows(self, x: torch.Tensor) -> bool:
+        """Whether `_matmul_tiled` runs for x (a kernel whose rows per program can be fixed)."""
+        return False
+
+    def _matmul_tiled(self, h: torch.Tensor, tile_rows: int) -> torch.Tensor:
+        """`_matmul` with `tile_rows` rows per program: each row's bits those of a call of tile_rows rows."""
+        raise NotImplementedError
 
     def input_rotation(self) -> tuple[torch.Tensor, int, torch.dtype] | None:
         """(signs, block, compute dtype) when `forward` is the base's pad-rotate-matmul and rotates, so a kernel

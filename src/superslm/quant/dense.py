@@ -150,6 +150,12 @@ class Int8Linear(LinearFormat):
             return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
         return dispatch.int8_matmul(x, self.codes, self.scale)  # GPUs (and the kernel tests on the CPU)
 
+    def _tiles_rows(self, x: torch.Tensor) -> bool:
+        return dispatch.backend(x.device) == "triton"
+
+    def _matmul_tiled(self, h: torch.Tensor, tile_rows: int) -> torch.Tensor:
+        return dispatch.int8_matmul(h, self.codes, self.scale, tile_rows)
+
     def dequantize_stored(self) -> torch.Tensor:
         return self.codes.float() * self.scale.float()[:, None]
 

@@ -264,6 +264,14 @@ class Int4Linear(LinearFormat):
         state, _ = self._state()
         return dispatch.int4_matmul(x, state["qweight"], state["scales"], state["zeros"], self.group)
 
+    def _tiles_rows(self, x: torch.Tensor) -> bool:
+        return dispatch.backend(x.device) == "triton"
+
+    def _matmul_tiled(self, h: torch.Tensor, tile_rows: int) -> torch.Tensor:
+        w = self.int4_weight()
+        assert w is not None  # the Triton path: nibbles, or the stored order rebuilt (interpreter)
+        return dispatch.int4_matmul(h, w.qweight, w.scale, w.zero, w.group, tile_rows)
+
     def int4_weight(self) -> Int4Weight | None:
         if self.layout == "nibbles":
             return Int4Weight(self.qweight, self.scale, self.zero, self.group)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from superslm.sampling.params import DampedGreedy
+from superslm.sampling.shaping import ranked_top
 
 Q = 1 << 16
 
@@ -75,9 +76,9 @@ def damped_choice(logprobs: torch.Tensor, anti: AntiLM, params: DampedGreedy) ->
     """The damped-greedy token of one row of log-probabilities [V] (float32, -inf where masked)."""
     vocab = logprobs.shape[-1]
     k = min(params.top_k, vocab)
-    # top-k by value, ties to the lowest id: sort (value desc, id asc) on the host for exactness
-    values, ids = torch.topk(logprobs.float(), min(vocab, k + 16))
-    cands = sorted(zip(values.tolist(), ids.tolist()), key=lambda x: (-x[0], x[1]))[:k]
+    # top-k by value, ties to the lowest id
+    values, ids = ranked_top(logprobs.float().reshape(1, vocab), k)
+    cands = list(zip(values[0].tolist(), ids[0].tolist()))
     alpha_q = round(params.alpha * Q)
     best: tuple[int, int] | None = None
     for value, token in cands:

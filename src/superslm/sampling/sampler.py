@@ -37,6 +37,7 @@ from superslm.sampling.shaping import (
     apply_token_bitmask,
     apply_top_k,
     apply_top_p,
+    ranked_top,
 )
 
 
@@ -236,15 +237,16 @@ def sample(logits: Tensor, rows: Sequence[SamplerState], *, bitmask: Tensor | No
     chosen_tokens = tokens if len(lp_rows) == n_rows else tokens[_index(lp_rows, device)]
     chosen = raw_logprobs.gather(1, chosen_tokens.unsqueeze(1))  # [R, 1]
     ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
-    top = raw_logprobs.topk(min(max(num_top), vocab), dim=-1)  # sorted, most likely first
+    # most likely first, ties to the lowest id: a row's list does not depend on the others' `logprobs`
+    top_values, top_ids = ranked_top(raw_logprobs, min(max(num_top), vocab))
     return SampleResult(
         tokens=tokens,
         logprob_rows=lp_rows,
         num_top=num_top,
         chosen_logprobs=chosen.squeeze(1),
         chosen_ranks=ranks,
-        top_ids=top.indices,
-        top_logprobs=top.values,
+        top_ids=top_ids,
+        top_logprobs=top_values,
     )
 
 

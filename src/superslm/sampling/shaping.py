@@ -209,3 +209,16 @@ def _top_p_candidates(logits: Tensor, probs: Tensor, limit: Tensor, k: int) -> t
     inside = (before.gather(1, above) >= limit).squeeze(1)
     drop = torch.ones_like(probs, dtype=torch.bool).scatter_(1, ids, before >= limit)
     return drop, inside
+
+
+def ranked_top(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest entries of each row of float32 x [N, V]: (values, ids) [N, k], by value, ties to the lowest
+    token id. A row's list is a prefix of its longer lists and does not depend on the other rows (topk orders
+    ties as its algorithm, chosen by k and the row count, happens to): one topk over unique int64 keys, the
+    float's order in the high half, the reversed token id in the low."""
+    bits = (x + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes 0.0, equal values one key
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # ordered as the floats
+    low = 0xFFFFFFFF - torch.arange(x.shape[-1], device=x.device, dtype=torch.int64)
+    keys = order * (1 << 32) + low  # [N, V], unique per row
+    ids = 0xFFFFFFFF - (keys.topk(k, dim=-1).values & 0xFFFFFFFF)
+    return x.gather(1, ids), ids

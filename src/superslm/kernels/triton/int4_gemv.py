@@ -142,11 +142,14 @@ def int4_config(m: int, interp: bool) -> dict[str, int]:
 
 
 def int4_matmul(
-    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
+    tile_rows: int | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype, W the int4 weight (layout in the module docstring).
 
-    Same signature and meaning as kernels.dispatch.int4_matmul_reference.
+    Same signature and meaning as kernels.dispatch.int4_matmul_reference. `tile_rows` (deterministic mode's
+    16): every program takes that many rows with the tiles a call of exactly that many rows uses, so a row gets
+    the bits it would get in such a call whatever the row count; None: tiles chosen by the row count.
     """
     k = x.shape[-1]
     n = qweight.shape[0]
@@ -164,14 +167,16 @@ def int4_matmul(
         return out.view(*x.shape[:-1], n)
     qweight, scale, zero = qweight.contiguous(), scale.contiguous(), zero.contiguous()
     interp = interpreted(x)
-    gv = gemv_config(n, k, group, interp) if m <= 4 else None
+    gv = gemv_config(n, k, group, interp) if m <= 4 and tile_rows is None else None
     if gv is not None:
         _int4_gemv_kernel[(triton.cdiv(n, gv["block_n"]), m)](
             x2, qweight, scale, zero, out, n, k, x2.stride(0), qweight.stride(0), scale.stride(0), out.stride(0),
             BLOCK_N=gv["block_n"], GROUPS=gv["groups"], HALF_G=gv["half_g"], num_warps=gv["num_warps"],
         )  # fmt: skip
         return out.view(*x.shape[:-1], n)
-    cfg = int4_config(m, interp)
+    cfg = int4_config(m if tile_rows is None else tile_rows, interp)
+    if tile_rows is not None and cfg["block_m"] != tile_rows:
+        raise InvalidArgument(f"int4: tiles of {tile_rows} rows are not a configuration of the kernel")
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _int4_kernel[grid](

@@ -56,11 +56,13 @@ def int8_config(m: int, interp: bool) -> dict[str, int]:
     return {"block_m": block_m, "block_n": 32, "block_k": 64, "num_warps": 8 if block_m == 64 else 4}
 
 
-def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int8_matmul(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, tile_rows: int | None = None
+) -> torch.Tensor:
     """x [..., K] @ (codes * scale[:, None])^T -> [..., N] in x's dtype, accumulated in float32.
 
     codes int8 [N, K], scale [N] (bf16 as Int8Linear stores it, or any float dtype).
-    Same signature and meaning as kernels.dispatch.int8_matmul_reference.
+    Same signature and meaning as kernels.dispatch.int8_matmul_reference; `tile_rows` as int4_matmul's.
     """
     k = x.shape[-1]
     n = codes.shape[0]
@@ -78,7 +80,9 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> to
         return out.zero_().view(*x.shape[:-1], n)
     codes, scale = codes.contiguous(), scale.contiguous()
     interp = interpreted(x)
-    cfg = int8_config(m, interp)
+    cfg = int8_config(m if tile_rows is None else tile_rows, interp)
+    if tile_rows is not None and cfg["block_m"] != tile_rows:
+        raise InvalidArgument(f"int8: tiles of {tile_rows} rows are not a configuration of the kernel")
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _int8_kernel[grid](
