@@ -126,10 +126,7 @@ class Model:
         from superslm.adapters import load_peft
 
         names = self.source.recipe.layer_names(hf=True)
-        adapter = load_peft(folder, self.arch, dict(names), self.fingerprint, self.dtype, self.device)
-        # deterministic steps keep one arithmetic while it is mapped (unmapped ones are dropped here)
-        self.net.adapters = [a for a in self.net.adapters if not a.unmapped] + [adapter]
-        return adapter
+        return load_peft(folder, self.arch, dict(names), self.fingerprint, self.dtype, self.device)
 
     def tool_calls(self, text: str, tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str | None, list]:
         """Parse model text back into (content, OpenAI-style tool calls [{"name", "arguments"}]) in the

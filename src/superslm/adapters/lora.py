@@ -58,12 +58,23 @@ class Adapter:
 
     _sizes: dict[tuple[int, str], list[int]] = field(default_factory=dict, repr=False)
 
+    def plan_weights(self, layers: int) -> list[torch.Tensor | None]:
+        """(A, B) of each layer's qkv, o, gate_up, down in turn (None, None where not adapted) in float32: the C++
+        plan's operands (kernels/cpu_decode.py), built once."""
+        if self._plan is None or len(self._plan) != layers * 8:
+            self._plan = [None if t is None else t.float().contiguous() for i in range(layers) for fused in FUSED
+                          for t in self.weights.get((i, fused), (None, None))]  # fmt: skip
+        return self._plan
+
+    _plan: list[torch.Tensor | None] | None = field(default=None, repr=False)
+
     def unmap(self) -> None:
         """Release the adapter; refused while live requests use it."""
         if self.users:
             raise AdapterInUse(f"adapter {self.name!r} is used by {len(self.users)} live request(s)")
         self.unmapped = True
         self.weights = {}
+        self._plan = None
 
 
 def _part_shapes(arch: Arch) -> dict[str, tuple[int, int]]:

@@ -144,12 +144,15 @@ def decode_layers_reference(
     v_cache: torch.Tensor,
     start: int,
     end: int,
+    deterministic: bool = False,
+    lora: Any = None,
 ) -> torch.Tensor:
     """Layers start..end-1 for rows that each decode one token (torch ops, one row's attention at a time).
 
     h [B, dim]; slot_mapping [B]; key_slots [S, L] each sequence's key slots; row_seq [B] each row's
     sequence; seq_lens [B] keys visible to each row; tables[kind] = (cos, sin) [B, rotary_dim]; caches
-    [layers, slots, kv_heads, head_dim].
+    [layers, slots, kv_heads, head_dim]; lora: the step's adapters (adapters/lora.py LoraBatch) or None.
+    `deterministic` changes the plan's roundings only.
     """
     from superslm.kernels.fused import gated_act
 
@@ -160,6 +163,8 @@ def decode_layers_reference(
         layer = net.layers[i]
         x = layer.norm(h, "attn_norm")
         qkv = layer.qkv(x)
+        if lora is not None:
+            qkv = lora.apply(i, "qkv", x, qkv)
         q = qkv[:, :qs].view(n, a.heads, a.head_dim)
         k = qkv[:, qs : qs + ks].view(n, a.kv_heads, a.head_dim)
         v = qkv[:, qs + ks :].view(n, a.kv_heads, a.head_dim)
@@ -179,13 +184,21 @@ def decode_layers_reference(
             vv = v_cache[i][slots].float().transpose(0, 1).repeat_interleave(g, 0)
             p = torch.softmax((kk @ q[b].float()[:, :, None])[..., 0] * a.attn_scale, -1)  # [heads, keys]
             o[b] = (p[:, None, :] @ vv)[:, 0].to(o.dtype)
-        o = layer.o(o.reshape(n, qs))
+        o_in = o.reshape(n, qs)
+        o = layer.o(o_in)
+        if lora is not None:
+            o = lora.apply(i, "o", o_in, o)
         if a.post_norms:
             o = layer.norm(o, "post_attn_norm")
         h = h + o
         x = layer.norm(h, "ffn_norm")
-        act = gated_act(layer.gate_up(x), a.act)
+        gu = layer.gate_up(x)
+        if lora is not None:
+            gu = lora.apply(i, "gate_up", x, gu)
+        act = gated_act(gu, a.act)
         y = layer.down(act)
+        if lora is not None:
+            y = lora.apply(i, "down", act, y)
         if a.post_norms:
             y = layer.norm(y, "post_ffn_norm")
         h = h + y
@@ -205,6 +218,7 @@ def decode_layers(
     start: int,
     end: int,
     deterministic: bool = False,
+    lora: Any = None,
 ) -> torch.Tensor:
     """`decode_layers_reference` through the C++ plan where it can run (CPU, a supported model).
 
@@ -216,11 +230,24 @@ def decode_layers(
     plan = plan_for(net) if h.device.type == "cpu" and k_cache.dtype == h.dtype else None
     if plan is None:
         return decode_layers_reference(net, h, slot_mapping, key_slots, row_seq, seq_lens, tables, k_cache, v_cache,
-                                       start, end)
+                                       start, end, deterministic, lora)
     cos = [t[0].contiguous() for t in tables]
     sin = [t[1].contiguous() for t in tables]
+    lora_rows, lora_weights = _plan_lora(lora, len(net.layers), h.shape[0])
     return plan.run(h.contiguous(), slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache, start,
-                    end, deterministic)
+                    end, deterministic, lora_rows, lora_weights)
+
+
+def _plan_lora(lora: Any, layers: int, rows: int) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The plan's adapter operands: each row's group (-1: none) and every group's (A, B) per layer and linear."""
+    if lora is None or not lora.groups:
+        return torch.empty(0, dtype=torch.long), []
+    row_group = torch.full((rows,), -1, dtype=torch.long)
+    weights: list[torch.Tensor | None] = []
+    for g, (adapter, idx) in enumerate(lora.groups):
+        row_group[idx] = g
+        weights += adapter.plan_weights(layers)
+    return row_group, weights
 
 
 def row_key_slots(meta: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -262,9 +262,6 @@ class Transformer(nn.Module):
         self._kinds = sorted({self._rope_key(i) for i in range(n)})
         #: embeddings computed from tokens another way (quant.gguf_map.GGUFEmbedding reads the file's blocks)
         self.embed_rows: nn.Module | None = None
-        #: LoRA adapters mapped onto this model (Model.adapter): while one is mapped, deterministic steps
-        #: all take the torch path, which applies them, so no row's arithmetic depends on its batch
-        self.adapters: list = []
         #: run all-decode steps through the C++ plan where it is built (kernels/cpu_decode.py)
         self.fast_decode = True
 
@@ -333,7 +330,7 @@ class Transformer(nn.Module):
             tabs = [tables[k] for k in range(max(tables) + 1)] if 0 in tables else [tables[1], tables[1]]
             key_slots, row_seq, lens = row_key_slots(meta, h.device)
             return decode_layers(self, h, meta.slot_mapping, key_slots, row_seq, lens, tabs, k_cache, v_cache, start,
-                                 end, meta.deterministic)
+                                 end, meta.deterministic, meta.lora)
         if meta.deterministic and self.row_multiple > 1:
             # fixed-shape matmuls: every row gets the same bits wherever it sits in the step
             h, positions = pad_rows(h, BLOCK), pad_rows(positions, BLOCK)
@@ -344,9 +341,9 @@ class Transformer(nn.Module):
         return h if y is None else h + y
 
     def _plan_step(self, h: torch.Tensor, meta: AttnMetadata, k_cache: torch.Tensor) -> bool:
-        """Whether this step runs through the C++ plan: on the CPU, without LoRA; every step in
+        """Whether this step runs through the C++ plan (LoRA deltas included): on the CPU; every step in
         deterministic mode, else all-decode steps and prompt chunks where it is faster (`_plan_pays`)."""
-        if meta.lora is not None or h.device.type != "cpu" or not self.fast_decode:
+        if h.device.type != "cpu" or not self.fast_decode:
             return False
         if backend(h.device) != "torch":
             return False  # the Triton kernels were asked for (SUPERSLM_KERNELS=triton: the interpreter's tests)
@@ -354,8 +351,6 @@ class Transformer(nn.Module):
             return False  # rows padded by a caller
         if not meta.deterministic and not self._plan_pays(meta):
             return False  # prompt chunks whose attention the C++ rows would compute slower than SDPA
-        if meta.deterministic and any(not a.unmapped for a in self.adapters):
-            return False
         return cpu_decode.usable(self, h, k_cache)
 
     def _plan_pays(self, meta: AttnMetadata) -> bool:

@@ -198,6 +198,17 @@ struct Lin {
   }
 };
 
+// a LoRA delta (x A^T) B^T as adapters/lora.py _LowRank computes it; deterministic: 16 rows at a time, the last
+// block zero-padded (kernels/row_blocks.py by_row_blocks), so a row's bits do not depend on its group's size
+static at::Tensor low_rank(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, bool det) {
+  if (!det) return at::matmul(at::matmul(x, a.t()), b.t());
+  const int64_t n = x.size(0);
+  at::Tensor xp = n % 16 ? at::constant_pad_nd(x, {0, 0, 0, 16 - n % 16}) : x;
+  std::vector<at::Tensor> out;
+  for (int64_t r = 0; r < xp.size(0); r += 16) out.push_back(at::matmul(at::matmul(xp.narrow(0, r, 16), a.t()), b.t()));
+  return (out.size() == 1 ? out[0] : at::cat(out)).narrow(0, 0, n);
+}
+
 struct LayerP {
   Lin qkv, o, gate_up, down;
   at::Tensor attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffn_norm;
@@ -251,9 +262,13 @@ class DecodePlan {
   // row_seq [B] (the sequence of each row); seq_lens [B] (keys visible to each row: its position + 1);
   // cos/sin per rope kind [B, rot]; k_cache/v_cache [layers, slots, kv_heads, head_dim] of h's dtype.
   // Runs layers start..end-1.
+  // lora_rows [B] int64: each row's adapter group, -1 for none (empty: no adapters); lora: per group, layer and
+  // linear (A, B) as adapters/lora.py Adapter.weights holds them, at ((g * layers + layer) * 4 + linear) * 2
+  // (None where the adapter leaves that linear alone)
   at::Tensor run(at::Tensor h, const at::Tensor& slot_mapping, const at::Tensor& key_slots, const at::Tensor& row_seq,
                  const at::Tensor& seq_lens, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                 const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t start, int64_t end, bool det) {
+                 const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t start, int64_t end, bool det,
+                 const at::Tensor& lora_rows, const std::vector<std::optional<at::Tensor>>& lora) {
     TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.size(1) > 0, "h must be a contiguous [B, dim] tensor");
     const int64_t B = h.size(0);
     TORCH_CHECK(k_cache.scalar_type() == h.scalar_type() && v_cache.scalar_type() == h.scalar_type() &&
@@ -283,18 +298,57 @@ class DecodePlan {
       TORCH_CHECK(key_slots.numel() == 0 || (key_slots.min().item<int64_t>() >= 0 && key_slots.max().item<int64_t>() < slots),
                   "key_slots outside the cache");
     }
+    std::vector<at::Tensor> group_rows;
+    if (lora_rows.numel() > 0) {
+      TORCH_CHECK(lora_rows.scalar_type() == at::kLong && lora_rows.numel() == B, "lora_rows: int64, one per row");
+      const int64_t groups = lora_rows.max().item<int64_t>() + 1;
+      TORCH_CHECK(lora_rows.min().item<int64_t>() >= -1 &&
+                      static_cast<int64_t>(lora.size()) == groups * num_layers() * 8,
+                  "lora: (A, B) per adapter group, layer and linear");
+      for (int64_t g = 0; g < groups; ++g) group_rows.push_back(at::nonzero(lora_rows == g).flatten());
+      for (const auto& t : lora)
+        TORCH_CHECK(!t.has_value() || (t->dim() == 2 && t->scalar_type() == at::kFloat && t->is_contiguous()),
+                    "lora weights: 2-D float32");
+    }
+    const LoraArgs la{&group_rows, &lora};
     if (h.scalar_type() == at::kBFloat16)
       return run_t<at::BFloat16>(h, slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache, start, end,
-                                 det);
+                                 det, la);
     TORCH_CHECK(h.scalar_type() == at::kFloat, "decode layers run in bfloat16 or float32");
-    return run_t<float>(h, slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache, start, end, det);
+    return run_t<float>(h, slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache, start, end, det, la);
   }
 
  private:
+  // a run's adapter groups: each group's rows, and `run`'s lora weights
+  struct LoraArgs {
+    const std::vector<at::Tensor>* rows;
+    const std::vector<std::optional<at::Tensor>>* weights;
+  };
+
+  // y [B, out] plus each adapter group's delta on its own rows (adapters/lora.py LoraBatch.apply), in place
+  void add_lora(const LoraArgs& la, at::Tensor& y, const at::Tensor& x, int64_t layer, int64_t which, bool det) const {
+    const auto& rows = *la.rows;
+    const auto& w = *la.weights;
+    for (size_t g = 0; g < rows.size(); ++g) {
+      const size_t at = ((g * num_layers() + layer) * 4 + which) * 2;
+      if (!w[at].has_value() || rows[g].numel() == 0) continue;
+      const at::Tensor& a = *w[at];
+      const at::Tensor& b = *w[at + 1];
+      TORCH_CHECK(a.size(1) == x.size(1) && b.size(0) == y.size(1) && b.size(1) == a.size(0),
+                  "a LoRA adapter that does not fit linear ", which, " of layer ", layer);
+      // float32 products (the weights are float32 here): CPUs without AVX512-BF16 multiply bf16 slowly
+      if (rows[g].numel() == y.size(0))  // every row (one request decoding alone): no gather, no scatter
+        y.add_(low_rank(x.to(at::kFloat), a, b, det).to(y.scalar_type()));
+      else
+        y.index_add_(0, rows[g], low_rank(x.index_select(0, rows[g]).to(at::kFloat), a, b, det).to(y.scalar_type()));
+    }
+  }
+
   template <typename T>
   at::Tensor run_t(at::Tensor h, const at::Tensor& slot_mapping, const at::Tensor& key_slots,
                    const at::Tensor& row_seq, const at::Tensor& seq_lens, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                   const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t start, int64_t end, bool det) {
+                   const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t start, int64_t end, bool det,
+                   const LoraArgs& la) {
     const int64_t B = h.size(0), dim = h.size(1), D = head_dim_;
     const int64_t qs = heads_ * D, ks = kv_heads_ * D, groups = heads_ / kv_heads_;
     const int64_t L = key_slots.size(1);
@@ -311,6 +365,7 @@ class DecodePlan {
       T* hp = h.data_ptr<T>();
       rms_norm_rows<T>(hp, p.attn_norm.data_ptr<T>(), x.data_ptr<T>(), B, dim, dim, dim, eps_, norm_float_);
       at::Tensor qkv = p.qkv(x, det);  // [B, qs + 2 ks]
+      add_lora(la, qkv, x, i, 0, det);
       T* qkv_p = qkv.data_ptr<T>();
       const int64_t qkv_row = qkv.size(1);
       if (p.q_norm.defined()) {
@@ -364,6 +419,7 @@ class DecodePlan {
         }
       });
       at::Tensor o = p.o(attn, det);  // [B, dim]
+      add_lora(la, o, attn, i, 1, det);
       T* op = o.data_ptr<T>();
       if (p.post_attn_norm.defined())
         rms_norm_rows<T>(op, p.post_attn_norm.data_ptr<T>(), op, B, dim, dim, dim, eps_, norm_float_);
@@ -371,10 +427,12 @@ class DecodePlan {
       for (int64_t j = 0; j < B * dim; ++j) hp[j] = static_cast<T>(ld(hp + j) + ld(op + j));
       rms_norm_rows<T>(hp, p.ffn_norm.data_ptr<T>(), x.data_ptr<T>(), B, dim, dim, dim, eps_, norm_float_);
       at::Tensor gu = p.gate_up(x, det);  // [B, 2 * inter]
+      add_lora(la, gu, x, i, 2, det);
       const int64_t inter = gu.size(1) / 2;
       at::Tensor act = at::empty({B, inter}, h.options());
       act_rows<T>(gu.data_ptr<T>(), act.data_ptr<T>(), B, inter, act_);
       at::Tensor y = p.down(act, det);  // [B, dim]
+      add_lora(la, y, act, i, 3, det);
       T* yp = y.data_ptr<T>();
       if (p.post_ffn_norm.defined())
         rms_norm_rows<T>(yp, p.post_ffn_norm.data_ptr<T>(), yp, B, dim, dim, dim, eps_, norm_float_);
