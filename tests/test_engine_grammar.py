@@ -95,3 +95,24 @@ def test_grammar_state_survives_save_restore(model) -> None:
             text += p.text
     assert text == want.text
     jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_found_in_review_forced_past_max_tokens_and_dead_first_mask(model) -> None:
+    """Tokens a grammar forces at add() that reach max_tokens end the request with a report (it was lost, and
+    generate() raised KeyError); a constraint that admits no first token is refused at add()."""
+    from superslm.errors import GrammarError
+
+    engine = model.engine(slots=2, context=256)
+    done = engine.generate([Request([1, 2, 3], 1, Sampling(grammar=Constraint.choice(["hello world"])))])[0]
+    assert done.end == "length" and len(done.tokens) == 1 and "hello".startswith(done.text)
+    rid = engine.add(Request([1, 2, 3], 1, Sampling(grammar=Constraint.choice(["hello world"]))))
+    got = engine.advance()
+    assert [p.id for p in got] == [rid] and got[0].end == "length" and not engine.busy()
+    with pytest.raises(GrammarError):
+        engine.add(Request([1, 2, 3], 4, Sampling(grammar=Constraint.regex(r"[^\s\S]"))))
+    # a refused request in generate() leaves none of the others running
+    with pytest.raises(GrammarError):
+        engine.generate([Request([1, 2, 3], 4), Request([1, 2, 3], 4, Sampling(grammar=Constraint.regex(r"[^\s\S]")))])
+    assert not engine.busy() and not engine.advance()
+    with pytest.raises(superslm.errors.InvalidArgument):
+        engine.add(Request([1, 2, 3], 4, {"temperature": 1.0}))  # type: ignore[arg-type]

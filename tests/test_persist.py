@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 
 import pytest
@@ -92,6 +93,33 @@ def test_bad_blobs_are_refused_with_their_own_error(model, tmp_path) -> None:
         engine.save(12345)
     # nothing was taken by the refusals
     assert engine.restore(blob) != rid
+
+
+def test_consistent_checksum_inconsistent_header_is_refused(model) -> None:
+    """The checksum is no signature: a blob re-encoded with a bad prompt or KV of the wrong shape is refused
+    before anything is taken (found in review: a wrong KV shape raised after pages were allocated and wedged the
+    engine; a text or out-of-vocabulary prompt was accepted)."""
+    engine = model.engine(slots=2, context=128)
+    rid = engine.add(Request(prompts(1, seed=34)[0], 10, SAMPLING))
+    engine.advance()
+    saved = persist.decode(engine.save(rid), model.fingerprint)
+    engine.cancel(rid)
+    engine.advance()
+    used = engine.pool.num_used
+
+    def edited(prompt=None, k=None) -> bytes:
+        header = json.loads(json.dumps(saved.header))
+        if prompt is not None:
+            header["sequence"]["prompt"] = prompt
+        kk = saved.k if k is None else k
+        return persist.encode(header, kk, kk if k is not None else saved.v)
+
+    for blob in (edited(prompt="abc"), edited(prompt=[]), edited(prompt=[10**6]), edited(prompt=[1.5]),
+                 edited(k=saved.k[:, :, :1]), edited(k=saved.k[:1])):  # fmt: skip
+        with pytest.raises(StateCorrupted):
+            engine.restore(blob)
+    assert not engine.busy() and engine.pool.num_used == used
+    assert engine.restore(edited()) >= 0  # the unedited state still restores
 
 
 def test_save_mid_step_is_refused(model) -> None:

@@ -260,3 +260,17 @@ def test_dead_engine_loop(model) -> None:
         assert_error(r, 503, "engine_stopped")
         assert_error(httpx.post(f"{s.url}/v1/completions", json=COMP, timeout=30), 500, "internal_error")
         assert metrics(s.url)["superslm_engine_alive"] == 0
+
+
+def test_found_in_review_no_hang_no_500_no_silent_grammar(server) -> None:
+    """A grammar that forces more than max_tokens answers (it hung, and its slot leaked); a template kwarg
+    named like a renderer's parameter is not a 500; a constraint that admits no first token is a 400."""
+    for _ in range(3):  # more than the server's 2 slots: a leak would leave the last ones waiting
+        r = post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 1, "guided_regex": "hello"})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+    r = post(server, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"self": 1}})
+    assert r.status_code == 200, r.text
+    r = post(server, "/v1/chat/completions", {**CHAT, "guided_regex": "[^\\s\\S]"})
+    assert_error(r, 400)
+    still_serving(server)

@@ -38,9 +38,16 @@ def pick_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise InvalidArgument(f"unknown device {device!r}") from e
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (dev.index is not None and dev.index >= count):
+            raise InvalidArgument(f"device {str(dev)!r}: this machine has {count} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise InvalidArgument(f"device {str(dev)!r}: models run on cpu or cuda (ROCm devices are cuda too)")
+    return dev
 
 
 def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

@@ -101,16 +101,24 @@ class ContractsMixin:
         saved = persist.decode(blob, self.model.fingerprint)
         try:
             st = saved.header["sequence"]
+            prompt = st["prompt"]
+            # a well-formed blob (its checksum is no signature) can still hold a prompt the engine cannot run
+            if not isinstance(prompt, list) or not prompt or any(type(t) is not int for t in prompt):
+                raise ValueError("the prompt is not a list of token ids")
+            prompt = self._prompt_ids(prompt)
             seq = self._new_sequence(
-                Request(prompt=list(st["prompt"]), max_tokens=int(st["request_max_tokens"]), salt=st["salt"]),
-                list(st["prompt"]), state=st,
+                Request(prompt=prompt, max_tokens=int(st["request_max_tokens"]), salt=st["salt"]), prompt, state=st,
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, InvalidArgument) as e:
             raise StateCorrupted(f"saved sequence state is malformed ({e})") from e
         if seq.num_tokens > self.context:
             raise ContextLengthExceeded(f"the saved sequence has {seq.num_tokens} tokens; the context holds "
                                         f"{self.context}")
         n = saved.k.shape[1]
+        want = (self.kv.k.shape[0], n, *self.kv.k.shape[2:])
+        if tuple(saved.k.shape) != want or tuple(saved.v.shape) != want or n > seq.num_tokens:
+            raise StateCorrupted(f"saved KV {tuple(saved.k.shape)} does not fit this engine's cache {want} and "
+                                 f"{seq.num_tokens} tokens")
         pages = -(-n // self.page_size)
         self._register(seq)
         if n and len(self.scheduler.running) < self.slots and self.pool.can_allocate(pages):

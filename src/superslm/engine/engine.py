@@ -25,7 +25,14 @@ from superslm.engine.overlap import InFlight, OverlapMixin
 from superslm.engine.request import END_CANCELLED, END_LENGTH, Progress, Request, Sequence
 from superslm.engine.runner import StepWork, build_step, run_layers, step_logits
 from superslm.engine.scheduler import Scheduler
-from superslm.errors import AdapterInUse, AdapterMismatch, ContextLengthExceeded, InvalidArgument, TokenOutOfRange
+from superslm.errors import (
+    AdapterInUse,
+    AdapterMismatch,
+    ContextLengthExceeded,
+    GrammarError,
+    InvalidArgument,
+    TokenOutOfRange,
+)
 from superslm.memory import available_memory
 from superslm.sampling import SamplerState, Sampling, StopChecker, TokenLogprobs
 
@@ -179,6 +186,8 @@ class Engine(OutputMixin, OverlapMixin, ContractsMixin):
 
         tok = self.model.tokenizer
         if state is None:
+            if request.sampling is not None and not isinstance(request.sampling, Sampling):
+                raise InvalidArgument(f"Request.sampling must be a Sampling, not {type(request.sampling).__name__}")
             sampling = (request.sampling or Sampling()).validate(self.vocab)
             sampler = SamplerState.create(sampling, prompt, rng=self._rng)
             decoder, stops = StreamDecoder(tok), StopChecker(sampling.stop)
@@ -204,6 +213,9 @@ class Engine(OutputMixin, OverlapMixin, ContractsMixin):
             else:
                 grammar = GrammarState(compiler.compile(constraint), after=sampling.after,
                                        stop_ids=sampling.stop_token_ids)
+                if grammar.active and grammar.is_dead:
+                    # llguidance compiles some it cannot run (2,000+ choices, a regex of too many states)
+                    raise GrammarError(f"the {constraint.kind} admits no first token: {grammar.dead_reason}")
         anti = None
         if sampling.damped is not None:
             anti = AntiLM.from_state(state["anti"]) if state is not None else AntiLM(sampling.damped.order)
@@ -221,6 +233,9 @@ class Engine(OutputMixin, OverlapMixin, ContractsMixin):
 
     def add(self, request: Request) -> int:
         """Queue a request; returns its id. Its Progress comes from later `advance` calls."""
+        return self._add(request).id
+
+    def _add(self, request: Request) -> Sequence:
         if not isinstance(request, Request):
             raise InvalidArgument("add() takes a Request")
         if not isinstance(request.max_tokens, int) or isinstance(request.max_tokens, bool) or request.max_tokens < 1:
@@ -259,12 +274,11 @@ class Engine(OutputMixin, OverlapMixin, ContractsMixin):
                 for t in forced:
                     seq.sampler.append_token(t)
                     if self._append(seq, t, p):
-                        break
-                if not p.end:
-                    self._pending.append(p)
+                        break  # the forced tokens reached max_tokens or a stop string: p is the last report
+                self._pending.append(p)
         if seq.id in self._seqs:
             self.scheduler.add(seq)
-        return seq.id
+        return seq
 
     def cancel(self, request_id: int) -> None:
         """End a request now ("cancelled"); its pages go back to the pool at once."""
@@ -349,10 +363,20 @@ class Engine(OutputMixin, OverlapMixin, ContractsMixin):
 
     def generate(self, requests: Iterable[Request]) -> list[Completion]:
         """Run requests to the end, together; results in the order given."""
-        ids = [self.add(r) for r in requests]
-        done: dict[int, Completion] = {i: Completion(i) for i in ids}
-        for i in ids:
-            done[i].prompt_tokens = len(self._seqs[i].prompt)
+        seqs: list[Sequence] = []
+        try:
+            for r in requests:
+                seqs.append(self._add(r))
+        except BaseException:
+            for seq in seqs:  # a refused request: the ones before it do not run on without a caller
+                if seq.id in self._seqs:
+                    self.cancel(seq.id)
+            self._pending = [p for p in self._pending if p.id not in {seq.id for seq in seqs}]
+            raise
+        ids = [seq.id for seq in seqs]
+        done: dict[int, Completion] = {seq.id: Completion(seq.id) for seq in seqs}
+        for seq in seqs:
+            done[seq.id].prompt_tokens = len(seq.prompt)
         while any(not c.end for c in done.values()):
             for p in self.advance():
                 c = done.get(p.id)

@@ -84,6 +84,9 @@ class OutputMixin:
     def _take(self: Engine, seq: Sequence, token: int, lp: TokenLogprobs | None) -> Progress:
         """Accept one sampled token, then any tokens the grammar forces after it."""
         p = Progress(seq.id, cached=seq.cached)
+        if seq.grammar is not None and seq.grammar.is_dead:
+            # its mask allowed nothing (an llguidance error, or a dead end): the sampled token is noise
+            return self._finish(seq, END_GRAMMAR, progress=p)
         seq.sampler.append_token(token)
         if lp is not None:
             p.logprobs.append(lp)

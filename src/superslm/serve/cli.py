@@ -20,6 +20,17 @@ from types import FrameType
 from typing import Any
 
 
+def _port(text: str) -> int:
+    """A TCP port number (argparse's type for --port: an error message, not an OverflowError at bind)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number from 0 to 65535, not {text!r}")
+    return port
+
+
 def add_parser(sub: Any) -> None:
     """Register the `serve` subcommand on the CLI's subparsers."""
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -30,7 +41,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 on GPU)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--api-key", default=os.environ.get("SUPERSLM_API_KEY"),
                    help="require `Authorization: Bearer KEY` on every route but /health "
                         "(default: $SUPERSLM_API_KEY; none: no key needed)")

@@ -148,7 +148,8 @@ async def chat_completions(state: ServerState, request: HTTPRequest) -> Response
     messages, template_tools = prompt_inputs(chat_messages(req.messages), tools, state.model.chat_template)
     kwargs = dict(req.chat_template_kwargs or {})
     enable_thinking = kwargs.pop("enable_thinking", None)
-    for reserved in ("messages", "tools", "add_generation_prompt"):
+    # names the request sets itself, and the renderers' own parameters ("self": a TypeError, an HTTP 500)
+    for reserved in ("self", "messages", "tools", "add_generation_prompt"):
         kwargs.pop(reserved, None)
 
     def render() -> list[int]:

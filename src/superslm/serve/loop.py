@@ -208,7 +208,10 @@ class EngineLoop(ServiceThread):
                     log.exception("engine.add failed")
                 for other in sub.ids.values():
                     self._live.pop(other, None)
-                    self.engine.cancel(other)
+                    try:
+                        self.engine.cancel(other)
+                    except UnknownRequest:  # ended in add() (a grammar's forced tokens reached max_tokens)
+                        pass
                 self._release(len(sub))
                 sub.deliver([Event(i, error=err)])
                 return
