@@ -54,7 +54,8 @@ def test_chat_keeps_the_conversation(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("args", [["info", "/no/such/model"], ["generate", "-m", "nope-model", "-p", "x"],
-                                  ["generate", "--device", "meta", "-p", "x"], ["serve", "--port", "99999"]])
+                                  ["generate", "--device", "meta", "-p", "x"], ["serve", "--port", "99999"],
+                                  ["serve", "--max-waiting", "-1"], ["convert", "/no/such/model", "/proc/no/such"]])
 def test_errors_are_clear(args: list[str]) -> None:
     r = superslm(*args)
     assert r.returncode == 2

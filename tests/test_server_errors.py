@@ -67,6 +67,7 @@ BAD_400 = [
     ("/v1/completions", {**COMP, "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {**COMP, "max_tokens": -3}, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 3, "max_tokens": -5}, "max_tokens"),
     ("/v1/completions", {**COMP, "max_tokens": "5"}, "max_tokens"),
     ("/v1/completions", {**COMP, "temperature": -0.5}, "temperature"),
     ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p"),

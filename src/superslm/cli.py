@@ -161,6 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SuperSLMError as e:
         print(f"superslm: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a path the command cannot read or write (a convert target under /proc, a full disk)
+        print(f"superslm: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import numbers
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -169,6 +170,12 @@ class Engine(OutputMixin, OverlapMixin, ContractsMixin):
     def _prompt_ids(self, prompt: object) -> list[int]:
         if isinstance(prompt, str):
             return self.model.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, torch.Tensor) and prompt.dim() == 1 and not prompt.is_floating_point():
+            prompt = prompt.tolist()
+        if isinstance(prompt, (bytes, bytearray)) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt  # type: ignore[attr-defined]
+        ):
+            raise InvalidArgument("prompt must be text or a sequence of integer token ids")
         try:
             ids = [int(t) for t in prompt]  # type: ignore[attr-defined]
         except (TypeError, ValueError) as e:

@@ -31,6 +31,20 @@ def _port(text: str) -> int:
     return port
 
 
+def _count(least: int) -> Any:
+    """argparse's type for a whole number >= least."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = least - 1
+        if n < least:
+            raise argparse.ArgumentTypeError(f"a whole number >= {least}, not {text!r}")
+        return n
+
+    return parse
+
+
 def add_parser(sub: Any) -> None:
     """Register the `serve` subcommand on the CLI's subparsers."""
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -50,9 +64,9 @@ def add_parser(sub: Any) -> None:
                    help="tokens per sequence, prompt and answer (default: the model's, at most 4096)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the name(s) clients pass as `model` (default: the model's name and --model as given)")
-    p.add_argument("--max-waiting", type=int, default=256,
+    p.add_argument("--max-waiting", type=_count(0), default=256,
                    help="sequences admitted beyond the slots before requests get 503")
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    p.add_argument("--max-body-bytes", type=_count(1), default=4 << 20, help="larger request bodies get 413")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds a SIGTERM waits for requests in flight before cancelling them")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

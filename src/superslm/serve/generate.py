@@ -175,6 +175,8 @@ async def _run(state: ServerState, request: HTTPRequest, req: CompletionRequest 
     asked_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
     if asked is not None and asked < 1:
         raise bad(asked_param, f"{asked_param}: must be at least 1, got {asked}")
+    if req.max_tokens is not None and req.max_tokens < 1:  # beside max_completion_tokens, still checked
+        raise bad("max_tokens", f"max_tokens: must be at least 1, got {req.max_tokens}")
     total = len(prompts) * req.n
     if total > state.loop.capacity:
         raise bad("n", f"n: the request asks for {total} sequences; this server holds at most {state.loop.capacity}")
