@@ -97,6 +97,18 @@ def test_grammar_state_survives_save_restore(model) -> None:
     jsonschema.validate(json.loads(text), SCHEMA)
 
 
+def test_logprobs_cover_every_token_of_a_constrained_answer(model) -> None:
+    """Jump-forward skips the model for forced tokens, so they would have no logprob: requests asking for logprobs
+    compute every token (the same tokens: a forced token is the mask's only one)."""
+    prompt = model.chat_tokens([{"role": "user", "content": "A person"}])
+    grammar = Constraint.json_schema(SCHEMA)
+    engine = model.engine(slots=2, context=256, deterministic=True)  # the default mode may flip a near tie
+    plain, scored = engine.generate([Request(prompt, 40, Sampling(grammar=grammar)),
+                                     Request(prompt, 40, Sampling(grammar=grammar, logprobs=2))])  # fmt: skip
+    assert plain.tokens == scored.tokens
+    assert [lp.token for lp in scored.logprobs] == scored.tokens
+
+
 def test_found_in_review_forced_past_max_tokens_and_dead_first_mask(model) -> None:
     """Tokens a grammar forces at add() that reach max_tokens end the request with a report (it was lost, and
     generate() raised KeyError); a constraint that admits no first token is refused at add()."""

@@ -273,8 +273,9 @@ class Engine(OutputMixin, OverlapMixin, ContractsMixin):
             pre.users.add(seq.id)
         if adapter is not None:
             adapter.users.add(seq.id)
-        if seq.grammar is not None and self.jump_forward:
-            # jump-forward at the start: tokens the grammar forces before any choice
+        if seq.grammar is not None and self.jump_forward and seq.sampler.params.logprobs is None:
+            # jump-forward at the start: tokens the grammar forces before any choice (not where logprobs are
+            # asked for: every token of the answer gets its logprob, so each one is computed)
             forced = seq.grammar.take_forced(seq.max_tokens)
             if forced:
                 p = Progress(seq.id)

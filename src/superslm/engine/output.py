@@ -101,7 +101,8 @@ class OutputMixin:
             return p
         if seq.grammar is not None:
             # jump-forward: tokens the grammar allows as the only continuation, without sampling
-            limit = max(0, seq.max_tokens - len(seq.output)) if self.jump_forward else 0
+            jump = self.jump_forward and params.logprobs is None  # logprobs: every token computed (see add)
+            limit = max(0, seq.max_tokens - len(seq.output)) if jump else 0
             for forced in seq.grammar.take_forced(limit):
                 seq.sampler.append_token(forced)
                 if self._append(seq, forced, p):
