@@ -128,6 +128,6 @@ def test_found_in_review_forced_past_max_tokens_and_dead_first_mask(model) -> No
     assert not engine.busy() and not engine.advance()
     with pytest.raises(superslm.errors.InvalidArgument):
         engine.add(Request([1, 2, 3], 4, {"temperature": 1.0}))  # type: ignore[arg-type]
-    for prompt in ([1.7], b"abc", [True]):  # not token ids: refused, not read as ints
+    for prompt in ([1.7], b"abc", [True], 5):  # not token ids: refused, not read as ints
         with pytest.raises(superslm.errors.InvalidArgument):
             engine.add(Request(prompt, 4))  # type: ignore[arg-type]

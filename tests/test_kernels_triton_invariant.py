@@ -13,30 +13,15 @@ tk = import_kernels()
 pytestmark = pytest.mark.usefixtures("triton_interpret")
 
 import superslm  # noqa: E402
-from superslm.cache.kv import slot_mapping  # noqa: E402
 from superslm.kernels import dispatch  # noqa: E402
 from superslm.kernels.attention import AttnMetadata, paged_attention  # noqa: E402
 from superslm.kernels.attention_invariant import paged_attention_invariant as invariant_ref  # noqa: E402
 from superslm.kernels.row_blocks import by_row_blocks  # noqa: E402
 from superslm.models.transformer import _linear  # noqa: E402
 from superslm.quant import Int4Linear, Int8Linear, quantize_linears  # noqa: E402
-from tests.test_deterministic import run  # noqa: E402
+from tests.test_deterministic import _paged, run  # noqa: E402
 from tests.test_engine import prompts  # noqa: E402
 from tests.tiny_models import build_hf_model  # noqa: E402
-
-
-def _step(lens: list[int], rows: list[int], page_size: int, seed: int) -> tuple:
-    """Shuffled block tables for sequences of `lens` tokens whose last `rows` tokens are this step's rows."""
-    g = torch.Generator().manual_seed(seed)
-    pages = [-(-n // page_size) for n in lens]
-    perm = torch.randperm(sum(pages) + 3, generator=g).tolist()
-    tables = [tuple(perm[sum(pages[:i]) : sum(pages[: i + 1])]) for i in range(len(lens))]
-    pos = [p for n, r in zip(lens, rows) for p in range(n - r, n)]
-    slots = [s for n, r, t in zip(lens, rows, tables) for s in slot_mapping(t, n - r, n, page_size)]
-    starts = [0]
-    for r in rows:
-        starts.append(starts[-1] + r)
-    return tables, pos, slots, starts, (sum(pages) + 3) * page_size
 
 
 @pytest.mark.parametrize("dtype,groups", [(torch.float32, 3), (torch.bfloat16, 3), (torch.float32, 1)])
@@ -46,7 +31,7 @@ def test_invariant_kernel_ignores_the_rest_of_the_step(dtype: torch.dtype, group
     kv, d, ps = 2, 32, 4
     heads = kv * groups
     lens, rows = [37, 5, 130, 70, 16, 90, 200], [1, 5, 40, 1, 9, 1, 1]
-    tables, pos, slots, starts, nslots = _step(lens, rows, ps, seed=7)
+    tables, pos, slots, starts, nslots = _paged(lens, rows, ps, seed=7)
     g = torch.Generator().manual_seed(8)
     kc, vc = (torch.randn(nslots, kv, d, generator=g).to(DEV, dtype) for _ in range(2))
     q = torch.randn(len(pos), heads, d, generator=g).to(DEV, dtype)
@@ -76,7 +61,7 @@ def test_invariant_kernel_ignores_the_rest_of_the_step(dtype: torch.dtype, group
 
 def test_deterministic_steps_dispatch_to_the_invariant_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     kv, heads, d, ps = 2, 4, 16, 4
-    tables, pos, slots, starts, nslots = _step([20, 9], [6, 1], ps, seed=3)
+    tables, pos, slots, starts, nslots = _paged([20, 9], [6, 1], ps, seed=3)
     g = torch.Generator().manual_seed(4)
     kc, vc = (torch.randn(nslots, kv, d, generator=g).to(DEV) for _ in range(2))
     q = torch.randn(len(pos), heads, d, generator=g).to(DEV)

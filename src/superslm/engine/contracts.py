@@ -102,8 +102,9 @@ class ContractsMixin:
         try:
             st = saved.header["sequence"]
             prompt = st["prompt"]
-            # a well-formed blob (its checksum is no signature) can still hold a prompt the engine cannot run
-            if not isinstance(prompt, list) or not prompt or any(type(t) is not int for t in prompt):
+            # a well-formed blob (its checksum is no signature) can still hold a prompt the engine cannot run:
+            # text (which _prompt_ids would encode), nothing, or what _prompt_ids refuses (not ids, not in vocab)
+            if not isinstance(prompt, list) or not prompt:
                 raise ValueError("the prompt is not a list of token ids")
             prompt = self._prompt_ids(prompt)
             seq = self._new_sequence(

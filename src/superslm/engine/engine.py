@@ -172,14 +172,15 @@ class Engine(OutputMixin, OverlapMixin, ContractsMixin):
             return self.model.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, torch.Tensor) and prompt.dim() == 1 and not prompt.is_floating_point():
             prompt = prompt.tolist()
-        if isinstance(prompt, (bytes, bytearray)) or not all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt  # type: ignore[attr-defined]
+        try:
+            items = list(prompt)  # type: ignore[call-overload]
+        except TypeError:
+            items = None
+        if items is None or isinstance(prompt, (bytes, bytearray)) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in items
         ):
             raise InvalidArgument("prompt must be text or a sequence of integer token ids")
-        try:
-            ids = [int(t) for t in prompt]  # type: ignore[attr-defined]
-        except (TypeError, ValueError) as e:
-            raise InvalidArgument("prompt must be text or a sequence of token ids") from e
+        ids = [int(t) for t in items]
         bad = [t for t in ids if not 0 <= t < self.vocab]
         if bad:
             raise TokenOutOfRange(f"prompt token {bad[0]} is outside the vocabulary [0, {self.vocab})")
@@ -379,7 +380,8 @@ class Engine(OutputMixin, OverlapMixin, ContractsMixin):
             for seq in seqs:  # a refused request: the ones before it do not run on without a caller
                 if seq.id in self._seqs:
                     self.cancel(seq.id)
-            self._pending = [p for p in self._pending if p.id not in {seq.id for seq in seqs}]
+            added = {seq.id for seq in seqs}
+            self._pending = [p for p in self._pending if p.id not in added]
             raise
         ids = [seq.id for seq in seqs]
         done: dict[int, Completion] = {seq.id: Completion(seq.id) for seq in seqs}

@@ -39,7 +39,7 @@ using namespace superslm_rows;
 
 // x [rows, in] -> [rows, kpad] of type ht (bf16 or float), zero-padded and rotated in one pass
 // (rowops.h rotate_rows; signs_f float [kpad])
-at::Tensor rotate_input(const at::Tensor& x, const at::Tensor& signs_f, int64_t block, int64_t kpad,
+inline at::Tensor rotate_input(const at::Tensor& x, const at::Tensor& signs_f, int64_t block, int64_t kpad,
                         at::ScalarType ht) {
   TORCH_CHECK(x.device().is_cpu() && signs_f.device().is_cpu(), "hadamard_rows: CPU tensors");
   TORCH_CHECK(x.dim() == 2 && x.size(1) <= kpad && signs_f.scalar_type() == at::kFloat && signs_f.numel() == kpad &&

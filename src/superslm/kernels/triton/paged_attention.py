@@ -165,6 +165,10 @@ def attn_config(groups: int, head_dim: int, dtype: torch.dtype, decode: bool, in
     else:
         rows = 16 if interp else (64 if head_dim <= 128 and dtype != torch.float32 else 32)
         block_q = max(1, rows // groups)
+    return _tile(block_q, groups, head_dim, dtype, interp)
+
+
+def _tile(block_q: int, groups: int, head_dim: int, dtype: torch.dtype, interp: bool) -> dict[str, int]:
     block_m = max(16, next_pow2(block_q * groups))
     block_n = 32 if interp or dtype == torch.float32 else 64
     return {"block_q": block_q, "block_m": block_m, "block_n": block_n, "num_warps": _warps(block_m, head_dim)}
@@ -177,10 +181,7 @@ def _warps(block_m: int, head_dim: int) -> int:
 def invariant_config(groups: int, head_dim: int, dtype: torch.dtype, interp: bool) -> dict[str, int]:
     """Deterministic mode's one tile for every step, decode or prompt chunk: block_q tokens of 16 query
     rows (or one token of G heads), no key splits."""
-    block_q = max(1, 16 // groups)
-    block_m = max(16, next_pow2(block_q * groups))
-    block_n = 32 if interp or dtype == torch.float32 else 64
-    return {"block_q": block_q, "block_m": block_m, "block_n": block_n, "num_warps": _warps(block_m, head_dim)}
+    return _tile(max(1, 16 // groups), groups, head_dim, dtype, interp)
 
 
 @functools.cache
