@@ -220,7 +220,7 @@ def test_references_are_the_sampler(v: int) -> None:
 @pytest.mark.parametrize("env", ["triton", "torch"])
 def test_the_sampler_runs_fused_on_the_kernels(env: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """sample() takes the two device kernels where they are Triton (here: the interpreter) and gives the
-    staged path's tokens; forced with the torch references too. Logprobs keep the staged path."""
+    staged path's tokens; forced with the torch references too. Rows asking for logprobs take them too."""
     monkeypatch.setenv(dispatch.ENV, env)
     states = sampler_rows(777)
     logits = (torch.randn(len(states), 777, generator=gen(15)) * 2).to(DEV)
@@ -238,10 +238,20 @@ def test_the_sampler_runs_fused_on_the_kernels(env: str, monkeypatch: pytest.Mon
     calls.clear()
     assert sample(logits, states, fused=None).tokens.shape == (len(states),)
     assert calls == (["shape_logits", "select_tokens"] if env == "triton" else [])
-    with_lp = [SamplerState(Sampling(logprobs=2), seed=0)] * 2
+    # a row's token does not hang on whether another row asks for logprobs (it used to send the whole step
+    # down the staged path, whose reductions on a GPU are laid out by the row count)
+    hot = Sampling(temperature=0.9, top_p=0.8, top_k=50)
+    alone = [SamplerState(hot, seed=5), SamplerState(hot, seed=6)]
+    with_lp = [SamplerState(hot, seed=5), SamplerState(Sampling(temperature=0.9, top_p=0.8, top_k=50,
+                                                                logprobs=3), seed=6)]
     calls.clear()
     res = sample(logits[:2], with_lp, fused=True)
-    assert calls == [] and res.chosen_logprobs is not None
+    assert calls == ["shape_logits", "select_tokens"]
+    assert torch.equal(res.tokens, sample(logits[:2], alone, fused=True).tokens)
+    assert torch.equal(res.tokens, sample(logits[:2], with_lp, fused=False).tokens)
+    staged = sample(logits[:2], with_lp, fused=False).logprobs()
+    assert res.logprob_rows == (1,) and res.logprobs() == staged and staged[1].rank >= 1
+    calls.clear()
     # plain greedy rows: the first argmax, no kernel (ties included: the kernels take the first index too)
     greedy = [SamplerState(Sampling(), seed=0)] * 3
     tied = logits[:3].clone()

@@ -173,8 +173,8 @@ def sample(logits: Tensor, rows: Sequence[SamplerState], *, bitmask: Tensor | No
         fused: run every row through the two device-side kernels (kernels.dispatch `shape_logits`,
             `select_tokens`: the same tokens, tests hold them equal) instead of per-stage row subsets.
             None: fused where those kernels are Triton (a GPU, or SUPERSLM_KERNELS=triton): a step then
-            costs two launches and no host sync but the tokens' copy. Rows asking for logprobs take
-            the staged path either way.
+            costs two launches and no host sync but the tokens' copy. Rows asking for logprobs get their
+            tokens the same way; their logprobs come from the raw logits beside.
 
     Raises:
         InvalidArgument: the shapes do not match.
@@ -190,32 +190,26 @@ def sample(logits: Tensor, rows: Sequence[SamplerState], *, bitmask: Tensor | No
         except SuperSLMError:  # SUPERSLM_KERNELS=triton on a CPU without the interpreter: the staged path
             fused = False
     shaped = bitmask is not None or any(p.logit_bias or p.uses_penalties or not p.greedy for p in params)
-    if fused and all(p.logprobs is None for p in params):
+    if bitmask is not None and (bitmask.shape[0] != n_rows or bitmask.shape[-1] * 32 < vocab):
+        raise InvalidArgument(f"bitmask {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}")
+    lp_rows = tuple(i for i, p in enumerate(params) if p.logprobs is not None)
+    if fused:
+        # every row's token comes from one program of its own (the kernels) or a plain argmax, whatever the
+        # other rows ask: a row's token does not depend on whether another row wants logprobs
         if not shaped:
             # plain greedy rows: the kernels' token is the logits' first argmax; one reduction instead of the
             # two kernels (~0.2 ms a step on an H200 at a 152k vocabulary, 13% of a batch-1 decode step)
-            return SampleResult(logits.argmax(dim=-1), (), (), None, None, None, None)
-        if bitmask is not None and (bitmask.shape[0] != n_rows or bitmask.shape[-1] * 32 < vocab):
-            raise InvalidArgument(f"bitmask {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}")
-        b = sampling_batch(rows, vocab, device)
-        x = dispatch.shape_logits(logits, b.temperature, bitmask, b.bias, b.penalties)
-        tokens = dispatch.select_tokens(x, b.temperature, b.log_min_p, b.top_k, b.top_p, b.keys)
-        return SampleResult(tokens, (), (), None, None, None, None)
-
-    lp_rows = tuple(i for i, p in enumerate(params) if p.logprobs is not None)
-    raw_logprobs = None
-    if lp_rows:
-        raw = logits if len(lp_rows) == n_rows else logits[_index(lp_rows, device)]
-        raw_logprobs = torch.log_softmax(raw.to(torch.float32), dim=-1)  # [R, V]
+            tokens = logits.argmax(dim=-1)
+        else:
+            b = sampling_batch(rows, vocab, device)
+            x = dispatch.shape_logits(logits, b.temperature, bitmask, b.bias, b.penalties)
+            tokens = dispatch.select_tokens(x, b.temperature, b.log_min_p, b.top_k, b.top_p, b.keys)
+        return _with_logprobs(logits, tokens, params, lp_rows)
 
     # plain greedy rows read the logits as they are (float32 argmax of bf16 is the same index): a
     # [16, 262k] copy cost Gemma-3 17 MB and ~2 ms a step at 16 streams
     x = logits.to(torch.float32, copy=True) if shaped else logits
     if bitmask is not None:
-        if bitmask.shape[0] != n_rows or bitmask.shape[-1] * 32 < vocab:
-            raise InvalidArgument(
-                f"bitmask {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}"
-            )
         apply_token_bitmask(x, bitmask)
     x = _apply_bias_and_penalties(x, rows)
 
@@ -230,9 +224,18 @@ def sample(logits: Tensor, rows: Sequence[SamplerState], *, bitmask: Tensor | No
         tokens = torch.empty(n_rows, dtype=torch.int64, device=device)
         tokens[greedy_idx] = x[greedy_idx].argmax(dim=-1)
         tokens[rand_idx] = _sample_random(x[rand_idx], [rows[i] for i in rand])
+    return _with_logprobs(logits, tokens, params, lp_rows)
 
-    if raw_logprobs is None:
+
+def _with_logprobs(logits: Tensor, tokens: Tensor, params: Sequence[Sampling],
+                   lp_rows: tuple[int, ...]) -> SampleResult:
+    """The result, with the raw logits' logprobs of the rows in `lp_rows` (log_softmax in float32)."""
+    if not lp_rows:
         return SampleResult(tokens, (), (), None, None, None, None)
+    n_rows, vocab = logits.shape
+    device = logits.device
+    raw = logits if len(lp_rows) == n_rows else logits[_index(lp_rows, device)]
+    raw_logprobs = torch.log_softmax(raw.to(torch.float32), dim=-1)  # [R, V]
     num_top = tuple(params[i].logprobs or 0 for i in lp_rows)
     chosen_tokens = tokens if len(lp_rows) == n_rows else tokens[_index(lp_rows, device)]
     chosen = raw_logprobs.gather(1, chosen_tokens.unsqueeze(1))  # [R, 1]
