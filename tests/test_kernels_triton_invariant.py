@@ -13,10 +13,12 @@ tk = import_kernels()
 pytestmark = pytest.mark.usefixtures("triton_interpret")
 
 import superslm  # noqa: E402
+from superslm.errors import InvalidArgument  # noqa: E402
 from superslm.kernels import dispatch  # noqa: E402
 from superslm.kernels.attention import AttnMetadata, paged_attention  # noqa: E402
 from superslm.kernels.attention_invariant import paged_attention_invariant as invariant_ref  # noqa: E402
-from superslm.kernels.row_blocks import by_row_blocks  # noqa: E402
+from superslm.kernels.row_blocks import by_row_blocks, pad_rows  # noqa: E402
+from superslm.models import transformer  # noqa: E402
 from superslm.models.transformer import _linear  # noqa: E402
 from superslm.quant import Int4Linear, Int8Linear, quantize_linears  # noqa: E402
 from tests.test_deterministic import _paged, run  # noqa: E402
@@ -115,28 +117,66 @@ def test_triton_linears_take_16_rows_a_program(fmt: str, rotate: int | None, mon
         assert torch.equal(_linear(lin, h, True, torch.float32), want)
 
 
-def test_deterministic_qkv_with_bias_goes_16_rows_at_a_time(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Qwen2's qkv bias: the default mode on the Triton path adds it in prepare_qkv after one matmul over every
-    row; deterministic mode multiplies 16 rows at a time like any dense linear."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_kernel_rows_do_not_depend_on_the_call(dtype: torch.dtype) -> None:
+    """The fixed-tile dense GEMM: a row's bits are the same alone, at any place in a call of any size, with or
+    without a bias, and close to F.linear (shapes no tile divides: 100 outputs, 70 inputs)."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(100, 70, generator=g).to(DEV, dtype)
+    b = torch.randn(100, generator=g).to(DEV)
+    x = torch.randn(37, 70, generator=g).to(DEV, dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for bias in (None, b):
+        full = tk.dense_matmul(x, w, bias)
+        want = torch.nn.functional.linear(x.float(), w.float(), bias)
+        assert (full.float() - want).abs().max() <= tol * want.abs().max()
+        alone = torch.cat([tk.dense_matmul(x[i : i + 1], w, bias) for i in range(len(x))])
+        assert torch.equal(alone, full)
+        assert torch.equal(tk.dense_matmul(x[5:22], w, bias), full[5:22])
+        assert torch.equal(tk.dense_matmul(x.view(1, 37, 70), w, bias), full.view(1, 37, 100))
+    assert tk.dense_matmul(x[:0], w).shape == (0, 100)
+    assert torch.equal(tk.dense_matmul(x[:, :0], w[:, :0], b).float(), b.to(dtype).float().expand(37, 100))
+    with pytest.raises(InvalidArgument):
+        tk.dense_matmul(x, w.float() if dtype != torch.float32 else w.double())
+    with pytest.raises(InvalidArgument):
+        tk.dense_matmul(x, w, b, tile_rows=8)
+    # the reference: F.linear 16 rows a call
+    wc, bc = w.cpu(), b.cpu().to(dtype)
+    want = torch.cat([torch.nn.functional.linear(r, wc, bc) for r in pad_rows(x.cpu(), 16).split(16)])
+    assert torch.equal(dispatch.dense_matmul_reference(x.cpu(), wc, bc), want[:37])
+
+
+def test_deterministic_dense_linears_take_one_launch(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deterministic mode's dense linears on the Triton path (Qwen2's qkv with its bias included) are one launch
+    of 16-row tiles, not a cuBLAS call per 16 rows; the default mode adds the qkv bias in prepare_qkv after one
+    matmul over every row."""
     monkeypatch.setenv(dispatch.ENV, "triton")
     build_hf_model("qwen2", tmp_path)
     model = superslm.load(tmp_path, device=DEV, dtype="fp32", quant=None)
     assert model.net.layers[0].qkv.bias is not None
-    rows: list[int] = []
-    linear = torch.nn.functional.linear
+    rows: list[tuple[str, int]] = []
+    linear, dense = torch.nn.functional.linear, dispatch.dense_matmul
 
     def counted(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        rows.append(x.shape[0])
+        rows.append(("linear", x.shape[0]))
         return linear(x, w, b)
 
+    def counted_dense(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, t: int = 16) -> torch.Tensor:
+        rows.append(("dense", x.shape[0], b is not None))
+        return dense(x, w, b, t)
+
     monkeypatch.setattr(torch.nn.functional, "linear", counted)
-    for deterministic, want in ((True, {16}), (False, {27})):
+    monkeypatch.setattr(dispatch, "dense_matmul", counted_dense)
+    monkeypatch.setattr(transformer, "dense_matmul", counted_dense)
+    want = {True: [("dense", 32, True), ("dense", 32, False), ("dense", 32, False)],  # rows padded to 16s
+            False: [("linear", 27)] * 3}  # fmt: skip
+    for deterministic in (True, False):
         rows.clear()
         engine = model.engine(slots=2, context=64, deterministic=deterministic, graphs=False)
         engine.add(superslm.Request(list(range(5, 25)), 1, superslm.Sampling(ignore_eos=True)))
         engine.add(superslm.Request(list(range(7, 14)), 1, superslm.Sampling(ignore_eos=True)))
         engine.advance()
-        assert set(rows[:3]) == want, rows  # the first layer's qkv, o, gate_up
+        assert rows[:3] == want[deterministic], rows  # the first layer's qkv, o, gate_up
 
 
 def test_engine_tokens_and_logprobs_are_bit_identical(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

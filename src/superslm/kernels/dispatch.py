@@ -17,6 +17,7 @@ import os
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from superslm.errors import InvalidArgument, UnsupportedModel
 from superslm.kernels import attention as _attention
@@ -25,6 +26,7 @@ from superslm.kernels import fused as _fused
 from superslm.kernels import norm as _norm
 from superslm.kernels import rope as _rope
 from superslm.kernels.attention import AttnMetadata
+from superslm.kernels.row_blocks import pad_rows
 from superslm.kernels.sampling_reference import (  # noqa: F401  (re-exported: sampling/batch.py, the kernels)
     LogitBias,
     Penalties,
@@ -119,6 +121,18 @@ def int8_matmul_reference(
     """
     w = codes.float() * scale.float()[:, None]  # [N, K]
     return (x.float() @ w.T).to(x.dtype)
+
+
+def dense_matmul_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tile_rows: int = 16
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) on `tile_rows` rows at a time (the last block zero-padded): x [..., K] -> [..., N].
+
+    Deterministic mode's dense linear: BLAS picks its kernel by the shape, so every call has one shape."""
+    x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # [M, K]
+    blocks = pad_rows(x2, tile_rows).split(tile_rows)
+    y = torch.cat([F.linear(rows, weight, bias) for rows in blocks]) if blocks else F.linear(x2, weight, bias)
+    return y[: x2.shape[0]].reshape(*x.shape[:-1], weight.shape[0])
 
 
 #: quant.hadamard.Rotation's map step by step (kept under its older name)
@@ -379,6 +393,13 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, tile_
     """`int8_matmul_reference` on the chosen backend."""
     t = _kernels(x.device)
     return (t.int8_matmul if t else int8_matmul_reference)(x, codes, scale, tile_rows)
+
+
+def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tile_rows: int = 16
+                 ) -> torch.Tensor:  # fmt: skip
+    """`dense_matmul_reference` on the chosen backend (Triton: one launch of fixed tiles)."""
+    t = _kernels(x.device)
+    return (t.dense_matmul if t else dense_matmul_reference)(x, weight, bias, tile_rows)
 
 
 def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:

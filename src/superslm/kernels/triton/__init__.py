@@ -5,6 +5,7 @@ interpreter (TRITON_INTERPRET=1 set before the import).
 """
 
 from superslm.kernels.triton.attention_linear import attention_linear, attention_rotate
+from superslm.kernels.triton.dense_gemm import dense_matmul
 from superslm.kernels.triton.fused import gated_act, prepare_qkv
 from superslm.kernels.triton.hadamard import hadamard_rotate
 from superslm.kernels.triton.int4_gemv import int4_matmul
@@ -30,6 +31,7 @@ __all__ = [
     "attention_linear",
     "attention_rotate",
     "apply_rope",
+    "dense_matmul",
     "gated_act",
     "gated_act_rotate",
     "gated_act_rotate_int4",

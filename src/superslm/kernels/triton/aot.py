@@ -24,6 +24,9 @@ from superslm.kernels.triton.attention_linear import (
     merge_gemv_config,
     merge_rotate_config,
 )
+from superslm.kernels.triton.dense_gemm import BLOCK_K as DENSE_K
+from superslm.kernels.triton.dense_gemm import BLOCK_N as DENSE_N
+from superslm.kernels.triton.dense_gemm import _dense_kernel
 from superslm.kernels.triton.fused import _gated_act_kernel, _prepare_qkv_kernel
 from superslm.kernels.triton.hadamard import _hadamard_kernel, hadamard_config
 from superslm.kernels.triton.int4_gemv import _int4_gemv_kernel, _int4_kernel, gemv_config, int4_config
@@ -41,7 +44,7 @@ from superslm.kernels.triton.store_kv import _store_kv_kernel
 _DIVISIBLE = {
     "k_row", "k_head", "v_row", "v_head", "kc_slot", "kc_head", "vc_slot", "vc_head", "q_row", "q_head", "k_slot",
     "v_slot", "o_row", "o_head", "head_dim", "x_row", "x_outer", "x_inner", "r_outer", "r_inner", "dim", "cs_row",
-    "qw_row", "K", "c_row",
+    "qw_row", "K", "c_row", "w_row",
 }  # fmt: skip
 _FLOATS = {"qk_scale", "eps", "h_scale", "hs"}
 _TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -168,6 +171,11 @@ def cases(everything: bool = False) -> list[Case]:
             cx = dict(BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_K=c["block_k"], DOT=c["block_m"] > 1,
                       F32_DOT=f32)  # fmt: skip
             out.append(Case(f"int8_matmul {t} m={m}", _int8_kernel, int8, c["num_warps"], cx))
+        # deterministic mode's dense linears: one tile shape, a bias (Qwen2's qkv) or none
+        for bias in (True, False):
+            cx = dict(HAS_BIAS=bias, BLOCK_M=16, BLOCK_N=DENSE_N, BLOCK_K=DENSE_K, F32_DOT=f32)
+            out.append(Case(f"dense_matmul {t} bias={bias}", _dense_kernel,
+                            dict(x_ptr=t, w_ptr=t, b_ptr=t, o_ptr=t), 4, cx))  # fmt: skip
         had = dict(x_ptr=t, s_ptr="fp32", o_ptr=t)
         # 128 and 64 (SmolLM2's 576), then blocks of 8
         for block in (128, 64, 8) if everything else (128, 64):
