@@ -101,11 +101,12 @@ def write_tokenizer(folder: Path, vocab: int) -> None:
     )
 
 
-def build_hf_model(family: str, folder: Path, seed: int = 0) -> Any:
-    """A transformers model with random weights (norms perturbed too), saved to `folder`."""
+def build_hf_model(family: str, folder: Path, seed: int = 0, spec: tuple[str, dict[str, Any]] | None = None) -> Any:
+    """A transformers model with random weights (norms perturbed too), saved to `folder`; `spec`: (config class,
+    kwargs) instead of CONFIGS[family]."""
     import transformers
 
-    cls_name, kwargs = CONFIGS[family]
+    cls_name, kwargs = CONFIGS[family] if spec is None else spec
     config = getattr(transformers, cls_name)(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")

@@ -138,6 +138,7 @@ class Arch:
     qk_norm: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
+    #: never set: configs with mlp_bias are refused (kept so older converted folders' configs still load)
     mlp_bias: bool = False
     tied: bool = False
     #: one entry per layer: None for full attention, else the window in tokens (keys j > i - window)
@@ -194,8 +195,13 @@ class Arch:
 # --- reading Hugging Face configs ---------------------------------------------------------------
 
 
-def rope_from_params(p: Mapping[str, Any], default_theta: float, context: int) -> Rope:
-    """A Rope from HF's rope_parameters / rope_scaling dict (both spellings of the kind)."""
+def rope_from_params(p: Mapping[str, Any], default_theta: float, context: int, original: int | None = None) -> Rope:
+    """A Rope from HF's rope_parameters / rope_scaling dict (both spellings of the kind).
+
+    `original`: a config's top-level original_max_position_embeddings, which transformers prefers to the dict's
+    for llama3 and yarn; without either, the trained context is max_position_embeddings (`context`)."""
+    if not isinstance(p, Mapping):
+        raise UnsupportedModel(f"rope parameters must be a JSON object, got {type(p).__name__}")
     kind = p.get("rope_type", p.get("type", "default")) or "default"
     if kind == "longrope":
         raise UnsupportedModel("rope scaling kind 'longrope' is not supported")
@@ -207,13 +213,18 @@ def rope_from_params(p: Mapping[str, Any], default_theta: float, context: int) -
     unknown = sorted(set(p) - known)
     if unknown:
         raise UnsupportedModel(f"rope scaling option(s) {unknown} are not supported")
-    original = p.get("original_max_position_embeddings")
-    if kind == "yarn" and not original:
-        original = context
+    if kind in ("llama3", "yarn"):
+        original = original or p.get("original_max_position_embeddings") or context
+    else:
+        # dynamic NTK scales past max_position_embeddings whatever the dict says (transformers ignores the key)
+        original = None
+    factor = p.get("factor")
+    if factor is None and kind == "yarn":
+        factor = context / int(original)  # transformers: the ratio of the two contexts
     return Rope(
         theta=float(p.get("rope_theta", default_theta)),
         kind=kind,
-        factor=float(p.get("factor", 1.0) or 1.0),
+        factor=float(factor or 1.0),
         low_freq_factor=float(p.get("low_freq_factor", 1.0)),
         high_freq_factor=float(p.get("high_freq_factor", 4.0)),
         original_context=int(original or 0),
@@ -235,10 +246,13 @@ def hf_ropes(cfg: Mapping[str, Any], local_theta_key: str | None = None) -> tupl
         glob = rope_from_params(params["full_attention"], theta, context)
         loc = params.get("sliding_attention")
         return glob, rope_from_params(loc, theta, context) if loc else None
+    original = cfg.get("original_max_position_embeddings")
+    if params and not isinstance(params, Mapping):
+        raise UnsupportedModel(f"rope_parameters must be a JSON object, got {type(params).__name__}")
     if isinstance(params, Mapping) and params:
-        glob = rope_from_params(params, theta, context)
+        glob = rope_from_params(params, theta, context, original)
     elif cfg.get("rope_scaling"):
-        glob = rope_from_params(cfg["rope_scaling"], theta, context)
+        glob = rope_from_params(cfg["rope_scaling"], theta, context, original)
     else:
         glob = Rope(theta=theta)
     local = None
@@ -255,10 +269,16 @@ def eos_tuple(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def hf_layer_windows(cfg: Mapping[str, Any], layers: int) -> tuple[int | None, ...]:
-    """Per-layer windows from `layer_types` (v5 and recent configs) or None everywhere."""
+def hf_layer_windows(cfg: Mapping[str, Any], layers: int, max_window_layers: bool = False) -> tuple[int | None, ...]:
+    """Per-layer windows from `layer_types` (v5 and recent configs) or None everywhere.
+
+    `max_window_layers`: Qwen2/Qwen3 configs without `layer_types` (older transformers wrote them) slide a
+    window on layers >= max_window_layers when use_sliding_window is set, as transformers derives them."""
     kinds = cfg.get("layer_types")
     window = cfg.get("sliding_window")
+    if not kinds and max_window_layers and cfg.get("use_sliding_window") and window:
+        first = int(cfg.get("max_window_layers", 28))  # transformers' default
+        return tuple(None if i < first else int(window) for i in range(layers))
     if not kinds:
         return (None,) * layers
     out: list[int | None] = []

@@ -14,29 +14,39 @@ from superslm.models.registry import Recipe, register
 HF_REFUSALS = {
     "hidden_act": ("silu", None),
     "pretraining_tp": (1, None),
+    # biases on gate/up/down: the forward pass has none (the tensors would be dropped silently)
+    "mlp_bias": (False, None),
 }
+
+
+def whole(cfg: Mapping[str, Any], key: str, default: Any = None) -> int:
+    """cfg[key] as an int: a JSON integer, or a float with no fraction (4.0); 4.5 or "4" are malformed."""
+    value = cfg[key] if default is None else (cfg.get(key) or default)
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+        raise ValueError(f"{key} must be a whole number, got {value!r}")
+    return int(value)
 
 
 def hf_common(cfg: Mapping[str, Any], family: str, **extra: Any) -> dict[str, Any]:
     """The Arch fields every Llama-like config spells the same way."""
     check_known(cfg, HF_REFUSALS)
-    heads = int(cfg["num_attention_heads"])
-    dim = int(cfg["hidden_size"])
-    head_dim = int(cfg.get("head_dim") or dim // heads)
-    layers = int(cfg["num_hidden_layers"])
+    heads = whole(cfg, "num_attention_heads")
+    dim = whole(cfg, "hidden_size")
+    head_dim = whole(cfg, "head_dim", dim // heads)
+    layers = whole(cfg, "num_hidden_layers")
     rope, local = hf_ropes(cfg)
     rotary = int(head_dim * float(cfg.get("partial_rotary_factor", 1.0)))
-    windows = hf_layer_windows(cfg, layers)
+    windows = hf_layer_windows(cfg, layers, max_window_layers=family in ("qwen2", "qwen3"))
     if cfg.get("layer_types") is None and cfg.get("sliding_window") and family == "mistral":
         windows = (int(cfg["sliding_window"]),) * layers
     fields: dict[str, Any] = dict(
         family=family,
-        vocab=int(cfg["vocab_size"]),
+        vocab=whole(cfg, "vocab_size"),
         dim=dim,
-        ffn=int(cfg["intermediate_size"]),
+        ffn=whole(cfg, "intermediate_size"),
         layers=layers,
         heads=heads,
-        kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        kv_heads=whole(cfg, "num_key_value_heads", heads),
         head_dim=head_dim,
         rotary_dim=rotary,
         rope=rope,
@@ -44,10 +54,9 @@ def hf_common(cfg: Mapping[str, Any], family: str, **extra: Any) -> dict[str, An
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         qkv_bias=bool(cfg.get("attention_bias", False)),
         o_bias=bool(cfg.get("attention_bias", False)),
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
         tied=bool(cfg.get("tie_word_embeddings", False)),
         windows=windows,
-        context=int(cfg.get("max_position_embeddings", 2048)),
+        context=whole(cfg, "max_position_embeddings", 2048),
         bos_id=cfg.get("bos_token_id"),
         eos_ids=eos_tuple(cfg.get("eos_token_id")),
     )

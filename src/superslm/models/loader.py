@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from superslm.errors import FormatError, ModelNotFound, UnsupportedModel
-from superslm.models.arch import Arch, Rope
+from superslm.models.arch import Arch, Rope, eos_tuple
 from superslm.models.registry import LAYER_KEYS, Recipe, recipe_for_gguf, recipe_for_hf
 
 
@@ -106,18 +106,29 @@ def open_hf(folder: Path) -> Source:
         raise ModelNotFound(f"{folder}: no config.json") from e
     except ValueError as e:
         raise FormatError(f"{cfg_path}: not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise FormatError(f"{cfg_path}: not a JSON object")
     recipe = recipe_for_hf(config)
-    arch = recipe.arch_from_hf(config)
+    arch = _read_arch(recipe.arch_from_hf, config, cfg_path)
     gen = folder / "generation_config.json"
     if gen.exists():
         try:
             eos = json.loads(gen.read_text()).get("eos_token_id")
-        except ValueError:
-            eos = None
-        if eos is not None:
-            ids = (eos,) if isinstance(eos, int) else tuple(eos)
-            arch = replace(arch, eos_ids=tuple(dict.fromkeys(arch.eos_ids + ids)))
+            ids = () if eos is None else eos_tuple(eos)
+        except (ValueError, TypeError, AttributeError) as e:
+            raise FormatError(f"{gen}: malformed eos_token_id ({e})") from e
+        arch = replace(arch, eos_ids=tuple(dict.fromkeys(arch.eos_ids + ids)))
     return Source(folder, "hf", recipe, arch, _hf_tensors(folder), config)
+
+
+def _read_arch(read: Callable[[Mapping[str, Any]], Arch], config: Mapping[str, Any], where: Path) -> Arch:
+    """recipe.arch_from_*(config), a missing or mistyped field reported as a FormatError naming the file."""
+    try:
+        return read(config)
+    except KeyError as e:
+        raise FormatError(f"{where}: missing {e.args[0]!r}") from e
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+        raise FormatError(f"{where}: malformed ({e})") from e
 
 
 # --- GGUF files -----------------------------------------------------------------------------------
@@ -129,7 +140,7 @@ def open_gguf(path: Path) -> Source:
     g = GGUFFile(path)
     md = g.metadata
     recipe = recipe_for_gguf(md)
-    arch = recipe.arch_from_gguf(md)
+    arch = _read_arch(recipe.arch_from_gguf, md, path)
     names = set(g.tensors)
     arch = replace(
         arch,
