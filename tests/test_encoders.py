@@ -6,7 +6,9 @@ The tiny-model builders live here; tests/test_encoders_cross.py imports them.
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -182,9 +184,46 @@ def test_minilm_by_name_and_token_ids(minilm: tuple[Encoder, Any]) -> None:
     # OpenAI's `dimensions`: the first entries, normalized again since the model normalizes
     short = by_name.embed_batch(texts, dimensions=64)
     assert (short - F.normalize(a[:, :64], dim=1)).abs().max().item() <= 1e-6
+    # sentence-transformers' truncate_dim cuts after Normalize: same directions, not unit length
+    st_cut = torch.from_numpy(st.encode(texts, truncate_dim=64))
+    assert F.cosine_similarity(short, st_cut).min().item() >= 0.99999 and st_cut.norm(dim=1).max().item() < 0.99
     for bad in (0, 385, 1.5):
         with pytest.raises(errors.InvalidArgument):
             by_name.embed_batch(texts, dimensions=bad)  # type: ignore[arg-type]
+
+
+def edit_json(path: Path, **keys: Any) -> None:
+    """Set `keys` in a JSON file of a folder copied with its files linked (never written through)."""
+    data = json.loads(path.read_text()) if path.exists() else {}
+    path.unlink(missing_ok=True)
+    path.write_text(json.dumps({**data, **keys}))
+
+
+@pytest.mark.slow
+def test_minilm_prompts_match_sentence_transformers(minilm_folder: Path, tmp_path: Path) -> None:
+    """An e5 / bge-style folder: config_sentence_transformers.json's default prompt goes before every text."""
+    from sentence_transformers import SentenceTransformer
+
+    folder = tmp_path / "prompted"
+    shutil.copytree(minilm_folder, folder, copy_function=os.symlink)
+    edit_json(folder / "config_sentence_transformers.json", default_prompt_name="query",
+              prompts={"query": "query: ", "passage": "passage: ", "empty": None})
+    st, ours = SentenceTransformer(str(folder), device="cpu"), Encoder.load(folder, device="cpu")
+    texts = [*varied_texts(10, seed=5), "word " * 300]  # "", whitespace, and one truncated with its prompt
+    assert ours.tokenize(texts) == [st.tokenizer("query: " + t, truncation=True, max_length=256)["input_ids"]
+                                    for t in texts]
+    plain = torch.from_numpy(st.encode(texts, prompt=""))
+    for kw in ({}, {"prompt_name": "passage"}, {"prompt_name": "empty"}, {"prompt": ""}, {"prompt": "Find: "}):
+        want = torch.from_numpy(st.encode(texts, batch_size=4, **kw))
+        got = ours.embed_batch(texts, batch=4, **kw)  # type: ignore[arg-type]
+        assert F.cosine_similarity(got, want).min().item() >= 0.99999, kw
+        if kw.get("prompt_name") != "empty" and kw.get("prompt") != "":
+            assert F.cosine_similarity(got, plain).min().item() < 0.99  # the prompt did change the vectors
+    assert F.cosine_similarity(ours.embed(texts[4]), plain[4], dim=0).item() < 0.99
+    assert ours.info()["default_prompt_name"] == "query"
+    for bad in ({"prompt_name": "nope"}, {"prompt": 3}, {"prompt": "a", "prompt_name": "query"}):
+        with pytest.raises(errors.InvalidArgument):
+            ours.embed_batch(texts, **bad)  # type: ignore[arg-type]
 
 
 # --- tiny models with every pooling module --------------------------------------------------------
@@ -222,6 +261,9 @@ def test_plain_transformers_folder_mean_pools(tmp_path: Path) -> None:
     from sentence_transformers import SentenceTransformer
 
     hf = build_bert_family(tmp_path, "roberta")
+    # sentence-transformers reads prompts only beside modules.json: this default prompt is not used
+    (tmp_path / "config_sentence_transformers.json").write_text(
+        json.dumps({"prompts": {"q": "query: "}, "default_prompt_name": "q"}))
     ours = Encoder.load(tmp_path, device="cpu")
     assert ours.pooling == ("mean",) and not ours.normalize and ours.max_seq_length == 40
     got = ours.embed_batch(SHORT_TEXTS, batch=4)
@@ -272,6 +314,13 @@ def test_decoder_embeddings_match_transformers(pooling: str, tmp_path: Path) -> 
         want.append(F.normalize(h[-1] if pooling == "last" else h.mean(0), dim=0))
     assert (got - torch.stack(want)).abs().max().item() <= 1e-5
     assert model_kind(tmp_path) == "decoder"
+    from superslm.cli import main
+
+    out = tmp_path / "v.npy"
+    assert main(["embed", "-m", str(tmp_path), "--pooling", pooling, "--normalize", "-o", str(out), *texts]) == 0
+    import numpy as np
+
+    assert (torch.from_numpy(np.load(out)) - got).abs().max().item() <= 1e-5
 
 
 # --- refusals -------------------------------------------------------------------------------------
@@ -316,6 +365,17 @@ def test_unsupported_models_are_refused(tmp_path: Path) -> None:
         Encoder.load(tmp_path / "rel")
     st = build_sentence_model(tmp_path / "st", "bert", "mean", False, False, "gelu")
     cfg = st / "1_Pooling" / "config.json"
+    kept = cfg.read_text()
+    # sentence-transformers would pool without the prompt's tokens: refused, not computed otherwise
+    edit_json(cfg, include_prompt=False)
+    with pytest.raises(errors.UnsupportedModel, match="include_prompt"):
+        Encoder.load(st)
+    cfg.write_text(kept)
+    for bad in ({"prompts": {"q": "query: "}, "default_prompt_name": "p"}, {"prompts": ["query: "]}):
+        (st / "config_sentence_transformers.json").write_text(json.dumps(bad))
+        with pytest.raises(errors.FormatError):
+            Encoder.load(st)
+    (st / "config_sentence_transformers.json").unlink()
     cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "pooling_mode": "median"}))
     with pytest.raises(errors.UnsupportedModel):
         Encoder.load(st)
@@ -328,7 +388,7 @@ def test_unsupported_models_are_refused(tmp_path: Path) -> None:
         Encoder.from_model(superslm.load(tmp_path / "llama", device="cpu"), pooling="median")
 
 
-def test_cli_embed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_embed(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     from superslm.cli import main
 
     build_bert_family(tmp_path / "m", "bert")
@@ -338,11 +398,24 @@ def test_cli_embed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert [r["index"] for r in rows] == [0, 1]
     want = enc.embed_batch(["one text", "two"])
     assert (torch.tensor([r["embedding"] for r in rows]) - want).abs().max().item() <= 1e-6
-    (tmp_path / "texts.txt").write_text("one text\n\ntwo\n")
-    out = tmp_path / "v.npy"
+    # every line is a text, blank ones too (indices are line numbers); only "\n" ends a line
+    lines = ["one text", "", "  ", "two\u2028three\x0c", "two"]
+    want = enc.embed_batch(lines)
+    (tmp_path / "texts.txt").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "v"  # written as given: np.save(path) would have made v.npy
     assert main(["embed", "-m", str(tmp_path / "m"), "--file", str(tmp_path / "texts.txt"), "-o", str(out)]) == 0
+    assert f"to {out}\n" in capsys.readouterr().err and not (tmp_path / "v.npy").exists()
     import numpy as np
 
     assert (torch.from_numpy(np.load(out)) - want).abs().max().item() <= 1e-6
+    monkeypatch.setattr("sys.stdin", io.StringIO("a\n\nb"))
+    assert main(["embed", "-m", str(tmp_path / "m")]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (torch.tensor([r["embedding"] for r in rows]) - enc.embed_batch(["a", "", "b"])).abs().max() <= 1e-6
     assert main(["embed", "-m", str(tmp_path / "m"), "--no-truncate", "word " * 60]) == 2
     assert "tokens" in capsys.readouterr().err
+    # options for decoder models or for --rerank are refused, not ignored
+    for extra in (["--pooling", "last"], ["--pooling", "mean"], ["--normalize"], ["--top", "1"]):
+        assert main(["embed", "-m", str(tmp_path / "m"), *extra, "x"]) == 2
+        err = capsys.readouterr().err
+        assert extra[0] in err and len(err.strip().splitlines()) == 1

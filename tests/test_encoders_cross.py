@@ -125,3 +125,7 @@ def test_cli_rerank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["index"], pytest.approx(r["score"], abs=1e-6)) for r in rows] == ours.rank(QUERY, DOCS[:5], top=3)
     assert main(["embed", "-m", str(tmp_path), "text"]) == 2  # a cross-encoder needs --rerank
+    # decoder-model options, and vectors to a file, do not apply to a reranking
+    for extra in (["--pooling", "mean"], ["--normalize"], ["-o", str(tmp_path / "v.npy")]):
+        assert main(["embed", "-m", str(tmp_path), "--rerank", QUERY, *extra, "text"]) == 2
+        assert not (tmp_path / "v.npy").exists()

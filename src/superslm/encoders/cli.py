@@ -5,7 +5,9 @@
     superslm embed --model CROSS_ENCODER --rerank "a query" "doc one" "doc two"
     superslm embed --model model.gguf --pooling last "text"   # a decoder model, last-token pooling
 
-Texts come from the arguments, else --file (one per line), else stdin (one per line).
+Texts come from the arguments, else --file, else stdin: one text per line, blank lines included, so
+that the output's index is the line's (a newline at the end of the input ends the last line).
+--output writes exactly the path given (no ".npy" is added).
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--file", "-f", default=None, help="read texts from this file, one per line ('-': stdin)")
     p.add_argument("--batch", type=int, default=32, help="texts per forward pass")
     p.add_argument("--no-truncate", action="store_true", help="refuse texts longer than max_seq_length")
-    p.add_argument("--pooling", default="last", help="decoder models: last or mean (default: last)")
+    # None, not "last": an encoder folder then refuses --pooling given at all (see _check_options)
+    p.add_argument("--pooling", default=None, help="decoder models: last or mean (default: last)")
     p.add_argument("--normalize", action="store_true", help="decoder models: L2-normalize the vectors")
     p.add_argument("--rerank", metavar="QUERY", default=None,
                    help="with a cross-encoder: score the texts against QUERY, best first")
     p.add_argument("--top", type=int, default=None, help="with --rerank: print the best TOP only")
-    p.add_argument("--output", "-o", default=None, help="write the vectors to this .npy file instead")
+    p.add_argument("--output", "-o", default=None,
+                   help="write the vectors to this file instead, in .npy format (the path as given)")
     p.add_argument("--info", action="store_true", help="print the model's pooling, dimension and limits, then exit")
     p.set_defaults(func=cmd_embed)
 
@@ -47,12 +51,42 @@ def _texts(ns: argparse.Namespace) -> list[str]:
         return list(ns.texts)
     if ns.file and ns.file != "-":
         try:
-            lines = Path(ns.file).read_text(encoding="utf-8").splitlines()
+            text = Path(ns.file).read_text(encoding="utf-8")
         except OSError as e:
             raise InvalidArgument(f"cannot read {ns.file}: {e}") from e
     else:
-        lines = sys.stdin.read().splitlines()
-    return [line for line in lines if line.strip()]
+        text = sys.stdin.read()
+    return split_lines(text)
+
+
+def split_lines(text: str) -> list[str]:
+    r"""One text per line, empty ones kept (indices stay line numbers); a final newline adds no line.
+    Only "\n" splits (text mode has made "\r\n" one); str.splitlines would also split at \f, \u2028, ..."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return lines
+
+
+def _a(kind: str) -> str:
+    return ("an " if kind[0] in "aeiou" else "a ") + kind
+
+
+def _check_options(ns: argparse.Namespace, kind: str) -> None:
+    """Refuse options that do nothing for this model kind, rather than ignore them."""
+    if ns.rerank is not None and kind != "cross-encoder":
+        raise InvalidArgument(f"--rerank needs a cross-encoder; {ns.model} is {_a(kind)} model")
+    if kind == "cross-encoder" and ns.rerank is None and not ns.info:
+        raise InvalidArgument(f"{ns.model} is a cross-encoder: pass --rerank QUERY")
+    if kind != "decoder":
+        for given, flag in ((ns.pooling is not None, "--pooling"), (ns.normalize, "--normalize")):
+            if given:
+                raise InvalidArgument(f"{flag} applies to decoder models only; {ns.model} is {_a(kind)} model "
+                                      "(its folder sets pooling and normalization)")
+    if ns.top is not None and ns.rerank is None:
+        raise InvalidArgument("--top needs --rerank")
+    if ns.output is not None and ns.rerank is not None:
+        raise InvalidArgument("--output writes vectors; --rerank prints scores")
 
 
 def _load(ns: argparse.Namespace) -> Any:
@@ -60,15 +94,12 @@ def _load(ns: argparse.Namespace) -> Any:
     from superslm.encoders import CrossEncoder, Encoder, model_kind
 
     kind = model_kind(ns.model)
-    if ns.rerank is not None and kind != "cross-encoder":
-        raise InvalidArgument(f"--rerank needs a cross-encoder; {ns.model} is a {kind} model")
-    if kind == "cross-encoder" and ns.rerank is None and not ns.info:
-        raise InvalidArgument(f"{ns.model} is a cross-encoder: pass --rerank QUERY")
+    _check_options(ns, kind)
     if kind == "cross-encoder":
         return CrossEncoder.load(ns.model, device=ns.device, dtype=ns.dtype)
     if kind == "decoder":
         model = superslm.load(ns.model, device=ns.device, dtype=ns.dtype)
-        return Encoder.from_model(model, pooling=ns.pooling, normalize=ns.normalize)
+        return Encoder.from_model(model, pooling=ns.pooling or "last", normalize=ns.normalize)
     return Encoder.load(ns.model, device=ns.device, dtype=ns.dtype)
 
 
@@ -87,7 +118,9 @@ def cmd_embed(ns: argparse.Namespace) -> int:
     if ns.output:
         import numpy as np
 
-        np.save(ns.output, vectors.numpy())
+        # np.save(path) would add ".npy" to a path without it, and the message would name another file
+        with open(ns.output, "wb") as f:
+            np.save(f, vectors.numpy())
         print(f"wrote {tuple(vectors.shape)} float32 to {ns.output}", file=sys.stderr)
         return 0
     for i, v in enumerate(vectors.tolist()):

@@ -8,7 +8,7 @@ without modules.json a folder embeds with mean pooling and no normalization.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +159,9 @@ class SentenceSpec:
     normalize: bool = False
     max_seq_length: int | None = None
     do_lower_case: bool = False
+    #: config_sentence_transformers.json's named prompts (text put before a text) and the default one
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
 
 
 def parse_pooling(value: Any, where: str) -> tuple[str, ...]:
@@ -218,7 +221,11 @@ def read_sentence_spec(folder: Path) -> SentenceSpec:
             model_dir = sub
             sbert = read_json(sub / "sentence_bert_config.json", required=False)
         elif kind == "Pooling":
-            pooling = parse_pooling(read_json(sub / "config.json"), str(sub))
+            cfg = read_json(sub / "config.json")
+            # sentence-transformers then pools without the prompt's tokens; we always pool them all
+            if not cfg.get("include_prompt", True):
+                raise UnsupportedModel(f"{sub}: include_prompt false (pooling without the prompt's tokens)")
+            pooling = parse_pooling(cfg, str(sub))
         elif kind == "Dense":
             cfg = read_json(sub / "config.json")
             if pooling is None or cfg.get("module_input_name", "sentence_embedding") != "sentence_embedding":
@@ -236,8 +243,26 @@ def read_sentence_spec(folder: Path) -> SentenceSpec:
     if pooling is None:
         raise UnsupportedModel(f"{folder}: modules.json names no Pooling module")
     msl = sbert.get("max_seq_length")
+    prompts, default = read_prompts(folder)
     return SentenceSpec(model_dir, pooling, tuple(dense), normalize,
-                        int(msl) if isinstance(msl, int) else None, bool(sbert.get("do_lower_case", False)))
+                        int(msl) if isinstance(msl, int) else None, bool(sbert.get("do_lower_case", False)),
+                        prompts, default)
+
+
+def read_prompts(folder: Path) -> tuple[dict[str, str], str | None]:
+    """`prompts` and `default_prompt_name` of config_sentence_transformers.json (sentence-transformers reads
+    them only beside modules.json); a null prompt is "", a default that names no prompt a FormatError."""
+    where = folder / "config_sentence_transformers.json"
+    cfg = read_json(where, required=False)
+    prompts, default = cfg.get("prompts") or {}, cfg.get("default_prompt_name")
+    if not isinstance(prompts, dict) or not all(
+        isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in prompts.items()
+    ):
+        raise FormatError(f"{where}: prompts must map names to strings")
+    out = {k: v or "" for k, v in prompts.items()}
+    if default is not None and default not in out:
+        raise FormatError(f"{where}: default_prompt_name {default!r} is not one of the prompts {sorted(out)}")
+    return out, default
 
 
 def max_length(spec: BertSpec, folder: Path, configured: int | None) -> int:

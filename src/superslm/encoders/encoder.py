@@ -4,6 +4,7 @@
     enc = Encoder.load("all-minilm-l6-v2")          # or a sentence-transformers folder
     v = enc.embed("A sentence.")                      # Tensor [dim]
     m = enc.embed_batch(["one", "two", "three"])      # Tensor [3, dim]
+    q = enc.embed_batch(["a question"], prompt_name="query")   # a prompt of the folder (e5 / bge style)
 """
 
 from __future__ import annotations
@@ -85,14 +86,22 @@ class Encoder:
 
     Build it with `Encoder.load` (a sentence-transformers folder or a known name) or
     `Encoder.from_model` (a decoder `superslm.Model` with last-token or mean pooling).
+
+    Texts get a prompt put before them as sentence-transformers' encode does: `prompt` if given, else
+    the folder's prompt named `prompt_name`, else its `default_prompt_name`'s, else none.
     """
 
-    def __init__(self, body: Body, name: str, path: Path | None, pooling: tuple[str, ...], normalize: bool) -> None:
+    def __init__(
+        self, body: Body, name: str, path: Path | None, pooling: tuple[str, ...], normalize: bool,
+        prompts: dict[str, str] | None = None, default_prompt_name: str | None = None,
+    ) -> None:
         self.body = body
         self.name = name
         self.path = path
         self.pooling = pooling
         self.normalize = normalize
+        self.prompts = dict(prompts or {})
+        self.default_prompt_name = default_prompt_name
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -107,7 +116,9 @@ class Encoder:
         mean pooling, no normalization) or a known model name such as "all-minilm-l6-v2".
 
         `device` defaults to cuda when present, else cpu; `dtype` to float32. Raises ModelNotFound,
-        FormatError, UnsupportedModel (a family or module SuperSLM does not run), TokenizerError.
+        FormatError, UnsupportedModel (a family or module SuperSLM does not run, or a Pooling module with
+        `include_prompt: false`), TokenizerError. config_sentence_transformers.json's `prompts` and
+        `default_prompt_name` are kept (see the class).
         """
         from superslm.model import pick_device, resolve_path
         from superslm.tokenizer import Tokenizer
@@ -124,7 +135,8 @@ class Encoder:
         net = BertNet(spec, Weights(read_tensors(st.model_dir), st.model_dir, dt, dev))
         dense = [Dense(d, dev) for d in st.dense]
         name = folder.name if Path(str(path_or_name)).exists() else str(path_or_name)
-        return cls(BertBody(spec, net, st, dense, tokens), name, folder, st.pooling, st.normalize)
+        return cls(BertBody(spec, net, st, dense, tokens), name, folder, st.pooling, st.normalize,
+                   st.prompts, st.default_prompt_name)
 
     @classmethod
     def from_model(
@@ -164,40 +176,74 @@ class Encoder:
             "max_seq_length": self.max_seq_length,
             "pooling": list(self.pooling),
             "normalize": self.normalize,
+            "prompts": dict(self.prompts),
+            "default_prompt_name": self.default_prompt_name,
             "device": str(self.device),
         }
 
     # --- embedding ------------------------------------------------------------------------------
 
-    def tokenize(self, texts: Sequence[str], truncate: bool = True) -> list[list[int]]:
-        """The token ids the model sees for each text (with its specials, truncated to max_seq_length;
-        ContextLengthExceeded for a longer text when `truncate` is False)."""
-        return self.body.encode(check_texts(texts), truncate)[0]
+    def resolve_prompt(self, prompt_name: str | None = None, prompt: str | None = None) -> str:
+        """The text put before every text: `prompt`, else the prompt named `prompt_name`, else the
+        default prompt, else "". InvalidArgument for an unknown name, a non-string, or both given."""
+        if prompt is not None:
+            if prompt_name is not None:
+                raise InvalidArgument("give prompt or prompt_name, not both")
+            if not isinstance(prompt, str):
+                raise InvalidArgument(f"prompt must be a str, not {type(prompt).__name__}")
+            return prompt
+        name = self.default_prompt_name if prompt_name is None else prompt_name
+        if name is None:
+            return ""
+        if not isinstance(name, str) or name not in self.prompts:
+            raise InvalidArgument(f"unknown prompt_name {name!r} (this model has: {sorted(self.prompts)})")
+        return self.prompts[name]
 
-    def embed(self, text: str, truncate: bool = True) -> torch.Tensor:
+    def tokenize(
+        self, texts: Sequence[str], truncate: bool = True, prompt_name: str | None = None, prompt: str | None = None
+    ) -> list[list[int]]:
+        """The token ids the model sees for each text, its prompt put before it (see `resolve_prompt`),
+        with its specials, truncated to max_seq_length (ContextLengthExceeded for a longer text when
+        `truncate` is False)."""
+        return self._encode(texts, truncate, prompt_name, prompt)[0]
+
+    def embed(
+        self, text: str, truncate: bool = True, prompt_name: str | None = None, prompt: str | None = None
+    ) -> torch.Tensor:
         """One text -> its vector, a float32 CPU Tensor [dim]."""
         if not isinstance(text, str):
             raise InvalidArgument(f"text must be a str, not {type(text).__name__}")
-        return self.embed_batch([text], truncate=truncate)[0]
+        return self.embed_batch([text], truncate=truncate, prompt_name=prompt_name, prompt=prompt)[0]
 
     def embed_batch(
-        self, texts: Sequence[str], batch: int = 32, truncate: bool = True, dimensions: int | None = None
+        self, texts: Sequence[str], batch: int = 32, truncate: bool = True, dimensions: int | None = None,
+        prompt_name: str | None = None, prompt: str | None = None,
     ) -> torch.Tensor:
         """Texts -> float32 CPU Tensor [len(texts), dim], in input order.
 
         Texts are sorted by token count and run `batch` at a time; within a step, texts of equal
         token count are attended together, so no token is padding. With `dimensions`, the vectors
-        are cut to their first `dimensions` entries (and L2-normalized again if the model normalizes).
+        are cut to their first `dimensions` entries (and L2-normalized again if the model normalizes,
+        as OpenAI's `dimensions`; sentence-transformers' truncate_dim does not normalize again).
+        `prompt_name` / `prompt`: see `resolve_prompt` (the folder's default prompt applies unless given).
         Raises InvalidArgument for an empty or non-string input, ContextLengthExceeded as `tokenize`.
         """
         self._check_dimensions(dimensions)
-        ids, types = self.body.encode(check_texts(texts), truncate)
+        ids, types = self._encode(texts, truncate, prompt_name, prompt)
         return self._run(ids, types, batch, dimensions)
+
+    def _encode(
+        self, texts: Sequence[str], truncate: bool, prompt_name: str | None, prompt: str | None
+    ) -> tuple[list[list[int]], list[list[int]] | None]:
+        texts = check_texts(texts)
+        # sentence-transformers joins the strings before tokenizing (and truncates the whole)
+        head = self.resolve_prompt(prompt_name, prompt)
+        return self.body.encode([head + t for t in texts] if head else texts, truncate)
 
     def embed_tokens(
         self, ids: Sequence[Sequence[int]], batch: int = 32, truncate: bool = True, dimensions: int | None = None
     ) -> torch.Tensor:
-        """Token id lists, taken as the whole model input (no specials added) -> Tensor [len(ids), dim]
+        """Token id lists, taken as the whole model input (no specials or prompt added) -> Tensor [len(ids), dim]
         (`dimensions` as in embed_batch). Raises TokenOutOfRange, ContextLengthExceeded (past
         max_seq_length without `truncate`)."""
         self._check_dimensions(dimensions)
@@ -210,7 +256,8 @@ class Encoder:
 
     def truncate_dim(self, vectors: torch.Tensor, dimensions: int | None) -> torch.Tensor:
         """Vectors [n, dim] cut to their first `dimensions` entries (None: all), L2-normalized again if the
-        model normalizes (as sentence-transformers' truncate_dim followed by its Normalize)."""
+        model normalizes, as OpenAI's `dimensions` (sentence-transformers' truncate_dim cuts after its
+        Normalize module and does not normalize again)."""
         self._check_dimensions(dimensions)
         if dimensions is None or dimensions == vectors.shape[-1]:
             return vectors
