@@ -490,3 +490,27 @@ def test_malformed_tools_are_refused() -> None:
     for tools in ("get_weather", TOOLS[0], ["get_weather"]):
         with pytest.raises(InvalidArgument):
             ChatTemplate(QWEN25).render([USER], tools=tools)
+
+
+def test_continue_final_message_cuts_as_transformers(smollm2_gguf: Path, ref: Any) -> None:
+    """Model.chat_prompt(continue_final_message=True) ends inside the last message as apply_chat_template does: a
+    template that keeps the content's spacing (ChatML) and one that trims it (Gemma 3's), content parts too."""
+    from superslm.model import _cut_at_tag, _tag_final
+
+    smol = Tokenizer.from_gguf(GGUFFile(smollm2_gguf).metadata).chat_template
+    finals = [{"role": "assistant", "content": "Sure! The first is "}, {"role": "assistant", "content": "  x"},
+              {"role": "assistant", "content": [{"type": "text", "text": "Part one "}]}]  # fmt: skip
+    for source in (smol, GEMMA3, QWEN25):
+        for final in finals:
+            if source != GEMMA3 and not isinstance(final["content"], str):
+                continue  # ChatML templates print a parts list as is
+            messages = [USER, final]
+            ours = _cut_at_tag(ChatTemplate(source, bos_token=ref.bos_token, eos_token=ref.eos_token).render(
+                _tag_final(messages), add_generation_prompt=False))
+            want = ref.apply_chat_template(messages, chat_template=source, tokenize=False, continue_final_message=True)
+            assert ours == want, (source[:30], final)
+    for bad in ([], [{"role": "assistant"}], [{"role": "assistant", "content": [{"type": "image"}]}]):
+        with pytest.raises(InvalidArgument):
+            _tag_final(bad)
+    with pytest.raises(TemplateError, match="continue_final_message"):
+        _cut_at_tag("<|im_start|>assistant\n")

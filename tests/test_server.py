@@ -6,6 +6,7 @@ fixes answer lengths); transformers' forward pass of the same weights is the log
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -140,6 +141,12 @@ def test_stop_strings(client) -> None:
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=stop, stream=True, extra_body=FIXED))
     assert streamed == r.choices[0].text
+    # vLLM's include_stop_str_in_output: the text runs to the end of the stop string, streamed or not
+    kw = dict(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "@@@"],
+              extra_body={**FIXED, "include_stop_str_in_output": True})
+    with_stop = client.completions.create(**kw).choices[0]
+    assert with_stop.text == full[: full.index(stop) + len(stop)] and with_stop.finish_reason == "stop"
+    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)) == with_stop.text
 
 
 def test_stop_token_counts_in_usage(client, tiny) -> None:
@@ -149,6 +156,10 @@ def test_stop_token_counts_in_usage(client, tiny) -> None:
                                   extra_body={"stop_token_ids": [token]})
     assert r.choices[0].text == "" and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens == 1  # the stop token was sampled, though not returned
+    # with include_stop_str_in_output a stop_token_ids token's text is the answer's end (as vLLM)
+    r = client.completions.create(model="tiny", prompt="hi", max_tokens=8, logit_bias={str(token): 100},
+                                  extra_body={"stop_token_ids": [token], "include_stop_str_in_output": True})
+    assert r.choices[0].text == model.tokenizer.decode([token]) != ""
 
 
 def test_seed_reproducible(client) -> None:
@@ -161,6 +172,9 @@ def test_seed_reproducible(client) -> None:
     # choice i gets seed + i, so the two choices differ and each matches its single-choice run
     assert [pair[0].text, pair[1].text] == [a, c]
     assert a != c
+    # a batch of prompts: each prompt's choice i gets seed + i too, as a single request of that prompt
+    batch = client.completions.create(seed=7, n=2, **{**kw, "prompt": ["Once upon", "Once upon"]}).choices
+    assert [c.text for c in batch] == [a, c, a, c]
 
 
 def test_logprobs_against_transformers(client, tiny) -> None:
@@ -186,6 +200,60 @@ def test_logprobs_against_transformers(client, tiny) -> None:
     assert len(c.tokens) == len(c.token_logprobs) == len(c.top_logprobs) == 5
     assert c.text_offset == sorted(c.text_offset) and c.text_offset[0] == 0
     assert all(len(t) <= 2 for t in c.top_logprobs)
+
+
+def test_completion_logprobs_of_partial_utf8_tokens(client, tiny) -> None:
+    # the tiny model's tokens are mostly single bytes: an emoji is 4 tokens, none UTF-8 alone
+    model, _ = tiny
+    r = client.completions.create(model="tiny", prompt="\U0001f600\U0001f603\u00e9", max_tokens=12,
+                                  temperature=0, logprobs=20, extra_body=FIXED).choices[0]
+    lp = r.logprobs
+    partial = [t for t in lp.tokens if t.startswith("bytes:")]
+    assert partial, lp.tokens  # else the test checks nothing
+    for t in partial:
+        assert re.fullmatch(r"bytes:(\\x[0-9a-f]{2})+", t), t
+    for token, top in zip(lp.tokens, lp.top_logprobs):
+        assert len(top) == 20 and token in top  # distinct keys; greedy: the chosen token is the top one
+    assert lp.text_offset == sorted(lp.text_offset) and all(o <= len(r.text) for o in lp.text_offset)
+
+
+def test_text_offset_of_a_character_split_over_tokens(tiny) -> None:
+    from superslm.engine.request import Logprob, Progress
+    from superslm.serve.output import Job
+
+    model, _ = tiny
+    tok = model.tokenizer
+    ids = [i for ch in "\U0001f600\u00e9a" for i in tok.encode(ch, add_special_tokens=False)]
+    assert [len(tok.token_bytes(i)) for i in ids] == [1, 1, 1, 1, 1, 1, 1]
+    # the text as the engine streams it: a character once its last byte has come
+    texts = ["", "", "", "\U0001f600", "", "\u00e9", "a"]
+    job = Job(tok, "tiny", False, 1, [1], 0, False)
+    streamed: list[int] = []
+    for k, (i, text) in enumerate(zip(ids, texts)):
+        p = Progress(0, tokens=[i], text=text, logprobs=[Logprob(i, -1.0)], end="length" if k == 6 else "")
+        streamed += job.absorb(0, p)[0]["logprobs"]["text_offset"]
+    # each byte of a character starts where the character does
+    assert streamed == [0, 0, 0, 0, 1, 1, 2]
+    body = job.response()["choices"][0]
+    assert body["text"] == "\U0001f600\u00e9a" and body["logprobs"]["text_offset"] == streamed
+    assert body["logprobs"]["tokens"][:2] == ["bytes:\\xf0", "bytes:\\x9f"] and body["logprobs"]["tokens"][6] == "a"
+
+
+def test_continue_final_message(client, server, tiny) -> None:
+    from transformers import AutoTokenizer
+
+    model, _ = tiny
+    messages = [{"role": "user", "content": "List colours."}, {"role": "assistant", "content": "Sure! The first is "}]
+    # the reference: transformers' apply_chat_template ends the prompt inside the last message
+    ref = AutoTokenizer.from_pretrained(tiny_folder("llama")[0]).apply_chat_template(
+        messages, continue_final_message=True, tokenize=True, return_dict=False)
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    assert httpx.post(f"{server.url}/tokenize", json=body).json()["tokens"] == ref
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                       extra_body={**FIXED, **body})
+    assert r.usage.prompt_tokens == len(ref)
+    same = client.completions.create(model="tiny", prompt=ref, max_tokens=5, temperature=0, extra_body=FIXED)
+    assert r.choices[0].message.content == same.choices[0].text
 
 
 def test_tokenize_detokenize(server, tiny) -> None:

@@ -89,9 +89,40 @@ BAD_400 = [
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
                               "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ("/v1/completions", {**COMP, "stop": ""}, "stop"),
+    # fields that would change the answer and are not implemented: refused, never silently ignored
+    ("/v1/completions", {**COMP, "min_tokens": 2}, "min_tokens"),
+    ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 0}, "prompt_logprobs"),
+    ("/v1/completions", {**COMP, "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+    ("/v1/completions", {**COMP, "use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {**COMP, "allowed_token_ids": [5]}, "allowed_token_ids"),
+    ("/v1/chat/completions", {**CHAT, "bad_words": ["x"]}, "bad_words"),
+    ("/v1/chat/completions", {**CHAT, "echo": True}, "echo"),
+    ("/v1/chat/completions", {**CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {**CHAT, "function_call": "auto"}, "function_call"),
+    ("/v1/chat/completions", {**CHAT, "min_tokens": False}, "min_tokens"),  # a bool is not the neutral 0
+    ("/v1/chat/completions", {**CHAT, "continue_final_message": True}, "continue_final_message"),
+    ("/tokenize", {"messages": CHAT["messages"], "continue_final_message": True}, "continue_final_message"),
+    # a seed outside int64 would wrap (seed 0 == 2**64)
+    ("/v1/completions", {**COMP, "seed": 2**64}, "seed"),
+    ("/v1/completions", {**COMP, "seed": 2**63}, "seed"),
+    ("/v1/chat/completions", {**CHAT, "seed": -(2**63) - 1}, "seed"),
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, None),
     ("/detokenize", {"tokens": [1, 99999]}, "tokens"),
 ]
+
+
+NEUTRAL = {"min_tokens": 0, "prompt_logprobs": None, "truncate_prompt_tokens": None, "use_beam_search": False,
+           "allowed_token_ids": None, "bad_words": [], "echo": False, "chat_template": None, "functions": [],
+           "function_call": None, "continue_final_message": False, "include_stop_str_in_output": False}
+
+
+def test_neutral_values_and_seed_bounds_accepted(server) -> None:
+    # a client that sends a refused field at its neutral value (as vLLM's defaults) is served
+    for seed in (2**63 - 1, -(2**63)):
+        r = post(server, "/v1/chat/completions", {**CHAT, **NEUTRAL, "seed": seed})
+        assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("path,body,param", BAD_400, ids=[f"{i}-{c[0].split('/')[-1]}" for i, c in enumerate(BAD_400)])

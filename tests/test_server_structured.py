@@ -295,6 +295,22 @@ INVALID = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
       "tool_choice": "required"}, "tools", "invalid_grammar"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice", None),
+    # OpenAI's 400s: a response_format without type, a json_schema one without a valid name, a bad tool name
+    ({"response_format": {}}, "response_format", "invalid_argument"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": FLAG}}}, "response_format", None),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": FLAG}}},
+     "response_format", None),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x" * 65, "schema": FLAG}}},
+     "response_format", None),
+    ({"tools": [{"type": "function", "function": {"name": "a b c"}}]}, "tools", None),
+    # vLLM's structured_outputs: one constraint, no option that would be ignored
+    ({"structured_outputs": {}}, "structured_outputs", "invalid_argument"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "invalid_argument"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}}, "structured_outputs", None),
+    ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs", None),
+    ({"structured_outputs": {"regex": 5}}, "structured_outputs", None),
+    ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs", "invalid_grammar"),
+    ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "structured_outputs", "invalid_argument"),
 ]
 
 
@@ -322,3 +338,22 @@ def test_server_keeps_serving_and_named_schema(tiny_server) -> None:
     m = metrics(tiny_server.url)
     assert m["superslm_forced_tokens_total"] == r.usage.completion_tokens_details.forced_tokens > 0
     assert httpx.get(f"{tiny_server.url}/health").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("spelled,as_before", [
+    ({"choice": ["yes", "no"]}, {"guided_choice": ["yes", "no"]}),
+    ({"regex": "[a-c]{3}"}, {"guided_regex": "[a-c]{3}"}),
+    ({"grammar": 'start: "up" | "down"'}, {"guided_grammar": 'start: "up" | "down"'}),
+    ({"json": FLAG, "disable_any_whitespace": False}, {"guided_json": FLAG}),
+    ({"json_object": True}, {"response_format": {"type": "json_object"}}),
+])
+def test_structured_outputs_is_guided(tiny_server, spelled, as_before) -> None:
+    # vLLM's structured_outputs is the newer spelling of guided_*: the same constraint, the same answer
+    url = f"{tiny_server.url}/v1/chat/completions"
+    body = {**CHAT, "max_tokens": 24, "temperature": 0}
+    new = httpx.post(url, json={**body, "structured_outputs": spelled}, timeout=60)
+    old = httpx.post(url, json={**body, **as_before}, timeout=60)
+    assert new.status_code == old.status_code == 200, new.text
+    assert new.json()["choices"][0]["message"] == old.json()["choices"][0]["message"]
+    if "choice" in spelled:
+        assert new.json()["choices"][0]["message"]["content"] in spelled["choice"]

@@ -96,21 +96,30 @@ class Model:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         enable_thinking: bool | None = None,
+        continue_final_message: bool = False,
         **extra: Any,
     ) -> str:
-        """The chat rendered by the model's own template, ready to encode."""
+        """The chat rendered by the model's own template, ready to encode.
+
+        continue_final_message: the prompt ends inside the last message, right after its content (as
+        transformers' apply_chat_template: a marker after the content, cut with what follows), so that the
+        answer continues it (an assistant prefill); it excludes add_generation_prompt. Raises InvalidArgument
+        for that pair or a last message without text, TemplateError when the template drops the marker."""
         from superslm.tokenizer import ChatTemplate
 
+        if continue_final_message and add_generation_prompt:
+            raise InvalidArgument("continue_final_message: cannot be combined with add_generation_prompt")
         if self.tokenizer.chat_template is None:
             raise TemplateError(f"{self.name} has no chat template")
         if self._template is None:
             self._template = ChatTemplate(
                 self.tokenizer.chat_template, self.tokenizer.bos_token or "", self.tokenizer.eos_token or ""
             )
-        return self._template.render(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
-            **extra,
+        text = self._template.render(
+            _tag_final(messages) if continue_final_message else messages, tools=tools,
+            add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, **extra,
         )
+        return _cut_at_tag(text) if continue_final_message else text
 
     def chat_tokens(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int]:
         """The chat prompt as token ids (the template writes its own bos where it has one)."""
@@ -284,3 +293,37 @@ def load(
         quantize_linears(net, body=quant, head="int8" if quant != "bf16" else "bf16")
     name = str(path_or_name) if path_or_name is not None and not Path(str(path_or_name)).exists() else path.name
     return Model(source, net, tokenizer, name or hub.DEFAULT_MODEL)
+
+
+#: transformers' marker: put after the last message's content, rendered, then cut away with what follows it
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The messages with CONTINUE_TAG after the last message's text content (its last text part for parts)."""
+    if not messages or not isinstance(messages[-1], Mapping) or messages[-1].get("content") is None:
+        raise InvalidArgument("continue_final_message: the last message has no content to continue")
+    last = dict(messages[-1])
+    content = last["content"]
+    if isinstance(content, str):
+        last["content"] = content + CONTINUE_TAG
+    elif isinstance(content, list | tuple):
+        parts = [dict(p) if isinstance(p, Mapping) else p for p in content]
+        for part in reversed(parts):
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                part["text"] += CONTINUE_TAG
+                break
+        else:
+            raise InvalidArgument("continue_final_message: the last message has no text to continue")
+        last["content"] = parts
+    else:
+        raise InvalidArgument("continue_final_message: the last message's content is not text")
+    return [*messages[:-1], last]
+
+
+def _cut_at_tag(text: str) -> str:
+    """The rendered chat up to CONTINUE_TAG (trailing spaces dropped where the template trimmed the tag's)."""
+    at = text.rfind(CONTINUE_TAG.strip())
+    if at < 0:
+        raise TemplateError("continue_final_message: the chat template does not write the last message's content")
+    return text[:at] if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()

@@ -38,7 +38,7 @@ from superslm.serve import embeddings, generate
 from superslm.serve.loop import EngineLoop
 from superslm.serve.metrics import Metrics
 from superslm.serve.output import Job
-from superslm.serve.protocol import DetokenizeRequest, TokenizeRequest, bad, chat_messages, parse
+from superslm.serve.protocol import DetokenizeRequest, TokenizeRequest, bad, chat_messages, check_continue, parse
 
 if TYPE_CHECKING:
     from superslm.engine import Engine
@@ -293,10 +293,11 @@ def _generation_routes(app: FastAPI, state: ServerState, auth: Any, counted: Cal
             prompt: str = req.prompt
             ids = await asyncio.to_thread(tok.encode, prompt, req.add_special_tokens)
         else:
+            check_continue(req.continue_final_message, req.add_generation_prompt)
             messages = chat_messages(req.messages)
-            ids = await asyncio.to_thread(
-                lambda: model.chat_tokens(messages, add_generation_prompt=req.add_generation_prompt)
-            )
+            ids = await asyncio.to_thread(lambda: model.chat_tokens(
+                messages, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message))
         out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.context, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = [tok.id_to_token(i) for i in ids]

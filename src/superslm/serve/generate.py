@@ -113,6 +113,10 @@ def _prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
     return ids
 
 
+def _include_stop(req: CompletionRequest | ChatRequest) -> tuple[int, ...] | None:
+    return tuple(req.stop_token_ids or ()) if req.include_stop_str_in_output else None
+
+
 async def completions(state: ServerState, request: HTTPRequest) -> Response:
     """POST /v1/completions."""
     body = await state.read_body(request)
@@ -132,7 +136,7 @@ async def completions(state: ServerState, request: HTTPRequest) -> Response:
         await compile_constraint(state, constraint, param)
     ids = await asyncio.to_thread(lambda: [_prompt_ids(state, x) for x in prompts])
     job = Job(state.model.tokenizer, model_name, False, req.n, [len(x) for x in ids], req.logprobs,
-              bool(req.stream_options and req.stream_options.include_usage))
+              bool(req.stream_options and req.stream_options.include_usage), include_stop=_include_stop(req))
     return await _run(state, request, req, job, ids, req.max_tokens, DEFAULT_COMPLETION_TOKENS, req.logprobs,
                       constraint)
 
@@ -149,11 +153,12 @@ async def chat_completions(state: ServerState, request: HTTPRequest) -> Response
     kwargs = dict(req.chat_template_kwargs or {})
     enable_thinking = kwargs.pop("enable_thinking", None)
     # names the request sets itself, and the renderers' own parameters ("self": a TypeError, an HTTP 500)
-    for reserved in ("self", "messages", "tools", "add_generation_prompt"):
+    for reserved in ("self", "messages", "tools", "add_generation_prompt", "continue_final_message"):
         kwargs.pop(reserved, None)
 
     def render() -> list[int]:
         return state.model.chat_tokens(messages, tools=template_tools, add_generation_prompt=req.add_generation_prompt,
+                                       continue_final_message=req.continue_final_message,
                                        enable_thinking=enable_thinking, **kwargs)
 
     if constraint is not None:
@@ -162,7 +167,8 @@ async def chat_completions(state: ServerState, request: HTTPRequest) -> Response
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     job = Job(state.model.tokenizer, model_name, True, req.n, [len(ids)], logprobs,
               bool(req.stream_options and req.stream_options.include_usage),
-              tools=tools.tools if tools else None, forced_call=bool(tools and tools.forced))
+              tools=tools.tools if tools else None, forced_call=bool(tools and tools.forced),
+              include_stop=_include_stop(req))
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return await _run(state, request, req, job, [ids], asked, None, logprobs, constraint)
 
@@ -181,10 +187,11 @@ async def _run(state: ServerState, request: HTTPRequest, req: CompletionRequest 
     if total > state.loop.capacity:
         raise bad("n", f"n: the request asks for {total} sequences; this server holds at most {state.loop.capacity}")
     requests = []
-    for k, ids in enumerate(prompts):
+    for ids in prompts:
         max_tokens = budget(len(ids), asked, default, state.engine.context, "messages" if job.chat else "prompt")
         for i in range(req.n):
-            sampling = to_sampling(req, logprobs, seed_offset=k * req.n + i, grammar=grammar)
+            # every prompt's choice i gets seed + i (as vLLM): a batch answers as single requests do
+            sampling = to_sampling(req, logprobs, seed_offset=i, grammar=grammar)
             requests.append(Request(prompt=ids, max_tokens=max_tokens, sampling=sampling))
     for r in requests:  # the checks engine.add makes, here so that they fail as a 400 before any work
         try:

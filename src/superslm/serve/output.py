@@ -9,6 +9,7 @@ finishes with "stop".
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -37,8 +38,12 @@ class Choice:
     cached: int | None = None
     end: str = ""
     stop_reason: str | int | None = None
-    #: characters of text so far in token strings (the legacy logprobs' text_offset)
+    #: characters of text returned so far
+    shown: int = 0
+    #: characters of the tokens' text so far, complete characters only (the legacy logprobs' text_offset),
+    #: and the decoder holding a character's bytes until the token that completes it
     offset: int = 0
+    utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
     #: tokens its grammar forced (jump-forward), known at the end
     forced: int = 0
     #: set when the request offers tools: holds back what may be a call, parses calls at the end
@@ -56,10 +61,13 @@ class Job:
 
     def __init__(self, tokenizer: Tokenizer, model_name: str, chat: bool, n: int, prompt_lens: list[int],
                  logprobs: int | None, include_usage: bool, tools: list[dict[str, Any]] | None = None,
-                 forced_call: bool = False) -> None:
+                 forced_call: bool = False, include_stop: tuple[int, ...] | None = None) -> None:
         """`tools`: the tools a chat request offers (None: no tool calls are parsed);
-        `forced_call`: a grammar forces a call, so no text streams as content before the end."""
+        `forced_call`: a grammar forces a call, so no text streams as content before the end;
+        `include_stop`: vLLM's include_stop_str_in_output, holding the request's stop_token_ids
+        (None: off): the stop string, or such a stop token's text, that ends a choice ends its text."""
         self.tokenizer, self.model_name, self.chat = tokenizer, model_name, chat
+        self.include_stop = include_stop
         self.n, self.prompt_lens = n, prompt_lens
         self.logprobs, self.include_usage = logprobs, include_usage
         self.choices = [Choice() for _ in range(n * len(prompt_lens))]
@@ -87,16 +95,17 @@ class Job:
         # a stop token's logprob comes without a token: keep logprobs aligned with returned tokens
         lps = p.logprobs[: len(p.tokens)] if self.logprobs is not None else []
         c.logprobs.extend(lps)
-        c.text.append(p.text)
-        text = p.text
+        text = p.text + self._stop_text(p)
+        c.text.append(text)
+        c.shown += len(text)
         if p.end:
             c.end, c.stop_reason, c.forced = p.end, p.stop_reason, p.forced_tokens
         if c.tools is not None:
-            text = c.tools.push(p.text) + (c.tools.finish() if p.end else "")
+            text = c.tools.push(text) + (c.tools.finish() if p.end else "")
         if not (text or lps or p.end):
             return []
         finish = c.finish_reason if p.end else None
-        lp = self._logprobs(c, lps) if self.logprobs is not None else None
+        lp = self._logprobs(c, lps, c.shown) if self.logprobs is not None else None
         out: dict[str, Any] = {"index": index}
         if self.chat:
             out["delta"] = {"content": text} if text else {}
@@ -113,13 +122,35 @@ class Job:
         tail = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": p.stop_reason}
         return [*head, *calls, tail]
 
+    def _stop_text(self, p: Progress) -> str:
+        """What include_stop_str_in_output appends at the end: the stop string, or the text of a
+        stop_token_ids token (special tokens, EOS among them, have none, as vLLM skips them)."""
+        if self.include_stop is None or p.end != "stop":
+            return ""
+        if isinstance(p.stop_reason, str):
+            return p.stop_reason
+        if isinstance(p.stop_reason, int) and p.stop_reason in self.include_stop:
+            return self.tokenizer.decode([p.stop_reason], skip_special_tokens=True)
+        return ""
+
     # --- logprobs ---------------------------------------------------------------------------------
 
     def _token(self, token: int) -> tuple[str, bytes]:
         raw = self.tokenizer.token_bytes(token)
         return raw.decode("utf-8", errors="replace"), raw
 
-    def _logprobs(self, c: Choice, lps: list[TokenLogprobs]) -> dict[str, Any]:
+    def _legacy_token(self, token: int) -> str:
+        """A token's text for /v1/completions logprobs; bytes that are not UTF-8 alone (a part of a
+        character) are written "bytes:\\xNN..." as OpenAI does, so distinct tokens stay distinct keys."""
+        raw = self.tokenizer.token_bytes(token)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def _logprobs(self, c: Choice, lps: list[TokenLogprobs], shown: int) -> dict[str, Any]:
+        """The logprobs of `lps`, next in choice `c`; `shown`: characters of text returned so far
+        (a text_offset never goes past it, even where a stop string cut the text short)."""
         if self.chat:
             content = []
             for lp in lps:
@@ -132,12 +163,12 @@ class Job:
             return {"content": content}
         tokens, values, tops, offsets = [], [], [], []
         for lp in lps:
-            text, _ = self._token(lp.token)
-            tokens.append(text)
+            tokens.append(self._legacy_token(lp.token))
             values.append(lp.logprob)
-            tops.append({self._token(tid)[0]: v for tid, v in lp.top})
-            offsets.append(c.offset)
-            c.offset += len(text)
+            tops.append({self._legacy_token(tid): v for tid, v in lp.top})
+            # where the token's text starts: a token inside a character gets that character's offset
+            offsets.append(min(c.offset, shown))
+            c.offset += len(c.utf8.decode(self.tokenizer.token_bytes(lp.token)))
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
     # --- bodies -----------------------------------------------------------------------------------
@@ -164,7 +195,8 @@ class Job:
             lp = None
             if self.logprobs is not None:
                 c.offset = 0
-                lp = self._logprobs(c, c.logprobs)
+                c.utf8.reset()
+                lp = self._logprobs(c, c.logprobs, len(text))
             item: dict[str, Any] = {"index": i}
             if self.chat:
                 item["message"] = {"role": "assistant", "content": text}

@@ -2,8 +2,9 @@
 
 Models are strict (a string is not a number, 5.0 is not an integer) and allow unknown fields, as
 OpenAI clients send fields a server may not know (`metadata`, `store`, ...). Fields whose silent
-omission would change the answer (`echo`, `suffix`, ...) are refused with a 400 instead.
-Structured output (`response_format`, vLLM's `guided_*`) and tools are checked in structured.py.
+omission would change the answer (`echo`, `suffix`, vLLM's `min_tokens`, ... : `REFUSED`) are refused
+with a 400 instead, unless they hold their neutral value. Structured output (`response_format`,
+vLLM's `guided_*` and `structured_outputs`) and tools are checked in structured.py.
 """
 
 from __future__ import annotations
@@ -24,6 +25,26 @@ MAX_N = 128
 MAX_STOPS, MAX_STOP_CHARS = 16, 1024
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _TOKEN_KEY = re.compile(r"-?[0-9]{1,12}")
+#: the seeds vLLM accepts (a signed 64-bit integer); past them a seed would wrap silently
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+#: fields (vLLM's, or OpenAI's legacy ones) that change the answer and are not implemented: a 400
+#: unless absent, null or one of the neutral values listed (compared with their type: False is not 0)
+REFUSED: dict[str, tuple[object, ...]] = {
+    "min_tokens": (0,),
+    "prompt_logprobs": (),
+    "truncate_prompt_tokens": (),
+    "use_beam_search": (False,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+}
+#: the same, for chat only (completions declares its `echo` and checks it in check_completion)
+REFUSED_CHAT: dict[str, tuple[object, ...]] = {
+    "echo": (False,),
+    "chat_template": (),
+    "functions": ([],),
+    "function_call": (),
+}
 
 
 def bad(param: str | None, message: str) -> InvalidArgument:
@@ -68,6 +89,9 @@ class _Generate(BaseModel):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    # vLLM's newer spelling of guided_*: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    structured_outputs: dict[str, Any] | None = None
+    include_stop_str_in_output: bool = False
 
 
 class CompletionRequest(_Generate):
@@ -91,6 +115,7 @@ class ChatRequest(_Generate):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -103,6 +128,7 @@ class TokenizeRequest(BaseModel):
     messages: Any = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 
@@ -157,10 +183,22 @@ def parse(cls: type[BaseModel], body: bytes) -> Any:
         raise bad(param, f"{param}: {err.get('msg', 'invalid value')}") from None
 
 
+def refuse_unsupported(req: BaseModel, refused: Mapping[str, tuple[object, ...]]) -> None:
+    """A 400 naming the first field of `refused` the body sets to other than null or a neutral value."""
+    extra = req.model_extra or {}
+    for name, neutral in refused.items():
+        value = extra.get(name)
+        if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
+            raise bad(name, f"{name}: not supported")
+
+
 def check_common(req: _Generate) -> None:
     """Checks both generation endpoints need beyond types (ranges are Sampling.validate's)."""
+    refuse_unsupported(req, REFUSED)
     if not 1 <= req.n <= MAX_N:
         raise bad("n", f"n: must be in [1, {MAX_N}], got {req.n}")
+    if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
+        raise bad("seed", f"seed: must be in [{SEED_MIN}, {SEED_MAX}]")
     if req.stream_options is not None and not req.stream:
         raise bad("stream_options", "stream_options: only allowed when stream is true")
     if req.logit_bias is not None:
@@ -189,11 +227,21 @@ def check_completion(req: CompletionRequest) -> None:
 
 def check_chat(req: ChatRequest) -> None:
     check_common(req)
+    refuse_unsupported(req, REFUSED_CHAT)
+    check_continue(req.continue_final_message, req.add_generation_prompt)
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad("top_logprobs", "top_logprobs: needs logprobs set to true")
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise bad("top_logprobs", f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}")
+
+
+def check_continue(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """continue_final_message extends the last message: a new turn's header after it is a contradiction
+    (vLLM's 400 too)."""
+    if continue_final_message and add_generation_prompt:
+        raise bad("continue_final_message",
+                  "continue_final_message: cannot be combined with add_generation_prompt (set it to false)")
 
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:

@@ -1,8 +1,9 @@
 """Structured output and tools for the server: a request's constraint, compiled before it is queued.
 
 - `request_constraint`: the one constraint a body asks for: OpenAI `response_format`, vLLM's
-  `guided_json` / `guided_regex` / `guided_grammar` / `guided_choice`, or the grammar that forces
-  `tool_choice` "required" or a named function. Two at once is a 400.
+  `guided_json` / `guided_regex` / `guided_grammar` / `guided_choice` or their newer spelling
+  `structured_outputs`, or the grammar that forces `tool_choice` "required" or a named function.
+  Two at once is a 400.
 - `compile_constraint`: compiles it with the model's shared `GrammarCompiler` off the event loop and
   within the compiler's time bound, so an invalid schema, regex or grammar is the caller's 400 and
   never reaches the engine thread (which then finds the compiled grammar in the cache).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,7 +42,13 @@ if TYPE_CHECKING:
     from superslm.serve.protocol import ChatRequest, _Generate
 
 #: the body fields that ask for a constraint, in the order a 400 names them
-CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
+CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
+                     "structured_outputs")
+#: vLLM's structured_outputs keys, as the guided_* argument each one is
+STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar",
+                      "choice": "guided_choice", "json_object": "response_format"}
+#: what OpenAI allows as a function name or a json_schema response_format's name
+NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 #: most tools per request (OpenAI's limit)
 MAX_TOOLS = 128
 
@@ -77,6 +85,9 @@ def tool_setup(req: ChatRequest, model: Model) -> ToolSetup | None:
         tools = [_wrapped(function_of(t)) for t in req.tools]
     except InvalidArgument as e:
         raise bad("tools", f"tools: {e}") from None
+    for name in names:
+        if not NAME.fullmatch(name):
+            raise bad("tools", "tools: function names must be 1 to 64 letters, digits, underscores or dashes")
     if len(set(names)) != len(names):
         raise bad("tools", "tools: function names must be unique")
     for t in tools:
@@ -110,17 +121,20 @@ def request_constraint(
     """
     given = [f for f in CONSTRAINT_FIELDS if getattr(req, f, None) is not None]
     rf = req.response_format
-    if rf is not None and rf.get("type", "text") == "text":
-        given.remove("response_format")  # plain text: no constraint, and no conflict
-        rf = None
+    if rf is not None:
+        _check_response_format(rf)
+        if rf["type"] == "text":
+            given.remove("response_format")  # plain text: no constraint, and no conflict
+            rf = None
     if len(given) > 1:
         raise bad(given[1], f"{given[1]}: only one of {', '.join(given)} may be given")
     param = given[0] if given else None
+    args: dict[str, Any] = {"response_format": rf, "guided_json": req.guided_json, "guided_regex": req.guided_regex,
+                            "guided_grammar": req.guided_grammar, "guided_choice": req.guided_choice}
+    if req.structured_outputs is not None:
+        args |= _structured_outputs(req.structured_outputs)
     try:
-        constraint = _named(rf, model) or constraint_from_request(
-            response_format=rf, guided_json=req.guided_json, guided_regex=req.guided_regex,
-            guided_grammar=req.guided_grammar, guided_choice=req.guided_choice,
-        )
+        constraint = _named(rf, model) or constraint_from_request(**args)
     except SuperSLMError as e:
         e.param = param  # type: ignore[attr-defined]
         raise
@@ -137,6 +151,39 @@ def request_constraint(
         e.param = "tools"  # type: ignore[attr-defined]
         raise
     return constraint, "tools"
+
+
+def _check_response_format(rf: Mapping[str, Any]) -> None:
+    """OpenAI's 400s: a response_format needs its type, a json_schema one a valid name."""
+    kind = rf.get("type")
+    if kind is None:
+        raise bad("response_format", "response_format.type: missing (text, json_object or json_schema)")
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        name = spec.get("name") if isinstance(spec, Mapping) else None
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise bad("response_format", "response_format.json_schema.name: required, 1 to 64 letters, digits, "
+                      "underscores or dashes")
+
+
+def _structured_outputs(so: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's structured_outputs as the one guided_* (or json_object response_format) argument it means."""
+    # vLLM's options beyond the constraint (disable_any_whitespace, whitespace_pattern, ...) change the
+    # answer too: refused unless off
+    for key, value in so.items():
+        if key not in STRUCTURED_OUTPUTS and value is not None and value is not False:
+            raise bad("structured_outputs", f"structured_outputs.{key}: not supported")
+    chosen = {k: v for k, v in so.items() if k in STRUCTURED_OUTPUTS and v is not None and v is not False}
+    if len(chosen) != 1:
+        raise bad("structured_outputs", f"structured_outputs: give exactly one of {', '.join(STRUCTURED_OUTPUTS)}")
+    key, value = next(iter(chosen.items()))
+    if key == "json_object":
+        if value is not True:
+            raise bad("structured_outputs", "structured_outputs.json_object: must be true")
+        return {"response_format": {"type": "json_object"}}
+    if key in ("regex", "grammar") and not isinstance(value, str):
+        raise bad("structured_outputs", f"structured_outputs.{key}: must be a string")
+    return {STRUCTURED_OUTPUTS[key]: value}
 
 
 def _named(response_format: Mapping[str, Any] | None, model: Model) -> Constraint | None:
