@@ -160,6 +160,10 @@ def test_stop_token_counts_in_usage(client, tiny) -> None:
     r = client.completions.create(model="tiny", prompt="hi", max_tokens=8, logit_bias={str(token): 100},
                                   extra_body={"stop_token_ids": [token], "include_stop_str_in_output": True})
     assert r.choices[0].text == model.tokenizer.decode([token]) != ""
+    # min_tokens: the stop token waits until three tokens are out (vLLM's min_tokens)
+    r = client.completions.create(model="tiny", prompt="hi", max_tokens=8, logit_bias={str(token): 100},
+                                  extra_body={"stop_token_ids": [token], "min_tokens": 3})
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "stop"
 
 
 def test_seed_reproducible(client) -> None:

@@ -90,7 +90,8 @@ BAD_400 = [
                               "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ("/v1/completions", {**COMP, "stop": ""}, "stop"),
     # fields that would change the answer and are not implemented: refused, never silently ignored
-    ("/v1/completions", {**COMP, "min_tokens": 2}, "min_tokens"),
+    ("/v1/completions", {**COMP, "min_tokens": 2000}, "min_tokens"),  # more than max_tokens
+    ("/v1/completions", {**COMP, "min_tokens": -1}, "min_tokens"),
     ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 1}, "prompt_logprobs"),
     ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 0}, "prompt_logprobs"),
     ("/v1/completions", {**COMP, "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
@@ -101,7 +102,7 @@ BAD_400 = [
     ("/v1/chat/completions", {**CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
     ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {**CHAT, "function_call": "auto"}, "function_call"),
-    ("/v1/chat/completions", {**CHAT, "min_tokens": False}, "min_tokens"),  # a bool is not the neutral 0
+    ("/v1/chat/completions", {**CHAT, "min_tokens": False}, "min_tokens"),  # a bool is not a count
     ("/v1/chat/completions", {**CHAT, "continue_final_message": True}, "continue_final_message"),
     ("/tokenize", {"messages": CHAT["messages"], "continue_final_message": True}, "continue_final_message"),
     # a seed outside int64 would wrap (seed 0 == 2**64)

@@ -197,6 +197,8 @@ class Engine(OutputMixin, OverlapMixin, ContractsMixin):
             if request.sampling is not None and not isinstance(request.sampling, Sampling):
                 raise InvalidArgument(f"Request.sampling must be a Sampling, not {type(request.sampling).__name__}")
             sampling = (request.sampling or Sampling()).validate(self.vocab)
+            if sampling.min_tokens > request.max_tokens:
+                raise InvalidArgument(f"min_tokens: {sampling.min_tokens} is more than max_tokens {request.max_tokens}")
             sampler = SamplerState.create(sampling, prompt, rng=self._rng)
             decoder, stops = StreamDecoder(tok), StopChecker(sampling.stop)
             max_tokens = min(request.max_tokens, self.context - len(prompt))

@@ -25,7 +25,8 @@ class OutputMixin:
         all the logits; None where it does not apply (the step then computes its logits)."""
         for (seq, _), row in zip(work.chunks, work.sample_rows):
             p = seq.sampler.params
-            plain = p.greedy and p.logprobs is None and not p.logit_bias and not p.uses_penalties
+            plain = (p.greedy and p.logprobs is None and not p.logit_bias and not p.uses_penalties
+                     and not self._banned(seq))
             if row >= 0 and not (plain and p.damped is None and seq.grammar is None):
                 return None
         return step_greedy(self.net, work)
@@ -71,14 +72,34 @@ class OutputMixin:
                 self._finish(seq, END_CANCELLED, into=out)
         return out
 
+    def _banned(self: Engine, seq: Sequence) -> tuple[int, ...]:
+        """The tokens seq may not sample next: its stop tokens (EOS unless ignore_eos, stop_token_ids) while it
+        has fewer than min_tokens output tokens; () otherwise."""
+        p = seq.sampler.params
+        if len(seq.output) >= p.min_tokens:
+            return ()
+        return p.stop_token_ids if p.ignore_eos else (*p.stop_token_ids, *self._stop_ids)
+
     def _bitmask(self: Engine, seqs: list[Sequence]) -> torch.Tensor | None:
-        if not any(s.grammar is not None for s in seqs):
+        """int32 [rows, ceil(vocab / 32)] of the tokens each row may sample (grammar masks and min_tokens'
+        bans), or None where every row may sample any token."""
+        bans = [self._banned(s) for s in seqs]
+        if not any(s.grammar is not None for s in seqs) and not any(bans):
             return None
         from superslm.grammar import fill_bitmasks
 
         words = -(-self.vocab // 32)
         bitmask = torch.full((len(seqs), words), -1, dtype=torch.int32)
-        fill_bitmasks([s.grammar for s in seqs], bitmask)
+        if any(s.grammar is not None for s in seqs):
+            fill_bitmasks([s.grammar for s in seqs], bitmask)
+        for row, banned in enumerate(bans):
+            kept = bitmask[row].clone()
+            for token in banned:
+                word, bit = divmod(token, 32)
+                v = (int(bitmask[row, word]) & ~(1 << bit)) & 0xFFFFFFFF
+                bitmask[row, word] = v - (1 << 32) if v >= 1 << 31 else v  # back to a signed int32
+            if banned and not bitmask[row].any():
+                bitmask[row] = kept  # a grammar that allows only its end now: the grammar wins
         return bitmask.to(self.net.device)
 
     def _take(self: Engine, seq: Sequence, token: int, lp: TokenLogprobs | None) -> Progress:
@@ -121,7 +142,8 @@ class OutputMixin:
             seq.anti.append(token)
         p.tokens.append(token)
         piece = seq.decoder.push(token)
-        if not seq.stops.stop:  # no stop strings: every piece passes (StopChecker.push's answer, without it)
+        if not seq.stops.stop or len(seq.output) < seq.sampler.params.min_tokens:
+            # no stop strings (StopChecker.push's answer, without it), or not yet: they count from min_tokens
             p.text += piece
         else:
             res = seq.stops.push(piece)

@@ -58,6 +58,9 @@ class Sampling:
     """Token ids that end generation (in addition to EOS); the stop token is not returned as text."""
     ignore_eos: bool = False
     """Keep generating past the model's EOS token (for benchmarks and max_tokens-only runs)."""
+    min_tokens: int = 0
+    """No end before this many output tokens (vLLM's min_tokens): EOS (unless ignore_eos) and stop_token_ids
+    are masked until then, and stop strings count from that token on; at most max_tokens."""
     grammar: Constraint | None = None
     """Only tokens this constraint allows (JSON schema, regex, Lark, choice); see superslm.grammar."""
     schema: str | None = None
@@ -132,6 +135,7 @@ class Sampling:
             _token("stop_token_ids", token, vocab_size)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgument(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
+        _integer("min_tokens", self.min_tokens, lo=0)
         if self.grammar is not None and not isinstance(self.grammar, Constraint):
             raise InvalidArgument("grammar: expected a superslm.grammar.Constraint")
         if self.grammar is not None and self.schema is not None:

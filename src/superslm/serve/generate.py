@@ -199,6 +199,8 @@ async def _run(state: ServerState, request: HTTPRequest, req: CompletionRequest 
         except SuperSLMError as e:
             e.param = param_of(str(e), {"logprobs": "top_logprobs"} if job.chat else None)  # type: ignore[attr-defined]
             raise
+        if r.sampling.min_tokens > r.max_tokens:
+            raise bad("min_tokens", f"min_tokens: {r.sampling.min_tokens} is more than max_tokens {r.max_tokens}")
     sub = Submission(requests, prompt_tokens=sum(len(x) for x in prompts))
     state.loop.submit(sub)
     watcher = watch_disconnect(request, sub)

@@ -2,7 +2,7 @@
 
 Models are strict (a string is not a number, 5.0 is not an integer) and allow unknown fields, as
 OpenAI clients send fields a server may not know (`metadata`, `store`, ...). Fields whose silent
-omission would change the answer (`echo`, `suffix`, vLLM's `min_tokens`, ... : `REFUSED`) are refused
+omission would change the answer (`echo`, `suffix`, vLLM's `prompt_logprobs`, ... : `REFUSED`) are refused
 with a 400 instead, unless they hold their neutral value. Structured output (`response_format`,
 vLLM's `guided_*` and `structured_outputs`) and tools are checked in structured.py.
 """
@@ -31,7 +31,6 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 #: fields (vLLM's, or OpenAI's legacy ones) that change the answer and are not implemented: a 400
 #: unless absent, null or one of the neutral values listed (compared with their type: False is not 0)
 REFUSED: dict[str, tuple[object, ...]] = {
-    "min_tokens": (0,),
     "prompt_logprobs": (),
     "truncate_prompt_tokens": (),
     "use_beam_search": (False,),
@@ -92,6 +91,7 @@ class _Generate(BaseModel):
     # vLLM's newer spelling of guided_*: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
     structured_outputs: dict[str, Any] | None = None
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0
 
 
 class CompletionRequest(_Generate):
@@ -292,6 +292,7 @@ def to_sampling(req: _Generate, logprobs: int | None, seed_offset: int, grammar:
             stop=req.stop if req.stop is not None else (),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
             grammar=grammar,
         )
     except InvalidArgument as e:
