@@ -166,6 +166,23 @@ def test_stop_token_counts_in_usage(client, tiny) -> None:
     assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "stop"
 
 
+def test_truncate_prompt_tokens(client, tiny) -> None:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens, after the chat template (-1: the context's)."""
+    model, _ = tiny
+    ids = model.tokenizer.encode("Pack my box with five dozen liquor jugs")
+    kw = dict(model="tiny", max_tokens=4, temperature=0, extra_body={**FIXED, "truncate_prompt_tokens": 3})
+    r = client.completions.create(prompt=ids, **kw)
+    same = client.completions.create(model="tiny", prompt=ids[-3:], max_tokens=4, temperature=0, extra_body=FIXED)
+    assert r.usage.prompt_tokens == 3 and r.choices[0].text == same.choices[0].text
+    messages = [{"role": "user", "content": "Pack my box with five dozen liquor jugs"}]
+    chat = client.chat.completions.create(messages=messages, **kw)
+    tail = model.chat_tokens(messages)[-3:]
+    want = client.completions.create(model="tiny", prompt=tail, max_tokens=4, temperature=0, extra_body=FIXED)
+    assert chat.usage.prompt_tokens == 3 and chat.choices[0].message.content == want.choices[0].text
+    whole = client.completions.create(prompt=ids, **{**kw, "extra_body": {**FIXED, "truncate_prompt_tokens": -1}})
+    assert whole.usage.prompt_tokens == len(ids)
+
+
 def test_seed_reproducible(client) -> None:
     kw = dict(model="tiny", prompt="Once upon", max_tokens=10, temperature=1.0, extra_body=FIXED)
     a = client.completions.create(seed=7, **kw).choices[0].text

@@ -117,6 +117,14 @@ def _include_stop(req: CompletionRequest | ChatRequest) -> tuple[int, ...] | Non
     return tuple(req.stop_token_ids or ()) if req.include_stop_str_in_output else None
 
 
+def _truncated(req: CompletionRequest | ChatRequest, ids: list[int], state: ServerState) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the context's worth), its start dropped."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return ids
+    return ids[-(state.engine.context if k == -1 else k):]
+
+
 async def completions(state: ServerState, request: HTTPRequest) -> Response:
     """POST /v1/completions."""
     body = await state.read_body(request)
@@ -134,7 +142,7 @@ async def completions(state: ServerState, request: HTTPRequest) -> Response:
     constraint, param = request_constraint(req, state.model)
     if constraint is not None:
         await compile_constraint(state, constraint, param)
-    ids = await asyncio.to_thread(lambda: [_prompt_ids(state, x) for x in prompts])
+    ids = await asyncio.to_thread(lambda: [_truncated(req, _prompt_ids(state, x), state) for x in prompts])
     job = Job(state.model.tokenizer, model_name, False, req.n, [len(x) for x in ids], req.logprobs,
               bool(req.stream_options and req.stream_options.include_usage), include_stop=_include_stop(req))
     return await _run(state, request, req, job, ids, req.max_tokens, DEFAULT_COMPLETION_TOKENS, req.logprobs,
@@ -163,7 +171,7 @@ async def chat_completions(state: ServerState, request: HTTPRequest) -> Response
 
     if constraint is not None:
         await compile_constraint(state, constraint, param)
-    ids = await asyncio.to_thread(render)
+    ids = _truncated(req, await asyncio.to_thread(render), state)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     job = Job(state.model.tokenizer, model_name, True, req.n, [len(ids)], logprobs,
               bool(req.stream_options and req.stream_options.include_usage),

@@ -32,7 +32,6 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 #: unless absent, null or one of the neutral values listed (compared with their type: False is not 0)
 REFUSED: dict[str, tuple[object, ...]] = {
     "prompt_logprobs": (),
-    "truncate_prompt_tokens": (),
     "use_beam_search": (False,),
     "allowed_token_ids": (),
     "bad_words": ([],),
@@ -92,6 +91,8 @@ class _Generate(BaseModel):
     structured_outputs: dict[str, Any] | None = None
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds)
+    truncate_prompt_tokens: int | None = None
 
 
 class CompletionRequest(_Generate):
@@ -197,6 +198,8 @@ def check_common(req: _Generate) -> None:
     refuse_unsupported(req, REFUSED)
     if not 1 <= req.n <= MAX_N:
         raise bad("n", f"n: must be in [1, {MAX_N}], got {req.n}")
+    if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens < 1 and req.truncate_prompt_tokens != -1:
+        raise bad("truncate_prompt_tokens", "truncate_prompt_tokens: -1 or a count of tokens >= 1")
     if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
         raise bad("seed", f"seed: must be in [{SEED_MIN}, {SEED_MAX}]")
     if req.stream_options is not None and not req.stream:
