@@ -289,7 +289,7 @@ def test_whitespace_cannot_eat_the_token_budget(tok: Tokenizer, compiler: Gramma
 
 
 def test_choice_and_lark(tok: Tokenizer, compiler: GrammarCompiler) -> None:
-    options = ["naïve", 'say "hi"', "日本", "x"]
+    options = ["naïve", 'say "hi"', "日本", "x", "del\x7f", "c1\x85"]  # DEL and C1 were a lexer error
     for seed in range(6):
         state = GrammarState(compiler.compile(Constraint.choice(options)))
         walk = random_walk(state, tok.all_token_bytes(), random.Random(seed))

@@ -197,3 +197,36 @@ def test_special_token_literal(tok: Tokenizer) -> None:
     assert _literal("<|im_start|>", tok) == f"<[{tok.token_to_id('<|im_start|>')}]>"
     assert _literal("<tool_call>", tok) == '"<tool_call>"'  # not a token of SmolLM2: plain text
     assert _literal("<tool_call>", None) == '"<tool_call>"'
+
+
+LOCATED = {"type": "function", "function": {"name": "locate", "parameters": {
+    "type": "object", "properties": {"at": {"$ref": "#/$defs/Place"}}, "required": ["at"],
+    "additionalProperties": False,
+    "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                         "zip": {"type": "integer", "minimum": 0, "maximum": 99}},
+                        "required": ["city", "zip"], "additionalProperties": False}}}}}  # fmt: skip
+TREE = {"type": "function", "function": {"name": "tree", "parameters": {
+    "type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"},
+                                                                         "maxItems": 2}},
+    "required": ["v", "kids"], "additionalProperties": False}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("style", ["hermes", "json"])
+def test_forced_call_with_refs_in_parameters(tok: Tokenizer, style: str) -> None:
+    """Pydantic-style parameters ($defs and "#/$defs/..."), and a recursive "#": refs resolve inside the tool's
+    own schema, not the call wrapper's (the $defs one was refused, the recursive one took the wrapper as "#")."""
+    tools = [LOCATED, TREE]
+    grammar = compiler_for(tok).compile(tool_call_constraint(tools, "required", style=style, parallel=False))
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for seed in range(6):
+        walk = random_walk(GrammarState(grammar), tok.all_token_bytes(), random.Random(seed))
+        text = b"".join(tok.token_bytes(t) for t in walk.tokens).decode("utf-8")
+        _, calls = parse_tool_calls(text, tools, format=style)  # type: ignore[arg-type]
+        assert len(calls) == 1, text
+        jsonschema.validate(args(calls[0]), schemas[calls[0]["name"]])
+    call = '{"name": "tree", "arguments": {"v": 1, "kids": [KID]}}'
+    wrap = "<tool_call>\n{}\n</tool_call>" if style == "hermes" else "{}"
+    for kid, ok in (('{"v": 2, "kids": []}', True), ('{"name": "tree", "arguments": {"v": 2, "kids": []}}', False)):
+        ids = tok.encode(wrap.format(call.replace("KID", kid)), add_special_tokens=False)
+        state = GrammarState(grammar)
+        assert (state.accept_many(ids) == len(ids) and state.is_accepting) == ok, kid

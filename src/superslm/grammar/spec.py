@@ -205,8 +205,12 @@ def _as_lark(text: str) -> str:
 
 
 def choice_lark(options: Sequence[str]) -> str:
-    """A Lark grammar matching exactly one of `options` (JSON string escapes are Lark's too)."""
-    return "start: " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
+    """A Lark grammar matching exactly one of `options` (JSON string escapes are Lark's too; DEL and the C1
+    controls, which JSON leaves raw and llguidance's lexer refuses, escaped as \\uXXXX)."""
+    def literal(o: str) -> str:
+        return "".join(f"\\u{ord(c):04x}" if 0x7F <= ord(c) <= 0x9F else c for c in json.dumps(o, ensure_ascii=False))
+
+    return "start: " + " | ".join(literal(o) for o in options)
 
 
 def constraint_from_request(

@@ -66,23 +66,52 @@ def chosen_tools(
 
 
 def call_schema(functions: Sequence[Mapping[str, Any]], *, args_key: str = "arguments") -> dict[str, Any]:
-    """The JSON schema of one call object {"name": N, args_key: {...}} of any of `functions`."""
-    variants = []
-    for fn in functions:
+    """The JSON schema of one call object {"name": N, args_key: {...}} of any of `functions`.
+
+    Each tool's parameters go under the wrapper's `$defs` as `tool<i>`, their local `$ref`s ("#", "#/$defs/X")
+    rewritten to point there: inside the wrapper "#" would be the call object itself."""
+    variants, defs = [], {}
+    for i, fn in enumerate(functions):
         params = fn.get("parameters")
         if params is None:
             params = {"type": "object"}
         if not isinstance(params, (Mapping, bool)):
             raise InvalidArgument(f"tool {fn.get('name')!r}: parameters must be a JSON schema object")
+        defs[f"tool{i}"] = _rebased(params, f"#/$defs/tool{i}")
         variants.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": fn["name"]}, args_key: params},
+                "properties": {"name": {"const": fn["name"]}, args_key: {"$ref": f"#/$defs/tool{i}"}},
                 "required": ["name", args_key],
                 "additionalProperties": False,
             }
         )
-    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    return {**schema, "$defs": defs}
+
+
+#: keywords whose values are data, not schemas: a "$ref" key inside them is not a reference
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """`schema` with every local "$ref" ("#...") moved under `root` (a JSON pointer "#/..." to where it now sits)."""
+    if isinstance(schema, list):
+        return [_rebased(x, root) for x in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+            # maps of names to schemas: a property named "$ref" or "const" is a name here
+            out[key] = {k: _rebased(v, root) for k, v in value.items()} if isinstance(value, Mapping) else value
+        else:
+            out[key] = _rebased(value, root)
+    return out
 
 
 def tool_call_constraint(
