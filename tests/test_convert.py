@@ -102,6 +102,11 @@ def test_header_config_and_overwrite(tiny, tmp_path) -> None:
         convert(src, dst, format="int8")
     convert(src, dst, format="int8", overwrite=True)
     assert native.read_folder(dst).header["format"] == "int8"
+    # --force over a file: the file goes, nothing hidden stays beside the folder (rmtree left the file)
+    target = tmp_path / "afile"
+    target.write_text("not a model")
+    convert(src, target, format="int8", overwrite=True)
+    assert target.is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["afile", "out"]
     with pytest.raises(InvalidArgument):
         superslm.load(dst, quant="int4")  # a converted folder is not re-quantized at load
     # quant=None (and any non-CPU device): the stored formats dequantized into dense fp32 linears; they

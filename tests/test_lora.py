@@ -7,7 +7,7 @@ import torch
 
 import superslm
 from superslm import Request, Sampling
-from superslm.errors import AdapterInUse, AdapterMismatch
+from superslm.errors import AdapterInUse, AdapterMismatch, InvalidArgument
 from tests.test_engine import prompts
 from tests.tiny_models import build_hf_model
 
@@ -121,3 +121,47 @@ def test_deterministic_mode_with_adapters_mapped(setup) -> None:
     assert [lp.logprob for lp in mixed[0].logprobs] == [lp.logprob for lp in alone_lora.logprobs]
     assert [lp.logprob for lp in mixed[1].logprobs] == [lp.logprob for lp in alone_plain.logprobs]
     a1.unmap()
+
+
+def test_adapted_requests_save_restore_and_share_safely(setup) -> None:
+    """A saved adapted request continues exactly when its adapter is handed back to restore() (it used to
+    continue without it) and is refused with none, another one, or one for a request saved without; an adapter
+    in use in one engine cannot be unmapped from another engine's id-0 request ending; a prefix handle (base
+    model KV) cannot serve an adapted request."""
+    model, base, *_ = setup
+    a1, a2 = model.adapter(base / "a1"), model.adapter(base / "a2")
+    p, s = prompts(1, seed=8)[0], Sampling(ignore_eos=True)
+    want = model.engine(slots=2, context=128).generate([Request(p, 10, s, adapter=a1)])[0].tokens
+    e = model.engine(slots=2, context=128)
+    rid = e.add(Request(p, 10, s, adapter=a1))
+    head: list[int] = []
+    while len(head) < 4:
+        for pr in e.advance():
+            head += pr.tokens
+    blob = e.save(rid)
+    e.cancel(rid)
+    for wrong in (None, a2):
+        with pytest.raises(AdapterMismatch):
+            e.restore(blob, adapter=wrong)
+    plain = model.engine(slots=1, context=128)
+    with pytest.raises(AdapterMismatch):  # saved without an adapter, restored with one
+        e.restore(plain.save(plain.add(Request(p, 4))), adapter=a1)
+    assert not a1.users
+    i = e.restore(blob, adapter=a1)
+    with pytest.raises(AdapterInUse):
+        a1.unmap()
+    tail: list[int] = []
+    while e.busy():
+        tail += [t for pr in e.advance() if pr.id == i for t in pr.tokens]
+    assert head + tail == want and not a1.users
+    # two engines number their requests from 0: one ending must not release the other's hold
+    x, y = model.engine(slots=1, context=64), model.engine(slots=1, context=64)
+    ix, iy = x.add(Request(p, 4, s, adapter=a2)), y.add(Request(p, 4, s, adapter=a2))
+    assert ix == iy == 0
+    x.cancel(ix)
+    with pytest.raises(AdapterInUse):
+        a2.unmap()
+    y.cancel(iy)
+    a2.unmap()
+    with pytest.raises(InvalidArgument, match="prefix"):
+        e.add(Request(p[3:], 4, s, prefix=e.prefix(p[:3]), adapter=a1))

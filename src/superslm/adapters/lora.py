@@ -9,6 +9,7 @@ each group adds its delta to its own rows only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Sequence
@@ -44,6 +45,21 @@ class Adapter:
     def key(self) -> str:
         """The prefix-cache salt of this adapter (pages computed with it are its own)."""
         return f"lora:{self.name}:{id(self)}"
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the adapter's name, rank, scale and weights: how a saved request names its adapter in another
+        process, where `key` (an id()) means nothing."""
+        if self._fingerprint is None:
+            h = hashlib.sha256(f"{self.name}|{self.rank}|{self.scale}|{self.model_fingerprint}".encode())
+            for key in sorted(self.weights):
+                h.update(repr(key).encode())
+                for t in self.weights[key]:
+                    h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+    _fingerprint: str | None = field(default=None, repr=False)
 
     def delta(self, layer: int, part: str) -> torch.Tensor | None:
         """scale * B A [out_part, in] of one canonical linear (q, k, v, o, gate, up, down), for merging."""

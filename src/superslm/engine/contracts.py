@@ -3,6 +3,8 @@ A mixin of Engine (it uses its fields)."""
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +14,8 @@ from superslm.cache.kv import slot_mapping
 from superslm.engine import persist
 from superslm.engine.request import Request, Sequence
 from superslm.errors import (
+    AdapterInUse,
+    AdapterMismatch,
     ContextLengthExceeded,
     InvalidArgument,
     PrefixInUse,
@@ -33,8 +37,11 @@ class Prefix:
 
     tokens: tuple[int, ...]
     pages: list[int]
+    #: the live requests adopting it (ids of their Sequence objects)
     users: set[int] = field(default_factory=set)
     released: bool = False
+    #: the engine whose pages these are (a weak reference): another engine's page ids mean other KV
+    owner: Callable[[], Any] = field(default=lambda: None, repr=False, compare=False)
 
 
 class ContractsMixin:
@@ -95,26 +102,31 @@ class ContractsMixin:
         header = {"model": self.model.fingerprint, "page_size": self.page_size, "sequence": state}
         return persist.encode(header, self.kv.k[:, slots], self.kv.v[:, slots])
 
-    def restore(self: Engine, blob: bytes) -> int:
+    def restore(self: Engine, blob: bytes, adapter: Any = None) -> int:
         """A new live request continuing a saved one exactly; returns its id. With no free slot or no
-        room in the KV pool it waits in the queue and recomputes its KV when admitted."""
+        room in the KV pool it waits in the queue and recomputes its KV when admitted. A request saved with a
+        LoRA adapter needs the same adapter (`Model.adapter`, same weights) passed back: AdapterMismatch
+        otherwise. Its max_tokens is cut to what this engine's context holds (ContextLengthExceeded if none)."""
         saved = persist.decode(blob, self.model.fingerprint)
         try:
             st = saved.header["sequence"]
+            self._restored_adapter(st.get("adapter"), adapter)
             prompt = st["prompt"]
             # a well-formed blob (its checksum is no signature) can still hold a prompt the engine cannot run:
             # text (which _prompt_ids would encode), nothing, or what _prompt_ids refuses (not ids, not in vocab)
             if not isinstance(prompt, list) or not prompt:
                 raise ValueError("the prompt is not a list of token ids")
             prompt = self._prompt_ids(prompt)
-            seq = self._new_sequence(
-                Request(prompt=prompt, max_tokens=int(st["request_max_tokens"]), salt=st["salt"]), prompt, state=st,
-            )
+            request = Request(prompt=prompt, max_tokens=int(st["request_max_tokens"]), salt=st["salt"],
+                              adapter=adapter)
+            seq = self._new_sequence(request, prompt, state=st)
         except (KeyError, TypeError, ValueError, InvalidArgument) as e:
             raise StateCorrupted(f"saved sequence state is malformed ({e})") from e
-        if seq.num_tokens > self.context:
+        # a smaller context than the saving engine's: the answer stops where this one's ends, as add() cuts it
+        seq.max_tokens = min(seq.max_tokens, self.context - len(seq.prompt))
+        if len(seq.output) >= seq.max_tokens:
             raise ContextLengthExceeded(f"the saved sequence has {seq.num_tokens} tokens; the context holds "
-                                        f"{self.context}")
+                                        f"{self.context} (prompt and answer)")
         n = saved.k.shape[1]
         want = (self.kv.k.shape[0], n, *self.kv.k.shape[2:])
         if tuple(saved.k.shape) != want or tuple(saved.v.shape) != want or n > seq.num_tokens:
@@ -122,6 +134,8 @@ class ContractsMixin:
                                  f"{seq.num_tokens} tokens")
         pages = -(-n // self.page_size)
         self._register(seq)
+        if adapter is not None:
+            adapter.users.add(id(seq))
         if n and len(self.scheduler.running) < self.slots and self.pool.can_allocate(pages):
             seq.block_table = self.pool.allocate(pages)
             slots = self._slots_of(seq, n)
@@ -132,6 +146,28 @@ class ContractsMixin:
         else:
             self.scheduler.add(seq)
         return seq.id
+
+    def _check_adapter(self: Engine, adapter: Any) -> None:
+        from superslm.adapters import Adapter
+
+        if not isinstance(adapter, Adapter) or adapter.model_fingerprint != self.model.fingerprint:
+            raise AdapterMismatch("the adapter was not mapped onto this engine's model (Model.adapter)")
+        if adapter.unmapped:
+            raise AdapterInUse("the adapter has been unmapped")
+
+    def _restored_adapter(self: Engine, saved: Any, adapter: Any) -> None:
+        """Refuse (AdapterMismatch) an adapter that is not the one the saved request ran with."""
+        if saved is None:
+            if adapter is not None:
+                raise AdapterMismatch("the saved request ran without an adapter; restore it without one")
+            return
+        if adapter is None:
+            raise AdapterMismatch(f"the saved request ran with adapter {saved['name']!r}: pass it to "
+                                  "restore(blob, adapter=...)")
+        self._check_adapter(adapter)
+        if adapter.fingerprint != saved["fingerprint"]:
+            raise AdapterMismatch(f"adapter {adapter.name!r} is not the one the saved request ran with "
+                                  f"({saved['name']!r}, other weights)")
 
     # --- prefix handles ---------------------------------------------------------------------------
 
@@ -154,7 +190,7 @@ class ContractsMixin:
             self.net.run_layers(self.net.embed(torch.tensor(ids, device=self.net.device)), meta, self.kv.k, self.kv.v)
         if self.scheduler.prefix_caching:
             self.pool.register_full_pages(pages, ids, len(ids), None)
-        return Prefix(tuple(ids), pages)
+        return Prefix(tuple(ids), pages, owner=weakref.ref(self))
 
     def release(self: Engine, prefix: Prefix) -> None:
         """Give a prefix's pages back; refused while live requests use it."""

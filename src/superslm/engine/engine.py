@@ -27,8 +27,6 @@ from superslm.engine.request import END_CANCELLED, END_LENGTH, Progress, Request
 from superslm.engine.runner import StepWork, build_step, run_layers, step_logits
 from superslm.engine.scheduler import Scheduler
 from superslm.errors import (
-    AdapterInUse,
-    AdapterMismatch,
     ContextLengthExceeded,
     GrammarError,
     InvalidArgument,
@@ -251,31 +249,30 @@ class Engine(OutputMixin, OverlapMixin, ContractsMixin):
         if not isinstance(request.max_tokens, int) or isinstance(request.max_tokens, bool) or request.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be a positive integer, got {request.max_tokens!r}")
         prompt = self._prompt_ids(request.prompt)
+        if not prompt:
+            # with a prefix too: its last token is computed already, so nothing would give the first logits
+            raise InvalidArgument("the prompt is empty (after a prefix it needs at least one token of its own)")
         pre = request.prefix
         if pre is not None:
-            if not isinstance(pre, Prefix) or pre.released:
+            if not isinstance(pre, Prefix) or pre.released or pre.owner() is not self:
                 raise InvalidArgument("prefix must be a live handle from this engine's prefix()")
+            if request.adapter is not None:
+                raise InvalidArgument("a prefix handle holds the base model's KV; an adapted request cannot adopt it "
+                                      "(the automatic prefix cache keeps its pages per adapter)")
             prompt = list(pre.tokens) + prompt
-        if not prompt:
-            raise InvalidArgument("the prompt is empty")
         if len(prompt) >= self.context:
             raise ContextLengthExceeded(
                 f"the prompt has {len(prompt)} tokens; the context holds {self.context} (prompt and answer)"
             )
         adapter = request.adapter
         if adapter is not None:
-            from superslm.adapters import Adapter
-
-            if not isinstance(adapter, Adapter) or adapter.model_fingerprint != self.model.fingerprint:
-                raise AdapterMismatch("the adapter was not mapped onto this engine's model (Model.adapter)")
-            if adapter.unmapped:
-                raise AdapterInUse("the adapter has been unmapped")
+            self._check_adapter(adapter)
         seq = self._new_sequence(request, prompt)
         self._register(seq)
         if pre is not None:
-            pre.users.add(seq.id)
+            pre.users.add(id(seq))
         if adapter is not None:
-            adapter.users.add(seq.id)
+            adapter.users.add(id(seq))
         if seq.grammar is not None and self.jump_forward and seq.sampler.params.logprobs is None:
             # jump-forward at the start: tokens the grammar forces before any choice (not where logprobs are
             # asked for: every token of the answer gets its logprob, so each one is computed)
@@ -389,10 +386,19 @@ class Engine(OutputMixin, OverlapMixin, ContractsMixin):
         done: dict[int, Completion] = {seq.id: Completion(seq.id) for seq in seqs}
         for seq in seqs:
             done[seq.id].prompt_tokens = len(seq.prompt)
+        others: list[Progress] = []  # requests added with add(): their reports wait for the next advance()
+        try:
+            self._generate_loop(done, others)
+        finally:
+            self._pending.extend(others)
+        return [done[i] for i in ids]
+
+    def _generate_loop(self, done: dict[int, Completion], others: list[Progress]) -> None:
         while any(not c.end for c in done.values()):
             for p in self.advance():
                 c = done.get(p.id)
                 if c is None:
+                    others.append(p)
                     continue
                 c.tokens += p.tokens
                 c.text += p.text
@@ -400,7 +406,6 @@ class Engine(OutputMixin, OverlapMixin, ContractsMixin):
                 c.cached = p.cached
                 if p.end:
                     c.end = p.end
-        return [done[i] for i in ids]
 
     def complete(self, prompt: str | list[int], limit: int = 256, sampling: Sampling | None = None) -> str:
         """The text of one request run to the end."""

@@ -114,6 +114,9 @@ def sequence_state(seq: Any) -> dict[str, Any]:
         "max_tokens": seq.max_tokens,
         "request_max_tokens": req.max_tokens,
         "salt": req.salt,
+        # the adapter by name and content: restore() needs the same one handed back
+        "adapter": None if req.adapter is None else {"name": req.adapter.name,
+                                                      "fingerprint": req.adapter.fingerprint},
         "cached": seq.cached,
         "preemptions": seq.preemptions,
         "layers_run": seq.layers_run,

@@ -77,7 +77,7 @@ class Scheduler:
         self.release(seq)
         for handle in (seq.request.prefix, seq.request.adapter):
             if handle is not None:
-                handle.users.discard(seq.id)
+                handle.users.discard(id(seq))  # the object, not seq.id: every engine counts ids from 0
 
     def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
         self.running.remove(seq)

@@ -194,7 +194,11 @@ def partial_folder(dst: str | Path, overwrite: bool = False) -> Iterator[Path]:
                 raise InvalidArgument(f"{dst} appeared while converting (another conversion?)") from e
             raise
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old, ignore_errors=True)
+            else:  # --force over a file (or a link): rmtree would leave it, hidden, beside the new folder
+                with contextlib.suppress(OSError):
+                    old.unlink()
         with contextlib.suppress(OSError):  # make the rename itself durable
             fd = os.open(dst.parent, os.O_RDONLY)
             os.fsync(fd)

@@ -1,0 +1,76 @@
+"""Handles and blobs across engines: prefix handles belong to their engine, a restored sequence fits the
+context it lands in, generate() leaves other requests' reports to advance(), and bad ones are refused
+without a hang or a leaked page."""
+
+from __future__ import annotations
+
+import pytest
+
+from superslm import Request, Sampling
+from superslm.errors import ContextLengthExceeded, InvalidArgument
+from tests.test_engine import prompts, tiny  # noqa: F401  (the module's fixture)
+
+S = Sampling(ignore_eos=True)
+
+
+def _clean(engine) -> None:
+    engine.pool.check()
+    assert engine.pool.num_used == 0
+
+
+def test_prefix_needs_a_prompt_of_its_own_and_its_engine(tiny) -> None:  # noqa: F811
+    """An empty prompt after a prefix never produced logits (the engine stepped forever); a handle from another
+    engine named page ids of that engine's pool (an AssertionError that wedged this engine, or another request's
+    KV read silently)."""
+    model, _ = tiny
+    a, b = model.engine(slots=2, context=64, page_size=4), model.engine(slots=2, context=64, page_size=4)
+    p = prompts(1, seed=5, lo=12, hi=12)[0]
+    pre = a.prefix(p[:9])
+    with pytest.raises(InvalidArgument, match="empty"):
+        a.add(Request([], 4, S, prefix=pre))
+    with pytest.raises(InvalidArgument, match="this engine"):
+        b.add(Request(p[9:], 4, S, prefix=pre))
+    want = b.generate([Request(p, 4, S)])[0].tokens
+    assert a.generate([Request(p[9:], 4, S, prefix=pre)])[0].tokens == want  # both engines still work
+    a.release(pre)
+    for engine in (a, b):
+        assert not engine.busy()
+        _clean(engine)
+
+
+def test_restore_into_a_smaller_context_stops_where_it_ends(tiny) -> None:  # noqa: F811
+    model, _ = tiny
+    big, small = model.engine(slots=1, context=128), model.engine(slots=1, context=36)
+    p = prompts(1, seed=6, lo=30, hi=30)[0]
+    rid = big.add(Request(p, 40, S))
+    big.advance()
+    big.advance()
+    blob = big.save(rid)
+    i = small.restore(blob)
+    tokens: list[int] = []
+    ends = []
+    while small.busy():
+        for pr in small.advance():
+            tokens += pr.tokens
+            ends.append(pr.end)
+    assert len(p) + 1 + len(tokens) <= 36 and ends[-1] == "length", (len(tokens), ends)
+    _clean(small)
+    # a sequence that already fills the smaller context has nothing left to run there
+    for _ in range(6):
+        big.advance()
+    with pytest.raises(ContextLengthExceeded):
+        small.restore(big.save(rid))
+    assert not small.busy() and i not in small._seqs
+    _clean(small)
+
+
+def test_generate_leaves_other_requests_reports_to_advance(tiny) -> None:  # noqa: F811
+    model, _ = tiny
+    e = model.engine(slots=4, context=64)
+    p, q = prompts(2, seed=7)
+    x = e.add(Request(p, 3, S))
+    e.generate([Request(q, 6, S)])
+    seen = [pr for _ in range(3) for pr in e.advance() if pr.id == x]
+    assert sum(len(pr.tokens) for pr in seen) == 3 and seen[-1].end == "length"
+    assert not e.busy()
+    _clean(e)
