@@ -19,6 +19,7 @@ import torch
 
 from superslm.cache import PagePool
 from superslm.cache.kv import KVCache
+from superslm.engine import persist
 from superslm.engine.contracts import ContractsMixin, Prefix
 from superslm.engine.manual import ManualSlots
 from superslm.engine.output import OutputMixin
@@ -51,6 +52,8 @@ class Completion:
     end: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_tokens: int = 0
+    #: Sampling.prompt_logprobs: per prompt position (None for the first)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def _available_memory(device: torch.device) -> int:
@@ -233,6 +236,9 @@ class Engine(OutputMixin, OverlapMixin, ContractsMixin):
             self._prompt_ids(seq.output)
             seq.cached, seq.preemptions = int(state["cached"]), int(state["preemptions"])
             seq.layers_run = int(state["layers_run"])
+            seq.prompt_logprobs = persist.prompt_logprobs_from_state(state.get("prompt_logprobs"))
+            if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) != len(prompt):
+                raise ValueError("prompt_logprobs do not match the prompt")
         return seq
 
     def _register(self, seq: Sequence) -> None:
@@ -256,6 +262,8 @@ class Engine(OutputMixin, OverlapMixin, ContractsMixin):
         if pre is not None:
             if not isinstance(pre, Prefix) or pre.released or pre.owner() is not self:
                 raise InvalidArgument("prefix must be a live handle from this engine's prefix()")
+            if request.sampling is not None and getattr(request.sampling, "prompt_logprobs", None) is not None:
+                raise InvalidArgument("prompt_logprobs need the whole prompt computed; a prefix handle's is not")
             if request.adapter is not None:
                 raise InvalidArgument("a prefix handle holds the base model's KV; an adapted request cannot adopt it "
                                       "(the automatic prefix cache keeps its pages per adapter)")
@@ -332,6 +340,7 @@ class Engine(OutputMixin, OverlapMixin, ContractsMixin):
             if not done:
                 return out
             work, self._work = self._work, None
+            self._prompt_logprobs(work)
             tokens = self._greedy_tokens(work)
             logits = step_logits(self.net, work) if tokens is None else None
         self.steps += 1
@@ -403,6 +412,8 @@ class Engine(OutputMixin, OverlapMixin, ContractsMixin):
                 c.tokens += p.tokens
                 c.text += p.text
                 c.logprobs += p.logprobs
+                if p.prompt_logprobs is not None:
+                    c.prompt_logprobs = p.prompt_logprobs
                 c.cached = p.cached
                 if p.end:
                     c.end = p.end

@@ -11,6 +11,7 @@ from superslm.engine.request import END_CANCELLED, END_GRAMMAR, END_LENGTH, END_
 from superslm.engine.runner import StepWork, step_greedy
 from superslm.sampling import TokenLogprobs, sample
 from superslm.sampling.damped import damped_choice
+from superslm.sampling.shaping import ranked_top
 
 if TYPE_CHECKING:
     from superslm.engine.engine import Engine
@@ -80,6 +81,29 @@ class OutputMixin:
             return ()
         return p.stop_token_ids if p.ignore_eos else (*p.stop_token_ids, *self._stop_ids)
 
+    def _prompt_logprobs(self: Engine, work: StepWork) -> None:
+        """For each chunk of a prompt whose request asks for prompt_logprobs: the logprob of every prompt token
+        its rows predict (row of position q -> prompt[q + 1]), from the raw logits as the sampler's logprobs."""
+        for (seq, n), row0 in zip(work.chunks, work.meta.query_start):
+            k = seq.sampler.params.prompt_logprobs
+            first = seq.num_computed_tokens  # _accept has not counted this chunk yet
+            last = min(first + n, len(seq.prompt) - 1)  # positions first..last-1 predict a prompt token
+            if seq.prompt_logprobs is None or last <= first:
+                continue
+            assert work.h is not None and k is not None
+            for a in range(first, last, 64):  # 64 rows of [vocab] logits at a time
+                b = min(a + 64, last)
+                rows = torch.arange(row0 + a - first, row0 + b - first, device=work.h.device)
+                lp = torch.log_softmax(self.net.logits(work.h.index_select(0, rows), work.meta.deterministic), -1)
+                target = torch.tensor(seq.prompt[a + 1 : b + 1], device=lp.device)
+                chosen = lp.gather(1, target[:, None])  # [rows, 1]
+                ranks = ((lp > chosen).sum(-1) + 1).tolist()
+                values, ids = ranked_top(lp, k) if k else (lp[:, :0], lp[:, :0].long())
+                values, ids = values.tolist(), ids.tolist()
+                for j, lp_j in enumerate(chosen[:, 0].tolist()):
+                    top = tuple(zip(ids[j], values[j], strict=True))
+                    seq.prompt_logprobs[a + 1 + j] = TokenLogprobs(seq.prompt[a + 1 + j], lp_j, ranks[j], top)
+
     def _bitmask(self: Engine, seqs: list[Sequence]) -> torch.Tensor | None:
         """int32 [rows, ceil(vocab / 32)] of the tokens each row may sample (grammar masks and min_tokens'
         bans), or None where every row may sample any token."""
@@ -109,6 +133,8 @@ class OutputMixin:
             # its mask allowed nothing (an llguidance error, or a dead end): the sampled token is noise
             return self._finish(seq, END_GRAMMAR, progress=p)
         seq.sampler.append_token(token)
+        if seq.prompt_logprobs is not None:  # the prompt is read: its logprobs go out once, with its first token
+            p.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
         if lp is not None:
             p.logprobs.append(lp)
         params = seq.sampler.params

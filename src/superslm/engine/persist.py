@@ -125,4 +125,18 @@ def sequence_state(seq: Any) -> dict[str, Any]:
         "stops": seq.stops.state(),
         "grammar": seq.grammar.state() if seq.grammar is not None else None,
         "anti": seq.anti.state() if seq.anti is not None else None,
+        # prompt_logprobs not yet delivered: [token, logprob, rank, [[id, logprob], ...]] per position (or None)
+        "prompt_logprobs": None if seq.prompt_logprobs is None else [
+            None if lp is None else [lp.token, lp.logprob, lp.rank, [list(t) for t in lp.top]]
+            for lp in seq.prompt_logprobs],
     }
+
+
+def prompt_logprobs_from_state(data: Any) -> list[Any] | None:
+    """`sequence_state`'s prompt_logprobs back as TokenLogprobs (None: delivered, or never asked for)."""
+    from superslm.sampling import TokenLogprobs
+
+    if data is None:
+        return None
+    return [None if x is None else TokenLogprobs(int(x[0]), float(x[1]), int(x[2]),
+                                                 tuple((int(i), float(v)) for i, v in x[3])) for x in data]

@@ -62,6 +62,8 @@ class Progress:
     #: the stop string or stop token id that ended it, if any
     stop_reason: str | int | None = None
     forced_tokens: int = 0
+    #: Sampling.prompt_logprobs: per prompt position, the logprobs of its token (None for the first), once
+    prompt_logprobs: list[Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -99,6 +101,16 @@ class Sequence:
         self.layers_run = 0
         #: the final normed hidden state of the last prompt position (Engine.prefill_hidden)
         self.prefill_hidden: Any = None
+        #: Sampling.prompt_logprobs: one entry per prompt position (TokenLogprobs; None for the first), filled
+        #: by the prompt's chunks; None once delivered (or never asked for)
+        self.prompt_logprobs: list[Any] | None = None
+        if sampler is not None and sampler.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(prompt)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True while the prompt's logprobs are still to compute or deliver: its prompt is computed whole."""
+        return self.prompt_logprobs is not None
 
     @property
     def tokens(self) -> list[int]:

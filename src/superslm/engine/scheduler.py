@@ -140,7 +140,7 @@ class Scheduler:
             if not seq.block_table and seq.request.prefix is not None and self.adopt is not None:
                 if not self.adopt(seq):
                     break
-            elif not seq.block_table and self.prefix_caching:
+            elif not seq.block_table and self.prefix_caching and not seq.wants_prompt_logprobs:
                 pages = self.pool.match_prefix(seq.tokens, self.extra_key(seq))
                 seq.block_table = pages
                 seq.num_computed_tokens = len(pages) * self.pool.page_size

@@ -52,6 +52,9 @@ class Sampling:
     """Added to the named tokens' logits before anything else (-100 bans, +100 forces in practice)."""
     logprobs: int | None = None
     """None: no logprobs; 0: the chosen token's logprob only; n: also the n most likely tokens'."""
+    prompt_logprobs: int | None = None
+    """The same for each prompt token after the first, given the tokens before it (vLLM's prompt_logprobs):
+    delivered once, with the first output token's Progress. Such a prompt is computed whole (no prefix cache)."""
     stop: tuple[str, ...] = ()
     """Stop strings: generation ends before the first one that appears (it is not returned)."""
     stop_token_ids: tuple[int, ...] = ()
@@ -124,6 +127,8 @@ class Sampling:
         _number("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _integer("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         if self.logit_bias is not None:
             for token, value in self.logit_bias.items():
                 _token("logit_bias", token, vocab_size)

@@ -143,8 +143,13 @@ async def completions(state: ServerState, request: HTTPRequest) -> Response:
     if constraint is not None:
         await compile_constraint(state, constraint, param)
     ids = await asyncio.to_thread(lambda: [_truncated(req, _prompt_ids(state, x), state) for x in prompts])
+    # echo: each choice's text starts with its prompt's (the string as given; token ids decoded)
+    tok = state.model.tokenizer
+    echo = [(x if isinstance(x, str) and req.truncate_prompt_tokens is None else tok.decode(i), i)
+            for x, i in zip(prompts, ids)] if req.echo else None
     job = Job(state.model.tokenizer, model_name, False, req.n, [len(x) for x in ids], req.logprobs,
-              bool(req.stream_options and req.stream_options.include_usage), include_stop=_include_stop(req))
+              bool(req.stream_options and req.stream_options.include_usage), include_stop=_include_stop(req),
+              echo=echo, prompt_logprobs=req.prompt_logprobs)
     return await _run(state, request, req, job, ids, req.max_tokens, DEFAULT_COMPLETION_TOKENS, req.logprobs,
                       constraint)
 
@@ -176,7 +181,7 @@ async def chat_completions(state: ServerState, request: HTTPRequest) -> Response
     job = Job(state.model.tokenizer, model_name, True, req.n, [len(ids)], logprobs,
               bool(req.stream_options and req.stream_options.include_usage),
               tools=tools.tools if tools else None, forced_call=bool(tools and tools.forced),
-              include_stop=_include_stop(req))
+              include_stop=_include_stop(req), prompt_logprobs=req.prompt_logprobs)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return await _run(state, request, req, job, [ids], asked, None, logprobs, constraint)
 

@@ -48,6 +48,10 @@ class Choice:
     forced: int = 0
     #: set when the request offers tools: holds back what may be a call, parses calls at the end
     tools: ToolStream | None = None
+    #: echo: (the prompt's text, its ids), until the first report puts them before the answer
+    echo: tuple[str, list[int]] | None = None
+    #: the prompt's ids and logprobs once they came (echo's logprobs and vLLM's prompt_logprobs)
+    prompt: tuple[list[int], list[TokenLogprobs | None]] | None = None
 
     @property
     def finish_reason(self) -> str:
@@ -61,16 +65,22 @@ class Job:
 
     def __init__(self, tokenizer: Tokenizer, model_name: str, chat: bool, n: int, prompt_lens: list[int],
                  logprobs: int | None, include_usage: bool, tools: list[dict[str, Any]] | None = None,
-                 forced_call: bool = False, include_stop: tuple[int, ...] | None = None) -> None:
+                 forced_call: bool = False, include_stop: tuple[int, ...] | None = None,
+                 echo: list[tuple[str, list[int]]] | None = None, prompt_logprobs: int | None = None) -> None:
         """`tools`: the tools a chat request offers (None: no tool calls are parsed);
         `forced_call`: a grammar forces a call, so no text streams as content before the end;
         `include_stop`: vLLM's include_stop_str_in_output, holding the request's stop_token_ids
-        (None: off): the stop string, or such a stop token's text, that ends a choice ends its text."""
+        (None: off): the stop string, or such a stop token's text, that ends a choice ends its text;
+        `echo`: per prompt, its text and ids, put before each of its choices' answers (completions' echo);
+        `prompt_logprobs`: vLLM's, returned as its `prompt_logprobs` lists (None: not asked for)."""
         self.tokenizer, self.model_name, self.chat = tokenizer, model_name, chat
         self.include_stop = include_stop
         self.n, self.prompt_lens = n, prompt_lens
         self.logprobs, self.include_usage = logprobs, include_usage
         self.choices = [Choice() for _ in range(n * len(prompt_lens))]
+        self.echo, self.prompt_logprobs = echo is not None, prompt_logprobs
+        for i, c in enumerate(self.choices):
+            c.echo = echo[i // n] if echo is not None else None
         if tools is not None:
             for c in self.choices:
                 c.tools = ToolStream(tools, forced_call)
@@ -96,22 +106,30 @@ class Job:
         lps = p.logprobs[: len(p.tokens)] if self.logprobs is not None else []
         c.logprobs.extend(lps)
         text = p.text + self._stop_text(p)
+        prompt = None
+        if c.echo is not None:  # the first report: the prompt's text first, with its logprobs if asked for
+            prompt = (c.echo[1], p.prompt_logprobs or [None] * len(c.echo[1]))
+            text, c.echo = c.echo[0] + text, None
+        if p.prompt_logprobs is not None and c.prompt is None:
+            c.prompt = (prompt[0] if prompt else [], p.prompt_logprobs)
         c.text.append(text)
         c.shown += len(text)
         if p.end:
             c.end, c.stop_reason, c.forced = p.end, p.stop_reason, p.forced_tokens
         if c.tools is not None:
             text = c.tools.push(text) + (c.tools.finish() if p.end else "")
-        if not (text or lps or p.end):
+        if not (text or lps or p.end or (self.prompt_logprobs is not None and p.prompt_logprobs is not None)):
             return []
         finish = c.finish_reason if p.end else None
-        lp = self._logprobs(c, lps, c.shown) if self.logprobs is not None else None
+        lp = self._logprobs(c, lps, c.shown, prompt if self.echo else None) if self.logprobs is not None else None
         out: dict[str, Any] = {"index": index}
         if self.chat:
             out["delta"] = {"content": text} if text else {}
         else:
             out["text"] = text
         out.update(logprobs=lp, finish_reason=finish)
+        if self.prompt_logprobs is not None and p.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self._prompt_logprobs(p.prompt_logprobs)
         if p.end:
             out["stop_reason"] = p.stop_reason
         if c.tools is None or not c.tools.calls:
@@ -148,9 +166,26 @@ class Job:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
-    def _logprobs(self, c: Choice, lps: list[TokenLogprobs], shown: int) -> dict[str, Any]:
+    def _prompt_logprobs(self, lps: list[TokenLogprobs | None]) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: per prompt position None (the first) or {token id: {logprob, rank,
+        decoded_token}} for the prompt's token and the top N."""
+        out: list[dict[str, Any] | None] = []
+        for lp in lps:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(lp.token): {"logprob": lp.logprob, "rank": lp.rank,
+                                     "decoded_token": self.tokenizer.decode([lp.token])}}
+            for r, (tid, v) in enumerate(lp.top, 1):
+                entry.setdefault(str(tid), {"logprob": v, "rank": r, "decoded_token": self.tokenizer.decode([tid])})
+            out.append(entry)
+        return out
+
+    def _logprobs(self, c: Choice, lps: list[TokenLogprobs], shown: int,
+                  prompt: tuple[list[int], list[TokenLogprobs | None]] | None = None) -> dict[str, Any]:
         """The logprobs of `lps`, next in choice `c`; `shown`: characters of text returned so far
-        (a text_offset never goes past it, even where a stop string cut the text short)."""
+        (a text_offset never goes past it, even where a stop string cut the text short); `prompt`: echo's
+        prompt ids and logprobs, whose entries come first (the first token's logprob is None, as OpenAI's)."""
         if self.chat:
             content = []
             for lp in lps:
@@ -161,14 +196,20 @@ class Job:
                     top.append({"token": t, "logprob": v, "bytes": list(r)})
                 content.append({"token": text, "logprob": lp.logprob, "bytes": list(raw), "top_logprobs": top})
             return {"content": content}
-        tokens, values, tops, offsets = [], [], [], []
-        for lp in lps:
-            tokens.append(self._legacy_token(lp.token))
-            values.append(lp.logprob)
-            tops.append({self._legacy_token(tid): v for tid, v in lp.top})
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        entries: list[tuple[int, TokenLogprobs | None]] = [(lp.token, lp) for lp in lps]
+        if prompt is not None:
+            entries = [*zip(prompt[0], prompt[1], strict=True), *entries]
+        for token, lp in entries:
+            tokens.append(self._legacy_token(token))
+            values.append(None if lp is None else lp.logprob)
+            tops.append(None if lp is None else {self._legacy_token(tid): v for tid, v in lp.top})
             # where the token's text starts: a token inside a character gets that character's offset
             offsets.append(min(c.offset, shown))
-            c.offset += len(c.utf8.decode(self.tokenizer.token_bytes(lp.token)))
+            c.offset += len(c.utf8.decode(self.tokenizer.token_bytes(token)))
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
     # --- bodies -----------------------------------------------------------------------------------
@@ -196,7 +237,8 @@ class Job:
             if self.logprobs is not None:
                 c.offset = 0
                 c.utf8.reset()
-                lp = self._logprobs(c, c.logprobs, len(text))
+                echoed = c.prompt if self.echo and c.prompt is not None and c.prompt[0] else None
+                lp = self._logprobs(c, c.logprobs, len(text), echoed)
             item: dict[str, Any] = {"index": i}
             if self.chat:
                 item["message"] = {"role": "assistant", "content": text}
@@ -207,9 +249,15 @@ class Job:
             else:
                 item["text"] = text
             item.update(logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            if self.prompt_logprobs is not None and not self.chat:
+                item["prompt_logprobs"] = self._prompt_logprobs(c.prompt[1]) if c.prompt else None
             choices.append(item)
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model_name,
+        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model_name,
                 "choices": choices, "usage": self.usage()}
+        if self.prompt_logprobs is not None and self.chat:  # vLLM: one list beside the choices of a chat
+            first = self.choices[0].prompt
+            body["prompt_logprobs"] = self._prompt_logprobs(first[1]) if first else None
+        return body
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         """One streaming chunk (`usage` is null on every chunk but the last when usage is asked for)."""

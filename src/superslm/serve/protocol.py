@@ -2,7 +2,7 @@
 
 Models are strict (a string is not a number, 5.0 is not an integer) and allow unknown fields, as
 OpenAI clients send fields a server may not know (`metadata`, `store`, ...). Fields whose silent
-omission would change the answer (`echo`, `suffix`, vLLM's `prompt_logprobs`, ... : `REFUSED`) are refused
+omission would change the answer (`suffix`, vLLM's `use_beam_search`, ... : `REFUSED`) are refused
 with a 400 instead, unless they hold their neutral value. Structured output (`response_format`,
 vLLM's `guided_*` and `structured_outputs`) and tools are checked in structured.py.
 """
@@ -31,7 +31,6 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 #: fields (vLLM's, or OpenAI's legacy ones) that change the answer and are not implemented: a 400
 #: unless absent, null or one of the neutral values listed (compared with their type: False is not 0)
 REFUSED: dict[str, tuple[object, ...]] = {
-    "prompt_logprobs": (),
     "use_beam_search": (False,),
     "allowed_token_ids": (),
     "bad_words": ([],),
@@ -91,6 +90,8 @@ class _Generate(BaseModel):
     structured_outputs: dict[str, Any] | None = None
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
+    # vLLM's: each prompt token's logprob and the top N (completions: in each choice; chat: beside the choices)
+    prompt_logprobs: int | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds)
     truncate_prompt_tokens: int | None = None
 
@@ -218,8 +219,6 @@ def check_common(req: _Generate) -> None:
 
 def check_completion(req: CompletionRequest) -> None:
     check_common(req)
-    if req.echo:
-        raise bad("echo", "echo: not supported")
     if req.suffix:
         raise bad("suffix", "suffix: not supported")
     if req.best_of is not None and req.best_of != req.n:
@@ -292,6 +291,9 @@ def to_sampling(req: _Generate, logprobs: int | None, seed_offset: int, grammar:
             repetition_penalty=req.repetition_penalty,
             logit_bias=dict(req.logit_bias) if req.logit_bias else None,
             logprobs=logprobs,
+            # echo with logprobs returns the prompt tokens' logprobs too (as vLLM: prompt_logprobs = logprobs)
+            prompt_logprobs=max(req.prompt_logprobs or 0, logprobs)
+            if getattr(req, "echo", False) and logprobs is not None else req.prompt_logprobs,
             stop=req.stop if req.stop is not None else (),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
