@@ -32,6 +32,8 @@ def test_prefix_needs_a_prompt_of_its_own_and_its_engine(tiny) -> None:  # noqa:
         b.add(Request(p[9:], 4, S, prefix=pre))
     want = b.generate([Request(p, 4, S)])[0].tokens
     assert a.generate([Request(p[9:], 4, S, prefix=pre)])[0].tokens == want  # both engines still work
+    with pytest.raises(InvalidArgument, match="this engine"):
+        b.release(pre)  # it freed b's pages of the same ids (b's own prefix's among them)
     a.release(pre)
     for engine in (a, b):
         assert not engine.busy()

@@ -230,3 +230,16 @@ def test_forced_call_with_refs_in_parameters(tok: Tokenizer, style: str) -> None
         ids = tok.encode(wrap.format(call.replace("KID", kid)), add_special_tokens=False)
         state = GrammarState(grammar)
         assert (state.accept_many(ids) == len(ids) and state.is_accepting) == ok, kid
+
+
+def test_forced_call_with_an_id_keeps_its_refs(tok: Tokenizer) -> None:
+    """Parameters with an $id are a resource of their own: their "#/$defs/..." resolve against it wherever they sit
+    (rebasing them under the wrapper's $defs made llguidance look for a path that is not there)."""
+    params = {"$id": "urn:args", "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"],
+              "additionalProperties": False, "$defs": {"A": {"type": "integer", "maximum": 5}}}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}, LOCATED]
+    grammar = compiler_for(tok).compile(tool_call_constraint(tools, "required", style="json"))
+    for text, ok in (('{"name": "f", "arguments": {"a": 3}}', True), ('{"name": "f", "arguments": {"a": "x"}}', False)):
+        ids = tok.encode(text, add_special_tokens=False)
+        state = GrammarState(grammar)
+        assert (state.accept_many(ids) == len(ids) and state.is_accepting) == ok, text

@@ -68,6 +68,17 @@ def test_prompt_logprobs_are_delivered_once_and_saved(tiny) -> None:  # noqa: F8
     assert next(iter(restored.values())) == next(iter(alone[2].values()))
 
 
+def test_prompt_logprobs_with_a_grammar_that_forces_the_answer(tiny) -> None:  # noqa: F811
+    """Jump-forward at add() could end the request before its prompt ran: no prompt logprobs ever came."""
+    from superslm.grammar import Constraint
+
+    model, _ = tiny
+    p = model.tokenizer.encode("Pack my box")
+    s = Sampling(grammar=Constraint.choice(["hello world"]), prompt_logprobs=1)
+    c = model.engine(slots=1, context=64).generate([Request(p, 2, s)])[0]
+    assert c.end == "length" and c.prompt_logprobs is not None and len(c.prompt_logprobs) == len(p)
+
+
 def test_prompt_logprobs_are_checked(tiny) -> None:  # noqa: F811
     model, _ = tiny
     e = model.engine(slots=1, context=64)

@@ -131,3 +131,36 @@ def test_any_chunking_matches_reference(seed: int) -> None:
         for piece in emitted:
             so_far += piece
             assert not any(s in so_far for s in stops)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_unchecked_pieces_then_checked_as_vllm(seed: int) -> None:
+    """min_tokens: the first pieces pass unchecked; from then on a stop string counts when it ends in the new
+    piece, even where it starts in the unchecked text (vLLM searches back len(stop) - 1 characters). Which stop
+    ends the text and where: the first occurrence ending at or after the first checked character."""
+    rnd = random.Random(seed)
+    for _ in range(200):
+        stops = [word(rnd, "ab", 1, 3) for _ in range(rnd.randint(1, 2))]
+        pieces = [word(rnd, "ab", 0, 3) for _ in range(rnd.randint(1, 8))]
+        free = rnd.randint(0, len(pieces))
+        c, emitted, stopped = StopChecker(stops), "", None
+        for i, piece in enumerate(pieces):
+            r = c.push(piece, check=i >= free)
+            emitted += r.text
+            if r.stopped:
+                stopped = r.stop
+                break
+        unchecked = len("".join(pieces[:free]))
+        text = "".join(pieces)
+        ends = [(text.find(s, max(0, unchecked - len(s) + 1)) + len(s), s) for s in stops
+                if text.find(s, max(0, unchecked - len(s) + 1)) >= 0]
+        if not ends:
+            assert stopped is None and emitted + c.flush() == text
+            continue
+        end, stop = min(ends, key=lambda e: (e[0], e[0] - len(e[1])))
+        start = end - len(stop)
+        assert stopped == stop, (stops, pieces, free)
+        assert emitted == text[: max(start, unchecked)]  # what passed unchecked stays
+        # a round trip through state() in the middle changes nothing
+        again = StopChecker.from_state(json.loads(json.dumps(c.state())))
+        assert again.push("ab").stopped

@@ -193,7 +193,9 @@ class ContractsMixin:
         return Prefix(tuple(ids), pages, owner=weakref.ref(self))
 
     def release(self: Engine, prefix: Prefix) -> None:
-        """Give a prefix's pages back; refused while live requests use it."""
+        """Give a prefix's pages back; refused while live requests use it, or for another engine's handle."""
+        if not isinstance(prefix, Prefix) or prefix.owner() is not self:
+            raise InvalidArgument("prefix must be a handle from this engine's prefix()")
         if prefix.users:
             raise PrefixInUse(f"the prefix is used by {len(prefix.users)} live request(s)")
         if not prefix.released:

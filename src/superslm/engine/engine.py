@@ -205,7 +205,8 @@ class Engine(SequenceMixin, OutputMixin, OverlapMixin, ContractsMixin):
             pre.users.add(id(seq))
         if adapter is not None:
             adapter.users.add(id(seq))
-        if seq.grammar is not None and self.jump_forward and seq.sampler.params.logprobs is None:
+        params = seq.sampler.params
+        if seq.grammar is not None and self.jump_forward and params.logprobs is None and params.prompt_logprobs is None:
             # jump-forward at the start: tokens the grammar forces before any choice (not where logprobs are
             # asked for: every token of the answer gets its logprob, so each one is computed)
             forced = seq.grammar.take_forced(seq.max_tokens)

@@ -168,11 +168,11 @@ class OutputMixin:
             seq.anti.append(token)
         p.tokens.append(token)
         piece = seq.decoder.push(token)
-        if not seq.stops.stop or len(seq.output) < seq.sampler.params.min_tokens:
-            # no stop strings (StopChecker.push's answer, without it), or not yet: they count from min_tokens
+        if not seq.stops.stop:  # no stop strings: every piece passes (StopChecker.push's answer, without it)
             p.text += piece
         else:
-            res = seq.stops.push(piece)
+            # stop strings count from min_tokens on (one may start in the text before, as vLLM looks back)
+            res = seq.stops.push(piece, check=len(seq.output) >= seq.sampler.params.min_tokens)
             p.text += res.text
             if res.stopped:
                 seq.stop_reason = res.stop

@@ -77,17 +77,21 @@ def call_schema(functions: Sequence[Mapping[str, Any]], *, args_key: str = "argu
             params = {"type": "object"}
         if not isinstance(params, (Mapping, bool)):
             raise InvalidArgument(f"tool {fn.get('name')!r}: parameters must be a JSON schema object")
-        defs[f"tool{i}"] = _rebased(params, f"#/$defs/tool{i}")
+        if isinstance(params, Mapping) and "$id" in params:
+            args = params  # a resource of its own: its refs resolve against its $id wherever it sits
+        else:
+            defs[f"tool{i}"] = _rebased(params, f"#/$defs/tool{i}")
+            args = {"$ref": f"#/$defs/tool{i}"}
         variants.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": fn["name"]}, args_key: {"$ref": f"#/$defs/tool{i}"}},
+                "properties": {"name": {"const": fn["name"]}, args_key: args},
                 "required": ["name", args_key],
                 "additionalProperties": False,
             }
         )
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    return {**schema, "$defs": defs}
+    return {**schema, "$defs": defs} if defs else schema
 
 
 #: keywords whose values are data, not schemas: a "$ref" key inside them is not a reference
@@ -98,8 +102,8 @@ def _rebased(schema: Any, root: str) -> Any:
     """`schema` with every local "$ref" ("#...") moved under `root` (a JSON pointer "#/..." to where it now sits)."""
     if isinstance(schema, list):
         return [_rebased(x, root) for x in schema]
-    if not isinstance(schema, Mapping):
-        return schema
+    if not isinstance(schema, Mapping) or "$id" in schema:
+        return schema  # a nested resource ($id): its local refs are its own
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and value.startswith("#"):

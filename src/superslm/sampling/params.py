@@ -63,7 +63,8 @@ class Sampling:
     """Keep generating past the model's EOS token (for benchmarks and max_tokens-only runs)."""
     min_tokens: int = 0
     """No end before this many output tokens (vLLM's min_tokens): EOS (unless ignore_eos) and stop_token_ids
-    are masked until then, and stop strings count from that token on; at most max_tokens."""
+    are masked until then, and stop strings count from that token on (one may start in the text before, as vLLM
+    looks back); at most max_tokens."""
     grammar: Constraint | None = None
     """Only tokens this constraint allows (JSON schema, regex, Lark, choice); see superslm.grammar."""
     schema: str | None = None

@@ -46,6 +46,9 @@ class StopChecker:
         self._stop: tuple[str, ...] = tuple(dict.fromkeys(stop))  # dedup, keep order
         self._max_len = max((len(s) for s in self._stop), default=0)
         self._held = ""
+        #: the tail of the text emitted so far (len(longest stop) - 1 characters): a stop string that ends in a
+        #: later piece may start there when pieces passed unchecked (min_tokens)
+        self._context = ""
         self._stopped = False
         self._match: str | None = None
 
@@ -64,29 +67,43 @@ class StopChecker:
         """True once a stop string has matched."""
         return self._stopped
 
-    def push(self, piece: str) -> StopResult:
+    def push(self, piece: str, check: bool = True) -> StopResult:
         """Feed the next piece of decoded text; return what may be emitted now.
 
-        After a stop every further push returns empty text with stopped=True.
+        `check=False` (vLLM's min_tokens: stop strings count from that token on): the piece passes whole and
+        matches are not looked for, but a stop string that ends in a later, checked piece may start in it (the
+        text already emitted stays emitted). After a stop every further push returns empty text, stopped=True.
         """
         if self._stopped:
             return StopResult("", True, self._match)
         if not self._stop:
             return StopResult(piece)
-        buf = self._held + piece
+        if not check:
+            text, self._held = self._held + piece, ""
+            self._remember(text)
+            return StopResult(text)
+        ctx = self._context
+        buf = ctx + self._held + piece
         best: tuple[int, int, str] | None = None  # (end, start, stop string)
         for s in self._stop:
-            start = buf.find(s)  # the first occurrence of s is also the one ending first
+            # the first occurrence ending past the emitted context (one inside it was not looked for)
+            start = buf.find(s, max(0, len(ctx) - len(s) + 1))
             if start >= 0:
                 cand = (start + len(s), start, s)
                 if best is None or cand[:2] < best[:2]:
                     best = cand
         if best is not None:
-            self._stopped, self._match, self._held = True, best[2], ""
-            return StopResult(buf[: best[1]], True, best[2])
-        keep = self._holdback(buf)
+            self._stopped, self._match, self._held, self._context = True, best[2], "", ""
+            return StopResult(buf[len(ctx) : max(best[1], len(ctx))], True, best[2])
+        keep = min(self._holdback(buf), len(buf) - len(ctx))  # what is emitted cannot be held back
         self._held = buf[len(buf) - keep :]
-        return StopResult(buf[: len(buf) - keep])
+        out = buf[len(ctx) : len(buf) - keep]
+        self._remember(out)
+        return StopResult(out)
+
+    def _remember(self, emitted: str) -> None:
+        """Keep the last len(longest stop) - 1 characters emitted (where a later match could start)."""
+        self._context = (self._context + emitted)[-(self._max_len - 1) :] if self._max_len > 1 else ""
 
     def flush(self) -> str:
         """The sequence ended for another reason (EOS, length): return and clear the held text."""
@@ -105,7 +122,8 @@ class StopChecker:
 
     def state(self) -> dict[str, Any]:
         """Plain, JSON-ready data from which `from_state` rebuilds an identical checker."""
-        return {"stop": list(self._stop), "held": self._held, "stopped": self._stopped, "match": self._match}
+        return {"stop": list(self._stop), "held": self._held, "stopped": self._stopped, "match": self._match,
+                "context": self._context}
 
     @classmethod
     def from_state(cls, data: Mapping[str, Any]) -> StopChecker:
@@ -114,4 +132,5 @@ class StopChecker:
         checker._held = data["held"]
         checker._stopped = bool(data["stopped"])
         checker._match = data["match"]
+        checker._context = str(data.get("context", ""))
         return checker
