@@ -66,3 +66,32 @@ def test_prompt_logprobs_field(server, tiny) -> None:  # noqa: F811
     assert len(chat["prompt_logprobs"]) == len(model.chat_tokens(messages)) and chat["prompt_logprobs"][0] is None
     bad = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt_logprobs": 21}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_chat_echo_and_token_masks(server, tiny) -> None:  # noqa: F811
+    """vLLM's chat echo (the answer continues the last message's role: its content first), allowed_token_ids and
+    bad_words through the server."""
+    model, _ = tiny
+    messages = [{"role": "user", "content": "List colours."}, {"role": "assistant", "content": "Sure: red, "}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0, **FIXED,
+            "add_generation_prompt": False, "continue_final_message": True}
+    plain = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30).json()
+    echoed = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "echo": True}, timeout=30).json()
+    text = plain["choices"][0]["message"]["content"]
+    assert echoed["choices"][0]["message"]["content"] == "Sure: red, " + text
+    ask = {"model": "tiny", "messages": messages[:1], "max_tokens": 4, "temperature": 0, "echo": True, **FIXED}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=ask, timeout=30).json()
+    assert not r["choices"][0]["message"]["content"].startswith("List colours.")  # a new assistant turn
+    token = model.tokenizer.encode(" fox", add_special_tokens=False)[-1]
+    comp = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0, **FIXED}
+    r = httpx.post(f"{server.url}/v1/completions", json={**comp, "allowed_token_ids": [token]}, timeout=30).json()
+    assert r["choices"][0]["text"] == model.tokenizer.decode([token] * 3)
+    for prompt in ("hi", "def main():", "Pack my box", "The quick brown"):  # a first word that is not blank
+        comp["prompt"] = prompt
+        free = httpx.post(f"{server.url}/v1/completions", json=comp, timeout=30).json()["choices"][0]["text"]
+        if free[:1].strip():
+            break
+    r = httpx.post(f"{server.url}/v1/completions", json={**comp, "bad_words": [free[:1]]}, timeout=30).json()
+    assert r["choices"][0]["text"] != free and not r["choices"][0]["text"].startswith(free[:1])
+    bad = httpx.post(f"{server.url}/v1/completions", json={**comp, "allowed_token_ids": [10**9]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_token_ids"

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from superslm.engine.masks import apply_row, banned_tokens
 from superslm.engine.request import END_CANCELLED, END_GRAMMAR, END_LENGTH, END_STOP, Progress, Sequence
 from superslm.engine.runner import StepWork, step_greedy
 from superslm.sampling import TokenLogprobs, sample
@@ -27,7 +28,7 @@ class OutputMixin:
         for (seq, _), row in zip(work.chunks, work.sample_rows):
             p = seq.sampler.params
             plain = (p.greedy and p.logprobs is None and not p.logit_bias and not p.uses_penalties
-                     and not self._banned(seq))
+                     and seq.allowed is None and not self._banned(seq))
             if row >= 0 and not (plain and p.damped is None and seq.grammar is None):
                 return None
         return step_greedy(self.net, work)
@@ -74,12 +75,8 @@ class OutputMixin:
         return out
 
     def _banned(self: Engine, seq: Sequence) -> tuple[int, ...]:
-        """The tokens seq may not sample next: its stop tokens (EOS unless ignore_eos, stop_token_ids) while it
-        has fewer than min_tokens output tokens; () otherwise."""
-        p = seq.sampler.params
-        if len(seq.output) >= p.min_tokens:
-            return ()
-        return p.stop_token_ids if p.ignore_eos else (*p.stop_token_ids, *self._stop_ids)
+        """The tokens seq may not sample next (min_tokens' stop tokens, bad words; engine/masks.py)."""
+        return banned_tokens(seq.output, seq.sampler.params, self._stop_ids, seq.bad_words)
 
     def _prompt_logprobs(self: Engine, work: StepWork) -> None:
         """For each chunk of a prompt whose request asks for prompt_logprobs: the logprob of every prompt token
@@ -105,25 +102,20 @@ class OutputMixin:
                     seq.prompt_logprobs[a + 1 + j] = TokenLogprobs(seq.prompt[a + 1 + j], lp_j, ranks[j], top)
 
     def _bitmask(self: Engine, seqs: list[Sequence]) -> torch.Tensor | None:
-        """int32 [rows, ceil(vocab / 32)] of the tokens each row may sample (grammar masks and min_tokens'
-        bans), or None where every row may sample any token."""
+        """int32 [rows, ceil(vocab / 32)] of the tokens each row may sample (grammar masks, allowed_token_ids,
+        min_tokens' and bad words' bans), or None where every row may sample any token."""
         bans = [self._banned(s) for s in seqs]
-        if not any(s.grammar is not None for s in seqs) and not any(bans):
+        grammar = any(s.grammar is not None for s in seqs)
+        if not grammar and not any(bans) and all(s.allowed is None for s in seqs):
             return None
         from superslm.grammar import fill_bitmasks
 
         words = -(-self.vocab // 32)
         bitmask = torch.full((len(seqs), words), -1, dtype=torch.int32)
-        if any(s.grammar is not None for s in seqs):
+        if grammar:
             fill_bitmasks([s.grammar for s in seqs], bitmask)
-        for row, banned in enumerate(bans):
-            kept = bitmask[row].clone()
-            for token in banned:
-                word, bit = divmod(token, 32)
-                v = (int(bitmask[row, word]) & ~(1 << bit)) & 0xFFFFFFFF
-                bitmask[row, word] = v - (1 << 32) if v >= 1 << 31 else v  # back to a signed int32
-            if banned and not bitmask[row].any():
-                bitmask[row] = kept  # a grammar that allows only its end now: the grammar wins
+        for row, (seq, banned) in enumerate(zip(seqs, bans, strict=True)):
+            apply_row(bitmask[row], seq.allowed, banned)
         return bitmask.to(self.net.device)
 
     def _take(self: Engine, seq: Sequence, token: int, lp: TokenLogprobs | None) -> Progress:

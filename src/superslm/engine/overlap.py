@@ -53,10 +53,10 @@ class InFlight:
 
 def _device_sampled(seq: Sequence) -> bool:
     """Whether seq's next token is sampled on the device from the logits alone (no grammar mask, penalty
-    counts, damped choice, logprobs or min_tokens' ban, which the host computes from the tokens before it)."""
+    counts, damped choice, logprobs, min_tokens' ban, bad words or allowed ids: the host's bitmask)."""
     p = seq.sampler.params
     return (seq.grammar is None and p.damped is None and p.logprobs is None and not p.uses_penalties
-            and len(seq.output) >= p.min_tokens)
+            and len(seq.output) >= p.min_tokens and not seq.bad_words and seq.allowed is None)
 
 
 class OverlapMixin:

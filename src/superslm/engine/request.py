@@ -101,6 +101,9 @@ class Sequence:
         self.layers_run = 0
         #: the final normed hidden state of the last prompt position (Engine.prefill_hidden)
         self.prefill_hidden: Any = None
+        #: Sampling.bad_words as token sequences, and Sampling.allowed_token_ids as a bitmask row (engine/masks.py)
+        self.bad_words: tuple[tuple[int, ...], ...] = ()
+        self.allowed: Any = None
         #: Sampling.prompt_logprobs: one entry per prompt position (TokenLogprobs; None for the first), filled
         #: by the prompt's chunks; None once delivered (or never asked for)
         self.prompt_logprobs: list[Any] | None = None

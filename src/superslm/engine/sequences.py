@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from superslm.engine import persist
+from superslm.engine.masks import allowed_row, bad_word_ids
 from superslm.engine.request import Request, Sequence
 from superslm.errors import GrammarError, InvalidArgument, TokenOutOfRange
 from superslm.sampling import SamplerState, Sampling, StopChecker
@@ -84,6 +85,10 @@ class SequenceMixin:
         if sampling.damped is not None:
             anti = AntiLM.from_state(state["anti"]) if state is not None else AntiLM(sampling.damped.order)
         seq = Sequence(self._next_id, request, prompt, max_tokens, sampler, decoder, stops, grammar, anti)
+        if sampling.bad_words:
+            seq.bad_words = bad_word_ids(sampling.bad_words, tok)
+        if sampling.allowed_token_ids is not None:
+            seq.allowed = allowed_row(sampling.allowed_token_ids, -(-self.vocab // 32))
         if state is not None:
             seq.output = [int(t) for t in state["output"]]
             self._prompt_ids(seq.output)

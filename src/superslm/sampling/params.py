@@ -61,6 +61,11 @@ class Sampling:
     """Token ids that end generation (in addition to EOS); the stop token is not returned as text."""
     ignore_eos: bool = False
     """Keep generating past the model's EOS token (for benchmarks and max_tokens-only runs)."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """Only these tokens may be sampled (vLLM's allowed_token_ids); None: any."""
+    bad_words: tuple[str, ...] = ()
+    """Words never generated (vLLM's bad_words): each word's tokens, as written and after a space; the last token
+    of one is masked where the output ends with the rest of it."""
     min_tokens: int = 0
     """No end before this many output tokens (vLLM's min_tokens): EOS (unless ignore_eos) and stop_token_ids
     are masked until then, and stop strings count from that token on (one may start in the text before, as vLLM
@@ -84,6 +89,10 @@ class Sampling:
         object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids if self.stop_token_ids is not None else ()
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, (str, bytes)):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        words = self.bad_words
+        object.__setattr__(self, "bad_words", (words,) if isinstance(words, str) else tuple(words or ()))
         if self.logit_bias is not None:
             bias: dict[int, float] = {}
             for key, value in dict(self.logit_bias).items():
@@ -139,6 +148,14 @@ class Sampling:
                 raise InvalidArgument(f"stop[{i}]: stop strings must be non-empty strings, got {text!r}")
         for token in self.stop_token_ids:
             _token("stop_token_ids", token, vocab_size)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, tuple) or not self.allowed_token_ids:
+                raise InvalidArgument("allowed_token_ids: a non-empty list of token ids")
+            for token in self.allowed_token_ids:
+                _token("allowed_token_ids", token, vocab_size)
+        for i, word in enumerate(self.bad_words):
+            if not isinstance(word, str) or not word.strip():
+                raise InvalidArgument(f"bad_words[{i}]: bad words must be non-empty strings, got {word!r}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgument(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
         _integer("min_tokens", self.min_tokens, lo=0)

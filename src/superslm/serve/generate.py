@@ -178,10 +178,16 @@ async def chat_completions(state: ServerState, request: HTTPRequest) -> Response
         await compile_constraint(state, constraint, param)
     ids = _truncated(req, await asyncio.to_thread(render), state)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    # vLLM's chat echo: the answer continues the last message's role (no generation prompt): its content first
+    echo = None
+    last = messages[-1]
+    role = "assistant" if req.add_generation_prompt else last.get("role")
+    if req.echo and last.get("role") == role and isinstance(last.get("content"), str):
+        echo = [(last["content"], [])]
     job = Job(state.model.tokenizer, model_name, True, req.n, [len(ids)], logprobs,
               bool(req.stream_options and req.stream_options.include_usage),
               tools=tools.tools if tools else None, forced_call=bool(tools and tools.forced),
-              include_stop=_include_stop(req), prompt_logprobs=req.prompt_logprobs)
+              include_stop=_include_stop(req), prompt_logprobs=req.prompt_logprobs, echo=echo)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return await _run(state, request, req, job, [ids], asked, None, logprobs, constraint)
 

@@ -32,12 +32,9 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 #: unless absent, null or one of the neutral values listed (compared with their type: False is not 0)
 REFUSED: dict[str, tuple[object, ...]] = {
     "use_beam_search": (False,),
-    "allowed_token_ids": (),
-    "bad_words": ([],),
 }
-#: the same, for chat only (completions declares its `echo` and checks it in check_completion)
+#: the same, for chat only
 REFUSED_CHAT: dict[str, tuple[object, ...]] = {
-    "echo": (False,),
     "chat_template": (),
     "functions": ([],),
     "function_call": (),
@@ -92,6 +89,8 @@ class _Generate(BaseModel):
     min_tokens: int = 0
     # vLLM's: each prompt token's logprob and the top N (completions: in each choice; chat: beside the choices)
     prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds)
     truncate_prompt_tokens: int | None = None
 
@@ -118,6 +117,8 @@ class ChatRequest(_Generate):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: the answer starts with the last message's content when the answer continues its role
+    echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -298,6 +299,8 @@ def to_sampling(req: _Generate, logprobs: int | None, seed_offset: int, grammar:
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens,
+            allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
+            bad_words=tuple(req.bad_words or ()),
             grammar=grammar,
         )
     except InvalidArgument as e:

@@ -1,0 +1,64 @@
+"""Which tokens a request may sample next beyond its grammar: min_tokens' ban on its stop tokens, and vLLM's
+allowed_token_ids and bad_words. Plain Python over token ids; `apply_row` writes them into a grammar bitmask
+row (int32 words, bit t % 32 of word t // 32 allows token t)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+
+def bad_word_ids(words: Iterable[str], tokenizer: Any) -> tuple[tuple[int, ...], ...]:
+    """vLLM's token sequences of bad words: each word as written, and with one leading space where that is
+    another first token of the same length (a word in the middle of a text)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            continue
+        out.append(plain)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(out)
+
+
+def banned_tokens(output: Sequence[int], params: Any, stop_ids: Iterable[int],
+                  bad_words: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """The tokens a sequence with `output` so far may not sample next: its stop tokens (EOS unless ignore_eos, and
+    stop_token_ids) while it has fewer than min_tokens, and each bad word's last token where the output ends with
+    the rest of that word (a one-token word always)."""
+    out: list[int] = []
+    if len(output) < params.min_tokens:
+        out += params.stop_token_ids if params.ignore_eos else (*params.stop_token_ids, *stop_ids)
+    for ids in bad_words:
+        n = len(ids) - 1
+        if n == 0 or (len(output) >= n and tuple(output[len(output) - n :]) == ids[:-1]):
+            out.append(ids[-1])
+    return tuple(out)
+
+
+def allowed_row(allowed: Iterable[int], words: int) -> torch.Tensor:
+    """int32 [words]: a bitmask row with only `allowed`'s bits set."""
+    row = [0] * words
+    for token in allowed:
+        row[token // 32] |= 1 << (token % 32)
+    return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in row], dtype=torch.int32)
+
+
+def apply_row(row: torch.Tensor, allowed: torch.Tensor | None, banned: Sequence[int]) -> None:
+    """Narrow a bitmask row in place to `allowed` (a row of allowed_row) and clear the `banned` tokens; where
+    nothing would be left, the row stays as it was (a grammar that allows only its end keeps it)."""
+    if allowed is None and not banned:
+        return
+    kept = row.clone()
+    if allowed is not None:
+        row &= allowed
+    for token in banned:
+        word, bit = divmod(token, 32)
+        v = (int(row[word]) & ~(1 << bit)) & 0xFFFFFFFF
+        row[word] = v - (1 << 32) if v >= 1 << 31 else v  # back to a signed int32
+    if not row.any():
+        row.copy_(kept)
