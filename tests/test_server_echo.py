@@ -7,7 +7,7 @@ import httpx
 
 from superslm import Request, Sampling
 from tests.test_server import CONTEXT, FIXED, client, server, tiny  # noqa: F401  (the module's fixtures)
-from tests.test_server_helpers import read_sse
+from tests.test_server_helpers import LiveServer, read_sse
 
 
 def _lib(model, ids: list[int], k: int) -> list:
@@ -95,3 +95,22 @@ def test_chat_echo_and_token_masks(server, tiny) -> None:  # noqa: F811
     assert r["choices"][0]["text"] != free and not r["choices"][0]["text"].startswith(free[:1])
     bad = httpx.post(f"{server.url}/v1/completions", json={**comp, "allowed_token_ids": [10**9]}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_token_ids"
+
+
+def test_chat_echo_is_not_a_tool_call(server, tiny) -> None:  # noqa: F811
+    """The echoed message is the client's: with tools offered, a call written in it is not parsed as the model's."""
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": call}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 3, "temperature": 0, "echo": True, "tools": tools,
+            "add_generation_prompt": False, "continue_final_message": True, **FIXED}
+    from superslm.serve import create_app
+
+    model, _ = tiny
+    with LiveServer(create_app(model, slots=1, context=512, served_model_name="tiny")) as wide:  # tools' prompt
+        r = httpx.post(f"{wide.url}/v1/chat/completions", json=body, timeout=30).json()["choices"][0]
+    assert r["message"]["content"].startswith(call) and not r["message"].get("tool_calls")
+    from superslm.serve.protocol import ChatRequest, to_sampling
+
+    chat = ChatRequest.model_validate({"model": "tiny", "messages": messages, "echo": True, "logprobs": True})
+    assert to_sampling(chat, 5, 0).prompt_logprobs is None  # chat echo returns no prompt tokens: none computed

@@ -1,4 +1,5 @@
-"""vLLM's allowed_token_ids and bad_words (transformers' bad_words_ids is the oracle), through the engine's bitmask."""
+"""vLLM's allowed_token_ids and bad_words through the engine's bitmask. transformers' bad_words_ids is the oracle where
+a word lies inside the answer (vLLM checks the answer's tokens only; transformers the prompt's too)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,20 @@ def test_masks_are_checked(tiny) -> None:
     assert c.text in ("yes", "no")
     assert Sampling.from_dict(Sampling(allowed_token_ids=(3, 4), bad_words=("x",)).to_dict()) == Sampling(
         allowed_token_ids=(3, 4), bad_words=("x",))
+
+
+def test_conflicting_masks_give_way_in_order(tiny) -> None:
+    """allowed_token_ids narrows first; bans (bad words, min_tokens' stop tokens) give way only to what is left of
+    it (they used to drop the allowed set as well, letting any token out)."""
+    model, _ = tiny
+    p = model.tokenizer.encode("The quick brown")
+    free = _run(model, p, 4, Sampling(ignore_eos=True))
+    word = model.tokenizer.decode([free[0]])
+    other = next(t for t in range(3, 300) if t != free[0] and (t,) not in bad_word_ids([word], model.tokenizer))
+    got = _run(model, p, 4, Sampling(allowed_token_ids=(free[0], other), bad_words=(word,), ignore_eos=True))
+    assert got == [other] * 4
+    eos = model.arch.eos_ids[0]
+    assert _run(model, p, 4, Sampling(allowed_token_ids=(eos,), min_tokens=2)) == []  # only a stop token is left
+    row = allowed_row([3], 1)
+    apply_row(row, allowed_row([4], 1), [])  # nothing in common with the grammar's row: the grammar's stays
+    assert int(row[0]) == 1 << 3

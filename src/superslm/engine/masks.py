@@ -49,13 +49,16 @@ def allowed_row(allowed: Iterable[int], words: int) -> torch.Tensor:
 
 
 def apply_row(row: torch.Tensor, allowed: torch.Tensor | None, banned: Sequence[int]) -> None:
-    """Narrow a bitmask row in place to `allowed` (a row of allowed_row) and clear the `banned` tokens; where
-    nothing would be left, the row stays as it was (a grammar that allows only its end keeps it)."""
-    if allowed is None and not banned:
+    """Narrow a bitmask row in place, in two stages that each give way only to the one before: to `allowed` (a row
+    of allowed_row; where the grammar's row and it share nothing, the grammar wins), then without the `banned`
+    tokens (where nothing would be left, e.g. a grammar or set that allows only a stop token, the bans give way)."""
+    if allowed is not None:
+        narrowed = row & allowed
+        if narrowed.any():
+            row.copy_(narrowed)
+    if not banned:
         return
     kept = row.clone()
-    if allowed is not None:
-        row &= allowed
     for token in banned:
         word, bit = divmod(token, 32)
         v = (int(row[word]) & ~(1 << bit)) & 0xFFFFFFFF

@@ -48,8 +48,9 @@ class Choice:
     forced: int = 0
     #: set when the request offers tools: holds back what may be a call, parses calls at the end
     tools: ToolStream | None = None
-    #: echo: (the prompt's text, its ids), until the first report puts them before the answer
+    #: echo: (the prompt's text, its ids), until the first report puts them before the answer; then the text
     echo: tuple[str, list[int]] | None = None
+    echoed: str = ""
     #: the prompt's ids and logprobs once they came (echo's logprobs and vLLM's prompt_logprobs)
     prompt: tuple[list[int], list[TokenLogprobs | None]] | None = None
 
@@ -106,18 +107,19 @@ class Job:
         lps = p.logprobs[: len(p.tokens)] if self.logprobs is not None else []
         c.logprobs.extend(lps)
         text = p.text + self._stop_text(p)
-        prompt = None
+        prompt, head = None, ""
         if c.echo is not None:  # the first report: the prompt's text first, with its logprobs if asked for
             prompt = (c.echo[1], p.prompt_logprobs or [None] * len(c.echo[1]))
-            text, c.echo = c.echo[0] + text, None
+            head, c.echoed, c.echo = c.echo[0], c.echo[0], None
         if p.prompt_logprobs is not None and c.prompt is None:
             c.prompt = (prompt[0] if prompt else [], p.prompt_logprobs)
-        c.text.append(text)
-        c.shown += len(text)
+        c.text.append(head + text)
+        c.shown += len(head + text)
         if p.end:
             c.end, c.stop_reason, c.forced = p.end, p.stop_reason, p.forced_tokens
-        if c.tools is not None:
+        if c.tools is not None:  # the echoed message is the client's: never read as a call
             text = c.tools.push(text) + (c.tools.finish() if p.end else "")
+        text = head + text
         if not (text or lps or p.end or (self.prompt_logprobs is not None and p.prompt_logprobs is not None)):
             return []
         finish = c.finish_reason if p.end else None
@@ -243,7 +245,8 @@ class Job:
             if self.chat:
                 item["message"] = {"role": "assistant", "content": text}
                 if c.tools is not None:
-                    item["message"]["content"] = c.tools.content
+                    content = c.tools.content
+                    item["message"]["content"] = c.echoed + (content or "") if c.echoed else content
                     if c.tools.calls:
                         item["message"]["tool_calls"] = c.tools.calls
             else:

@@ -294,7 +294,7 @@ def to_sampling(req: _Generate, logprobs: int | None, seed_offset: int, grammar:
             logprobs=logprobs,
             # echo with logprobs returns the prompt tokens' logprobs too (as vLLM: prompt_logprobs = logprobs)
             prompt_logprobs=max(req.prompt_logprobs or 0, logprobs)
-            if getattr(req, "echo", False) and logprobs is not None else req.prompt_logprobs,
+            if isinstance(req, CompletionRequest) and req.echo and logprobs is not None else req.prompt_logprobs,
             stop=req.stop if req.stop is not None else (),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
