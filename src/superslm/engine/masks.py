@@ -45,7 +45,7 @@ def allowed_row(allowed: Iterable[int], words: int) -> torch.Tensor:
     row = [0] * words
     for token in allowed:
         row[token // 32] |= 1 << (token % 32)
-    return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in row], dtype=torch.int32)
+    return torch.tensor([_int32(v) for v in row], dtype=torch.int32)
 
 
 def apply_row(row: torch.Tensor, allowed: torch.Tensor | None, banned: Sequence[int]) -> None:
@@ -61,7 +61,12 @@ def apply_row(row: torch.Tensor, allowed: torch.Tensor | None, banned: Sequence[
     kept = row.clone()
     for token in banned:
         word, bit = divmod(token, 32)
-        v = (int(row[word]) & ~(1 << bit)) & 0xFFFFFFFF
-        row[word] = v - (1 << 32) if v >= 1 << 31 else v  # back to a signed int32
+        row[word] = _int32(int(row[word]) & ~(1 << bit))
     if not row.any():
         row.copy_(kept)
+
+
+def _int32(v: int) -> int:
+    """A 32-bit pattern (any Python int) as the signed int32 an int32 tensor stores."""
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v

@@ -12,7 +12,7 @@ from superslm.engine.request import END_CANCELLED, END_GRAMMAR, END_LENGTH, END_
 from superslm.engine.runner import StepWork, step_greedy
 from superslm.sampling import TokenLogprobs, sample
 from superslm.sampling.damped import damped_choice
-from superslm.sampling.shaping import ranked_top
+from superslm.sampling.sampler import logprobs_of
 
 if TYPE_CHECKING:
     from superslm.engine.engine import Engine
@@ -91,13 +91,10 @@ class OutputMixin:
             for a in range(first, last, 64):  # 64 rows of [vocab] logits at a time
                 b = min(a + 64, last)
                 rows = torch.arange(row0 + a - first, row0 + b - first, device=work.h.device)
-                lp = torch.log_softmax(self.net.logits(work.h.index_select(0, rows), work.meta.deterministic), -1)
-                target = torch.tensor(seq.prompt[a + 1 : b + 1], device=lp.device)
-                chosen = lp.gather(1, target[:, None])  # [rows, 1]
-                ranks = ((lp > chosen).sum(-1) + 1).tolist()
-                values, ids = ranked_top(lp, k) if k else (lp[:, :0], lp[:, :0].long())
-                values, ids = values.tolist(), ids.tolist()
-                for j, lp_j in enumerate(chosen[:, 0].tolist()):
+                logits = self.net.logits(work.h.index_select(0, rows), work.meta.deterministic)
+                target = torch.tensor(seq.prompt[a + 1 : b + 1], device=logits.device)
+                chosen, ranks, values, ids = (t.tolist() for t in logprobs_of(logits, target, k))
+                for j, lp_j in enumerate(chosen):
                     top = tuple(zip(ids[j], values[j], strict=True))
                     seq.prompt_logprobs[a + 1 + j] = TokenLogprobs(seq.prompt[a + 1 + j], lp_j, ranks[j], top)
 

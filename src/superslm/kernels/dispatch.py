@@ -26,7 +26,7 @@ from superslm.kernels import fused as _fused
 from superslm.kernels import norm as _norm
 from superslm.kernels import rope as _rope
 from superslm.kernels.attention import AttnMetadata
-from superslm.kernels.row_blocks import pad_rows
+from superslm.kernels.row_blocks import by_row_blocks
 from superslm.kernels.sampling_reference import (  # noqa: F401  (re-exported: sampling/batch.py, the kernels)
     LogitBias,
     Penalties,
@@ -130,9 +130,8 @@ def dense_matmul_reference(
 
     Deterministic mode's dense linear: BLAS picks its kernel by the shape, so every call has one shape."""
     x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # [M, K]
-    blocks = pad_rows(x2, tile_rows).split(tile_rows)
-    y = torch.cat([F.linear(rows, weight, bias) for rows in blocks]) if blocks else F.linear(x2, weight, bias)
-    return y[: x2.shape[0]].reshape(*x.shape[:-1], weight.shape[0])
+    y = by_row_blocks(lambda rows: F.linear(rows, weight, bias), x2, tile_rows)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 #: quant.hadamard.Rotation's map step by step (kept under its older name)

@@ -23,12 +23,12 @@ def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros((pad, *x.shape[1:]))]) if pad else x
 
 
-def by_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn(x) computed on BLOCK rows at a time (the last block zero-padded): x [N, ...] -> [N, ...].
+def by_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """fn(x) computed on `block` rows at a time (the last block zero-padded): x [N, ...] -> [N, ...].
 
     fn must treat rows independently (a linear, a low-rank product)."""
     n = x.shape[0]
-    x = pad_rows(x, BLOCK)
-    if x.shape[0] == BLOCK:
+    x = pad_rows(x, block)
+    if x.shape[0] == block:
         return fn(x)[:n]
-    return torch.cat([fn(block) for block in x.split(BLOCK)])[:n]
+    return torch.cat([fn(rows) for rows in x.split(block)])[:n]

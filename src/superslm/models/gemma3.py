@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from superslm.models.arch import Arch, Rope, check_known, hf_layer_windows, hf_ropes
-from superslm.models.llama import gguf_common, hf_common
+from superslm.models.llama import gguf_common, hf_common, whole
 from superslm.models.registry import HF_LAYER, Recipe, register
 
 HF_REFUSALS = {
@@ -35,12 +35,12 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> Arch:
     rope, local = hf_ropes(cfg, local_theta_key="rope_local_base_freq")
     if local is None:
         local = Rope(theta=10000.0)
-    layers = int(cfg["num_hidden_layers"])
+    layers = whole(cfg, "num_hidden_layers")
     windows = hf_layer_windows(cfg, layers)
     if cfg.get("layer_types") is None:
         pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
         windows = _windows_from_pattern(layers, int(cfg.get("sliding_window") or 4096), pattern)
-    dim = int(cfg["hidden_size"])
+    dim = whole(cfg, "hidden_size")
     fields = hf_common(
         cfg, "gemma3",
         rope=rope, rope_local=local, windows=windows, qk_norm=True, tied=cfg.get("tie_word_embeddings", True),

@@ -232,25 +232,32 @@ def _with_logprobs(logits: Tensor, tokens: Tensor, params: Sequence[Sampling],
     """The result, with the raw logits' logprobs of the rows in `lp_rows` (log_softmax in float32)."""
     if not lp_rows:
         return SampleResult(tokens, (), (), None, None, None, None)
-    n_rows, vocab = logits.shape
+    n_rows = logits.shape[0]
     device = logits.device
     raw = logits if len(lp_rows) == n_rows else logits[_index(lp_rows, device)]
-    raw_logprobs = torch.log_softmax(raw.to(torch.float32), dim=-1)  # [R, V]
     num_top = tuple(params[i].logprobs or 0 for i in lp_rows)
     chosen_tokens = tokens if len(lp_rows) == n_rows else tokens[_index(lp_rows, device)]
-    chosen = raw_logprobs.gather(1, chosen_tokens.unsqueeze(1))  # [R, 1]
-    ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
-    # most likely first, ties to the lowest id: a row's list does not depend on the others' `logprobs`
-    top_values, top_ids = ranked_top(raw_logprobs, min(max(num_top), vocab))
+    chosen, ranks, top_values, top_ids = logprobs_of(raw, chosen_tokens, max(num_top))
     return SampleResult(
         tokens=tokens,
         logprob_rows=lp_rows,
         num_top=num_top,
-        chosen_logprobs=chosen.squeeze(1),
+        chosen_logprobs=chosen,
         chosen_ranks=ranks,
         top_ids=top_ids,
         top_logprobs=top_values,
     )
+
+
+def logprobs_of(logits: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Of the raw logits [R, V] (log_softmax in float32) and a token per row [R]: its logprob [R], its rank [R]
+    (1 + the tokens strictly more likely) and the k most likely (logprobs, ids) [R, k], ties to the lowest id."""
+    lp = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [R, V]
+    chosen = lp.gather(1, tokens.unsqueeze(1))  # [R, 1]
+    ranks = (lp > chosen).sum(dim=-1) + 1
+    # a row's list does not depend on the others' k (ranked_top, not topk)
+    top_values, top_ids = ranked_top(lp, min(k, lp.shape[1]))
+    return chosen.squeeze(1), ranks, top_values, top_ids
 
 
 def _apply_bias_and_penalties(x: Tensor, rows: Sequence[SamplerState]) -> Tensor:
