@@ -4,10 +4,11 @@ GPU where present)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from tests.triton_interpret import DEV, import_kernels
+from tests.triton_interpret import DEV, ON_GPU, fixed_order_product, import_kernels
 
 tk = import_kernels()
 pytestmark = pytest.mark.usefixtures("triton_interpret")
@@ -130,8 +131,7 @@ def test_dense_kernel_rows_do_not_depend_on_the_call(dtype: torch.dtype) -> None
         full = tk.dense_matmul(x, w, bias)
         want = torch.nn.functional.linear(x.float(), w.float(), bias)
         assert (full.float() - want).abs().max() <= tol * want.abs().max()
-        alone = torch.cat([tk.dense_matmul(x[i : i + 1], w, bias) for i in range(len(x))])
-        assert torch.equal(alone, full)
+        assert torch.equal(_rows_alone(lambda r, bias=bias: tk.dense_matmul(r, w, bias), x), full)
         assert torch.equal(tk.dense_matmul(x[5:22], w, bias), full[5:22])
         assert torch.equal(tk.dense_matmul(x.view(1, 37, 70), w, bias), full.view(1, 37, 100))
     assert tk.dense_matmul(x[:0], w).shape == (0, 100)
@@ -144,6 +144,58 @@ def test_dense_kernel_rows_do_not_depend_on_the_call(dtype: torch.dtype) -> None
     wc, bc = w.cpu(), b.cpu().to(dtype)
     want = torch.cat([torch.nn.functional.linear(r, wc, bc) for r in pad_rows(x.cpu(), 16).split(16)])
     assert torch.equal(dispatch.dense_matmul_reference(x.cpu(), wc, bc), want[:37])
+
+
+def _rows_alone(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn of each row of x in a call of its own, stacked: the rows a batch-invariant fn gives in one call."""
+    return torch.cat([fn(x[i : i + 1]) for i in range(len(x))])
+
+
+def _dense_split_by_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The dense kernel with its K step chosen by the row count (long steps for a GEMV, short for a GEMM), as
+    a kernel tuned per shape would: a row's sums then run in another order alone than in a larger call."""
+    from superslm.kernels.triton.dense_gemm import BLOCK_N, _dense_kernel
+
+    m, n, k = x.shape[0], w.shape[0], x.shape[1]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _dense_kernel[(-(-n // BLOCK_N), -(-m // 16))](
+        x, w, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+        HAS_BIAS=False, BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_K=64 if m <= 4 else 16, F32_DOT=True,
+    )  # fmt: skip
+    return out
+
+
+def test_the_invariance_check_catches_a_kernel_that_tiles_by_the_row_count() -> None:
+    """The check of test_dense_kernel_rows_do_not_depend_on_the_call fails on a kernel whose reduction order
+    depends on the row count; under the interpreter tl.dot is the fixed-order product, so that failure (and
+    the real kernels' pass) comes from the kernel's own order, not from the BLAS numpy runs on."""
+    if not ON_GPU:
+        from triton.runtime.interpreter import InterpreterBuilder
+
+        assert getattr(InterpreterBuilder.create_dot, "fixed_order", False)
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(100, 70, generator=g).to(DEV)
+    x = torch.randn(37, 70, generator=g).to(DEV)
+    full = _dense_split_by_rows(x, w)
+    assert (full - torch.nn.functional.linear(x, w)).abs().max() <= 1e-4
+    assert not torch.equal(_rows_alone(lambda r: _dense_split_by_rows(r, w), x), full)
+    assert torch.equal(_rows_alone(lambda r: tk.dense_matmul(r, w), x), tk.dense_matmul(x, w))
+
+
+def test_the_fixed_order_product_gives_a_row_the_same_bits_anywhere() -> None:
+    """The interpreter's tl.dot stand-in: a row's result is the same alone, at any place in any row count and
+    under a batch axis, and within float32 rounding of numpy's matmul."""
+    rng = np.random.default_rng(13)
+    a, b = rng.standard_normal((37, 70), np.float32), rng.standard_normal((70, 20), np.float32)
+    full = fixed_order_product(a, b, np.float32)
+    assert full.dtype == np.float32
+    assert np.abs(full - (a.astype(np.float64) @ b.astype(np.float64))).max() <= 1e-5
+    for i in range(len(a)):
+        assert np.array_equal(fixed_order_product(a[i : i + 1], b, np.float32), full[i : i + 1])
+    padded = np.concatenate([np.zeros((5, 70), np.float32), a, a[:3]])
+    assert np.array_equal(fixed_order_product(padded, b, np.float32)[5:42], full)
+    batched = fixed_order_product(np.stack([a, a[::-1]]), np.stack([b, b]), np.float32)
+    assert np.array_equal(batched[0], full) and np.array_equal(batched[1], full[::-1])
 
 
 def test_deterministic_dense_linears_take_one_launch(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

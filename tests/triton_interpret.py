@@ -3,15 +3,24 @@
 triton reads TRITON_INTERPRET when it decorates a kernel and when it runs one, so the variable is set
 while `import_kernels` imports the kernels and, through the `triton_interpret` fixture (conftest.py),
 while a module's tests run; the rest of the session's environment stays untouched.
+
+The interpreter computes `tl.dot` with numpy's matmul, that is with whatever BLAS numpy carries; some
+BLAS kernel sets (OpenBLAS with OPENBLAS_CORETYPE=Haswell, for one) round an output row by its place in
+the tile and the tile's row count. While the fixture runs, a floating-point `tl.dot` is instead a
+fixed-order product (`fixed_order_dot`): every output element sums its products in float64, k = 0, 1,
+..., one IEEE operation at a time, so its bits depend on its row and column alone, on any CPU. A
+difference between a row alone and the same row in a larger step can then only come from the kernel's
+own tiling and reduction order, which is what the invariance tests check.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,9 +49,39 @@ def import_kernels() -> ModuleType:
             del os.environ["TRITON_INTERPRET"]
 
 
+def fixed_order_product(a: np.ndarray, b: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """a @ b over the last two axes with each element's products (exact in float64 for float16/32 inputs)
+    added in the order k = 0, 1, ... by elementwise numpy operations, never BLAS; rounded once to dtype."""
+    x, y = a.astype(np.float64), b.astype(np.float64)
+    acc = np.zeros(x.shape[:-1] + y.shape[-1:], np.float64)
+    for k in range(x.shape[-1]):
+        acc += x[..., :, k, None] * y[..., None, k, :]  # [..., M, 1] * [..., 1, N]
+    return acc.astype(dtype)
+
+
+def fixed_order_dot(original: Callable) -> Callable:
+    """The interpreter builder's create_dot with floating-point operands computed by fixed_order_product;
+    other operands (integers, fp8, bf16 held as uint16) go to the interpreter's own dot unchanged."""
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001 - triton's handles
+        from triton.runtime.interpreter import TensorHandle
+
+        floats = all(t.data.dtype.kind == "f" and t.dtype.primitive_bitwidth > 8 for t in (a, b))
+        if not floats or d.data.dtype.kind != "f":
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        return TensorHandle(fixed_order_product(a.data, b.data, d.data.dtype) + d.data, d.dtype.scalar)
+
+    create_dot.fixed_order = True
+    return create_dot
+
+
 def interpret() -> Iterator[None]:
-    """TRITON_INTERPRET=1 for the duration of a test module on a CPU (the body of the conftest fixture)."""
+    """TRITON_INTERPRET=1 and the fixed-order tl.dot for the duration of a test module on a CPU (the body of
+    the conftest fixture)."""
     with pytest.MonkeyPatch.context() as mp:
         if not ON_GPU:
+            from triton.runtime.interpreter import InterpreterBuilder
+
             mp.setenv("TRITON_INTERPRET", "1")
+            mp.setattr(InterpreterBuilder, "create_dot", fixed_order_dot(InterpreterBuilder.create_dot))
         yield
