@@ -106,7 +106,11 @@ def test_logprobs_cover_every_token_of_a_constrained_answer(model) -> None:
     plain, scored = engine.generate([Request(prompt, 40, Sampling(grammar=grammar)),
                                      Request(prompt, 40, Sampling(grammar=grammar, logprobs=2))])  # fmt: skip
     assert plain.tokens == scored.tokens
-    assert [lp.token for lp in scored.logprobs] == scored.tokens
+    covered = [lp.token for lp in scored.logprobs]
+    assert covered[: len(scored.tokens)] == scored.tokens
+    # an answer that ends at a stop token carries that token's logprob too (the token itself is not returned)
+    extra = covered[len(scored.tokens) :]
+    assert extra == [] or (scored.end == "stop" and len(extra) == 1 and extra[0] in model.stop_ids), (scored.end, extra)
 
 
 def test_found_in_review_forced_past_max_tokens_and_dead_first_mask(model) -> None:
