@@ -79,7 +79,7 @@ def main() -> None:
 
     from superslm.encoders import Encoder, net, workers
     from superslm.encoders.batching import plan
-    from superslm.model import resolve_path
+    from superslm.hub import resolve_path
 
     folder = resolve_path(ns.model)
     texts = mixed_texts(ns.texts)

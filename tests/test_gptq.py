@@ -17,8 +17,8 @@ from superslm.convert import convert
 from superslm.errors import InvalidArgument
 from superslm.formats import native
 from superslm.kernels.attention import AttnMetadata
+from superslm.kernels.hadamard import rotate_activation
 from superslm.quant.gptq import Calibration, gptq_int4, rotated_hessian
-from superslm.quant.hadamard import rotate_activation
 from superslm.quant.int4 import Int4Linear
 
 

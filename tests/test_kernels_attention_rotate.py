@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("triton_interpret")
 
 from superslm.kernels import dispatch, fused  # noqa: E402
 from superslm.kernels.attention import AttnMetadata  # noqa: E402
-from superslm.quant.hadamard import random_signs  # noqa: E402
+from superslm.kernels.hadamard import random_signs  # noqa: E402
 from tests.test_kernels_prepare_attention import operands  # noqa: E402
 
 pa = sys.modules["superslm.kernels.triton.paged_attention"]

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("triton_interpret")
 
 from superslm.errors import InvalidArgument  # noqa: E402
 from superslm.kernels import dispatch, fused  # noqa: E402
-from superslm.quant.hadamard import random_signs  # noqa: E402
+from superslm.kernels.hadamard import random_signs  # noqa: E402
 
 nr = sys.modules["superslm.kernels.triton.norm_rotate"]  # the package's attribute of that name is the function
 
@@ -80,8 +80,8 @@ def test_gated_act_rotate(act, dtype, inter, k, block, n) -> None:
 
 def test_references_are_the_unfused_steps() -> None:
     """norm_rotate and gated_act_rotate are the norm (add + norm), the cast and quant's Rotation, bit for bit."""
+    from superslm.kernels.hadamard import Rotation
     from superslm.kernels.norm import rms_norm
-    from superslm.quant.hadamard import Rotation
 
     g = gen(1)
     x, res = torch.randn(3, 256, generator=g).bfloat16(), torch.randn(3, 256, generator=g).bfloat16()

@@ -22,8 +22,8 @@ import triton.language as tl  # noqa: E402
 
 from superslm.errors import InvalidArgument  # noqa: E402
 from superslm.kernels import dispatch, fused  # noqa: E402
+from superslm.kernels.hadamard import hadamard_matrix, random_signs  # noqa: E402
 from superslm.kernels.triton.hadamard import fwht_rows  # noqa: E402
-from superslm.quant.hadamard import hadamard_matrix, random_signs  # noqa: E402
 
 rg = sys.modules["superslm.kernels.triton.rotate_gemv"]
 

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.usefixtures("triton_interpret")
 
 from superslm.errors import InvalidArgument  # noqa: E402
 from superslm.kernels import dispatch  # noqa: E402
+from superslm.kernels.hadamard import Rotation, random_signs  # noqa: E402
 from superslm.quant.dense import Int8Linear  # noqa: E402
-from superslm.quant.hadamard import Rotation, random_signs  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

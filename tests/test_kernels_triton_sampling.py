@@ -18,8 +18,14 @@ tk = import_kernels()
 pytestmark = pytest.mark.usefixtures("triton_interpret")
 
 from superslm.kernels import dispatch  # noqa: E402
-from superslm.kernels.dispatch import LogitBias, Penalties  # noqa: E402
-from superslm.sampling import PenaltyState, SamplerState, Sampling, sample  # noqa: E402
+from superslm.kernels.sampling_args import LogitBias, Penalties  # noqa: E402
+from superslm.sampling import (  # noqa: E402
+    PenaltyState,
+    SamplerState,
+    Sampling,
+    on_device,  # noqa: E402
+    sample,
+)
 from superslm.sampling.batch import sampling_batch  # noqa: E402
 
 INF = math.inf
@@ -84,7 +90,7 @@ def test_shape_logits(b: int, v: int, stages: str) -> None:
     args.append(bitmask.to(DEV) if stages in ("all", "mask") else None)
     args.append(LogitBias(*(t.to(DEV) for t in bias)) if stages in ("all", "bias") else None)
     args.append(Penalties(*(t.to(DEV) for t in penalties)) if stages in ("all", "penalties") else None)
-    ref = dispatch.shape_logits_reference(*args)
+    ref = on_device.shape_logits_reference(*args)
     out = tk.shape_logits(*args)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=0)  # in practice bit for bit
     assert torch.equal(out.isneginf(), ref.isneginf())
@@ -98,7 +104,7 @@ def test_shape_logits_bf16() -> None:
     x = wide[:, 10:787].to(DEV)
     args = (temperature.to(DEV), bitmask.to(DEV), LogitBias(*(t.to(DEV) for t in bias)),
             Penalties(*(t.to(DEV) for t in penalties)))  # fmt: skip
-    torch.testing.assert_close(tk.shape_logits(x, *args), dispatch.shape_logits_reference(x, *args), rtol=1e-6, atol=0)
+    torch.testing.assert_close(tk.shape_logits(x, *args), on_device.shape_logits_reference(x, *args), rtol=1e-6, atol=0)
 
 
 # --- selection ------------------------------------------------------------------------------------
@@ -129,7 +135,7 @@ def check_select(args: tuple) -> torch.Tensor:
     b, v = args[0].shape
     f_ref = torch.full((b, v), 7.0, device=DEV)
     f_out = torch.full((b, v), 7.0, device=DEV)
-    ref = dispatch.select_tokens_reference(*args, f_ref)
+    ref = on_device.select_tokens_reference(*args, f_ref)
     out = tk.select_tokens(*args, f_out)
     assert torch.equal(f_out, f_ref), (f_out != f_ref).sum(1)
     assert torch.equal(out, ref)
@@ -171,7 +177,7 @@ def test_select_tokens_bitmask_few() -> None:
     bitmask = few_allowed(b, v, tuple(range(b)), seed=9)
     rows = [ROWS[i] for i in (0, 1, 3, 4, 6)]
     temperature = torch.tensor([r[0] for r in rows])
-    shaped = dispatch.shape_logits_reference(logits.to(DEV), temperature.to(DEV), bitmask.to(DEV))
+    shaped = on_device.shape_logits_reference(logits.to(DEV), temperature.to(DEV), bitmask.to(DEV))
     tokens = check_select(select_inputs(rows, shaped.cpu(), seed=10))
     assert bool(shaped.gather(1, tokens.unsqueeze(1)).isfinite().all())
 
@@ -209,9 +215,9 @@ def test_references_are_the_sampler(v: int) -> None:
     bitmask = few_allowed(b, v, (2, 5), seed=13).to(DEV)
     want = sample(logits, states, bitmask=bitmask).tokens
     batch = sampling_batch(states, v, DEV)
-    shaped = dispatch.shape_logits_reference(logits, batch.temperature, bitmask, batch.bias, batch.penalties)
+    shaped = on_device.shape_logits_reference(logits, batch.temperature, bitmask, batch.bias, batch.penalties)
     sel = (batch.temperature, batch.log_min_p, batch.top_k, batch.top_p, batch.keys)
-    assert torch.equal(dispatch.select_tokens_reference(shaped, *sel), want)
+    assert torch.equal(on_device.select_tokens_reference(shaped, *sel), want)
     # and the kernels, end to end
     out = tk.select_tokens(tk.shape_logits(logits, batch.temperature, bitmask, batch.bias, batch.penalties), *sel)
     assert torch.equal(out, want)
@@ -227,8 +233,8 @@ def test_the_sampler_runs_fused_on_the_kernels(env: str, monkeypatch: pytest.Mon
     bitmask = few_allowed(len(states), 777, (2, 5), seed=16).to(DEV)
     calls: list[str] = []
     for name in ("shape_logits", "select_tokens"):
-        fn = getattr(dispatch, name)
-        monkeypatch.setattr(dispatch, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
+        fn = getattr(on_device, name)
+        monkeypatch.setattr(on_device, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
     for mask in (None, bitmask):
         want = sample(logits, states, bitmask=mask, fused=False).tokens
         calls.clear()
@@ -260,7 +266,7 @@ def test_the_sampler_runs_fused_on_the_kernels(env: str, monkeypatch: pytest.Mon
     assert calls == [] and got.tolist() == [7, 7, 7]
     assert torch.equal(got, sample(tied, greedy, fused=False).tokens)
     b = sampling_batch(greedy, 777, tied.device)
-    assert torch.equal(got, dispatch.select_tokens(dispatch.shape_logits(tied, b.temperature), b.temperature,
+    assert torch.equal(got, on_device.select_tokens(on_device.shape_logits(tied, b.temperature), b.temperature,
                                                    b.log_min_p, b.top_k, b.top_p, b.keys))
 
 
@@ -273,14 +279,14 @@ def test_dispatch_chooses(monkeypatch: pytest.MonkeyPatch) -> None:
     batch = sampling_batch(states, 300, DEV)
     sel = (batch.temperature, batch.log_min_p, batch.top_k, batch.top_p, batch.keys)
     calls: list[str] = []
-    for owner, name in ((tk, "shape_logits"), (tk, "select_tokens"), (dispatch, "shape_logits_reference"),
-                        (dispatch, "select_tokens_reference")):  # fmt: skip
+    for owner, name in ((tk, "shape_logits"), (tk, "select_tokens"), (on_device, "shape_logits_reference"),
+                        (on_device, "select_tokens_reference")):  # fmt: skip
         fn = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
     results = []
     for choice in ("triton", "torch"):
         monkeypatch.setenv(dispatch.ENV, choice)
-        shaped = dispatch.shape_logits(logits, batch.temperature, None, batch.bias, batch.penalties)
-        results.append(dispatch.select_tokens(shaped, *sel))
+        shaped = on_device.shape_logits(logits, batch.temperature, None, batch.bias, batch.penalties)
+        results.append(on_device.select_tokens(shaped, *sel))
     assert calls == ["shape_logits", "select_tokens", "shape_logits_reference", "select_tokens_reference"]
     assert torch.equal(results[0], results[1])

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.usefixtures("triton_interpret")
 import superslm  # noqa: E402
 from superslm import Request, Sampling  # noqa: E402
 from superslm.kernels import dispatch  # noqa: E402
+from superslm.kernels.hadamard import Rotation  # noqa: E402
 from superslm.quant.dense import Int8Linear  # noqa: E402
-from superslm.quant.hadamard import Rotation  # noqa: E402
 from superslm.quant.int4 import Int4Linear  # noqa: E402
 from superslm.quant.stored import linear_from_state, linear_state  # noqa: E402
 from tests.tiny_models import SingleSequence, build_hf_model  # noqa: E402

@@ -220,7 +220,7 @@ def add_parser(sub: Any) -> None:
 
 def run(ns: argparse.Namespace) -> int:
     from superslm.errors import InvalidArgument
-    from superslm.model import resolve_path
+    from superslm.hub import resolve_path
 
     rounds = ns.rounds
     for name, v in (("threads", ns.threads), ("prefill", ns.prefill), ("decode", ns.decode), ("streams", ns.streams),

@@ -67,11 +67,11 @@ class LayerCalibrator:
 
     def __init__(self, path: Path, layers: int, calibrate: str | Path | bool, tokens: int = TOKENS,
                  parameters: int = 0) -> None:
-        import superslm
+        from superslm.model import load
 
         text, name = read_text(calibrate)
         dtype = dense_dtype(parameters)
-        self.model = superslm.load(path, device="cpu", dtype=dtype, quant=None, layers=layers)
+        self.model = load(path, device="cpu", dtype=dtype, quant=None, layers=layers)
         net = self.model.net
         net.fast_decode = False  # the C++ plan would bypass the modules and their hooks
         self._ids = self.model.tokenizer.encode(text, add_special_tokens=False)

@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     # other layers' subcommands; each module imports its heavy dependencies only when run
     from superslm.bench import add_parser as add_bench
     from superslm.convert import add_parser as add_convert
-    from superslm.encoders.cli import add_parser as add_embed
+    from superslm.embed_cli import add_parser as add_embed
     from superslm.serve.cli import add_parser as add_serve
 
     add_serve(sub)

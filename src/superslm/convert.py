@@ -346,7 +346,7 @@ def cmd_convert(ns: argparse.Namespace) -> int:
         if not sep or not name or not file:
             raise InvalidArgument(f"--schema takes NAME=FILE, not {item!r}")
         schemas[name] = file
-    from superslm.model import resolve_path  # model.py imports this module
+    from superslm.hub import resolve_path
 
     start = time.perf_counter()
     dst = convert(resolve_path(ns.src), ns.dst, format=ns.format, group=ns.group, head=ns.head, rotate=not ns.no_rotate,

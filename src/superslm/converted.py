@@ -41,7 +41,7 @@ def converted_net(
     formats (no re-quantization; int4 from its packed layout). `quant`: "auto" or the stored format
     runs them as stored (bf16 activations: dtype defaults to bf16); None/"none" dequantizes them into
     dense weights of `dtype` (as other devices do for formats outside DEVICE_FORMATS)."""
-    from superslm.model import pick_dtype
+    from superslm.devices import pick_dtype
 
     header = source.config["header"]
     body, kept = header["format"], int(header["layers"])

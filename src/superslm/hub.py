@@ -16,7 +16,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from superslm.errors import FetchError
+from superslm.errors import FetchError, ModelNotFound
 from superslm.formats.native import sha256_file
 
 
@@ -163,3 +163,15 @@ def fetch(name: str, progress: bool = True) -> Path:
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return final / model.target
+
+
+def resolve_path(path_or_name: str | Path | None) -> Path:
+    """A path on disk, or a known model name fetched on first use (None: the default model)."""
+    if path_or_name is None:
+        return fetch(DEFAULT_MODEL)
+    p = Path(path_or_name).expanduser()
+    if p.exists():
+        return p
+    if is_known(str(path_or_name)):
+        return fetch(str(path_or_name))
+    raise ModelNotFound(f"no model at {p}, and {str(path_or_name)!r} is not a known model name")

@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from superslm import hub
-from superslm.errors import InvalidArgument, ModelNotFound, TemplateError
+from superslm.devices import DTYPES, pick_device, pick_dtype  # noqa: F401  (re-exported)
+from superslm.errors import InvalidArgument, TemplateError
+from superslm.hub import resolve_path  # noqa: F401  (re-exported)
 from superslm.models.arch import Arch
 from superslm.models.loader import Source, materialize, open_source
 from superslm.models.transformer import Transformer
@@ -17,48 +19,6 @@ from superslm.models.transformer import Transformer
 if TYPE_CHECKING:
     from superslm.engine.engine import Engine
     from superslm.tokenizer import ChatTemplate, Tokenizer
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_path(path_or_name: str | Path | None) -> Path:
-    """A path on disk, or a known model name fetched on first use (None: the default model)."""
-    if path_or_name is None:
-        return hub.fetch(hub.DEFAULT_MODEL)
-    p = Path(path_or_name).expanduser()
-    if p.exists():
-        return p
-    if hub.is_known(str(path_or_name)):
-        return hub.fetch(str(path_or_name))
-    raise ModelNotFound(f"no model at {p}, and {str(path_or_name)!r} is not a known model name")
-
-
-def pick_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise InvalidArgument(f"unknown device {device!r}") from e
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0 or (dev.index is not None and dev.index >= count):
-            raise InvalidArgument(f"device {str(dev)!r}: this machine has {count} CUDA device(s)")
-    elif dev.type != "cpu":
-        raise InvalidArgument(f"device {str(dev)!r}: models run on cpu or cuda (ROCm devices are cuda too)")
-    return dev
-
-
-def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise InvalidArgument(f"unknown dtype {dtype!r} (known: {sorted(DTYPES)})")
-    return DTYPES[dtype]
-
 
 class Model:
     """A loaded language model: its Arch, tokenizer, chat template and forward pass."""

@@ -15,7 +15,7 @@ from superslm.encoders.encoder import Encoder
 def model_kind(path_or_name: str | Path) -> str:
     """"encoder", "cross-encoder" or "decoder": which class a model path or known name loads into
     (Encoder, CrossEncoder, or `superslm.load`). Raises ModelNotFound, FormatError."""
-    from superslm.model import resolve_path
+    from superslm.hub import resolve_path
 
     return _model_kind(resolve_path(path_or_name))
 

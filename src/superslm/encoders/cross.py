@@ -44,7 +44,8 @@ class CrossEncoder:
         XLMRobertaForSequenceClassification with tokenizer.json). The activation is config.json's
         sentence_transformers.activation_fn, else sigmoid for one label and identity for more.
         Raises ModelNotFound, FormatError, UnsupportedModel (also: no classification head)."""
-        from superslm.model import pick_device, resolve_path
+        from superslm.devices import pick_device
+        from superslm.hub import resolve_path
         from superslm.tokenizer import Tokenizer
 
         folder = resolve_path(path_or_name)

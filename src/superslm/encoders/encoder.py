@@ -45,7 +45,7 @@ class Body(Protocol):
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     """Encoders compute in float32 unless asked (they are small, and callers expect the reference's numbers)."""
-    from superslm.model import pick_dtype
+    from superslm.devices import pick_dtype
 
     return torch.float32 if dtype is None else pick_dtype(dtype, torch.device("cpu"))
 
@@ -120,7 +120,8 @@ class Encoder:
         `include_prompt: false`), TokenizerError. config_sentence_transformers.json's `prompts` and
         `default_prompt_name` are kept (see the class).
         """
-        from superslm.model import pick_device, resolve_path
+        from superslm.devices import pick_device
+        from superslm.hub import resolve_path
         from superslm.tokenizer import Tokenizer
 
         folder = resolve_path(path_or_name)

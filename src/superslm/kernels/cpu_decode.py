@@ -27,38 +27,11 @@ _ACT = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 
 
 def _lin(m: torch.nn.Module) -> tuple[list[torch.Tensor | None], list[int]] | None:
-    """(a, b, bias, signs, hadamard, extra) and (kind, group, out, in, k_pad) of a linear; None when
-    unsupported. A ConcatLinear is kind 4 with no tensors: build_plan adds its parts with `plan.add_part`."""
-    from superslm.models.transformer import DenseLinear
-    from superslm.quant.gguf_map import ConcatLinear
-
-    if isinstance(m, ConcatLinear):
-        return [None] * 6, [4, 0, m.out_features, m.in_features, m.in_features]
-    if isinstance(m, DenseLinear):
-        w = m.weight.detach()
-        bias = None if m.bias is None else m.bias.detach()
-        return [w, None, bias, None, None, None], [0, 0, w.shape[0], w.shape[1], w.shape[1]]
-    from superslm.quant.dense import Bf16Linear, Int8Linear
-    from superslm.quant.int4 import Int4Linear, cpu_block
-    from superslm.quant.int5 import GGUFInt5Linear
-
-    rot: list[torch.Tensor | None] = [None, None]
-    if getattr(m, "rotation", None) is not None:
-        rot = list(m.rotation._tables(m.compute_dtype))
-    ints = [m.out_features, m.in_features, m.k_pad]
-    if isinstance(m, GGUFInt5Linear):
-        if cext.vnni() is None:
-            return None  # the 5-bit codes run only on the VNNI kernels; the module has its own fallback
-        return [m.qweight, m.scales_zeros, m.bias, None, None, m.bits], [5, 32, *ints]
-    if isinstance(m, Int4Linear):
-        if cpu_block() != 64 and cext.vnni() is not None:
-            return None  # the VNNI kernels read blocks of 64 rows, torch's layout here has others: no plan
-        return [m.qweight, m.scales_zeros, m.bias, *rot, None], [1, m.group, *ints]
-    if isinstance(m, Int8Linear):
-        return [m.codes, m.scale, m.bias, *rot, None], [2, 0, *ints]
-    if isinstance(m, Bf16Linear):
-        return [m.weight, None, m.bias, *rot, None], [3, 0, *ints]
-    return None
+    """(a, b, bias, signs, hadamard, extra) and (kind, group, out, in, k_pad) of a linear, as its format hands
+    them over (`plan_args`); None when the plan cannot run it. Kind 4 (a ConcatLinear) has no tensors:
+    build_plan adds its parts with `plan.add_part`."""
+    plan_args = getattr(m, "plan_args", None)
+    return None if plan_args is None else plan_args()
 
 
 def _linears(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
@@ -265,11 +238,9 @@ def int8_gemv_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tenso
 
 
 def _int8_fits(module: torch.nn.Module) -> bool:
-    """Whether the C++ int8 GEMVs (VNNI or AVX2) take `module`: an Int8Linear with K a multiple of 64,
-    unpadded unless rotated (`_vnni_input` pads and rotates)."""
-    from superslm.quant.dense import Int8Linear
-
-    if type(module) is not Int8Linear:
+    """Whether the C++ int8 GEMVs (VNNI or AVX2) take `module`: an int8 format (codes, a scale per channel) with K
+    a multiple of 64, unpadded unless rotated (`_vnni_input` pads and rotates)."""
+    if not getattr(module, "int8_codes", False):
         return False
     return module.k_pad % 64 == 0 and (module.rotation is not None or module.k_pad == module.in_features)
 

@@ -5,8 +5,8 @@ triton imports, the torch reference otherwise; "torch" always runs the reference
 always runs the kernels, also on a CPU tensor when TRITON_INTERPRET=1 was set before the first
 kernel import (how CI tests them). The references for the fused ops that have no torch module of
 their own (`add_rms_norm_reference`, `int4_matmul_reference`, `int8_matmul_reference`,
-`hadamard_rotate_reference`) live here; those of device-side sampling (`shape_logits_reference`,
-`select_tokens_reference`, with their inputs `LogitBias` and `Penalties`) in kernels/sampling_reference.py.
+`hadamard_rotate_reference`) live here; those of device-side sampling
+in sampling/on_device.py (their inputs, `LogitBias` and `Penalties`, in kernels/sampling_args.py).
 Deterministic steps (meta.deterministic) take the batch-invariant attention: its Triton kernel or its reference.
 """
 
@@ -27,12 +27,6 @@ from superslm.kernels import norm as _norm
 from superslm.kernels import rope as _rope
 from superslm.kernels.attention import AttnMetadata
 from superslm.kernels.row_blocks import by_row_blocks
-from superslm.kernels.sampling_reference import (  # noqa: F401  (re-exported: sampling/batch.py, the kernels)
-    LogitBias,
-    Penalties,
-    select_tokens_reference,
-    shape_logits_reference,
-)
 
 ENV = "SUPERSLM_KERNELS"
 CHOICES = ("auto", "triton", "torch")
@@ -92,7 +86,8 @@ def norm_gemv_rows() -> int:
     return rows
 
 
-def _kernels(device: torch.device) -> ModuleType | None:
+def triton_kernels(device: torch.device) -> ModuleType | None:
+    """superslm.kernels.triton where `backend(device)` is "triton", else None (the torch references)."""
     return _triton_mod if backend(device) == "triton" else None
 
 
@@ -134,7 +129,7 @@ def dense_matmul_reference(
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-#: quant.hadamard.Rotation's map step by step (kept under its older name)
+#: kernels.hadamard.Rotation's map step by step (kept under its older name)
 hadamard_rotate_reference = _fused.hadamard_rotate
 
 
@@ -145,7 +140,7 @@ def store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """kernels.attention.store_kv on the chosen backend."""
-    t = _kernels(k.device)
+    t = triton_kernels(k.device)
     (t.store_kv if t else _attention.store_kv)(k_cache, v_cache, k, v, slot_mapping)
 
 
@@ -161,7 +156,7 @@ def paged_attention(
     mode)."""
     if meta.deterministic:
         return paged_attention_invariant(q, k_cache, v_cache, meta, window, scale)
-    t = _kernels(q.device)
+    t = triton_kernels(q.device)
     return (t.paged_attention if t else _attention.paged_attention)(q, k_cache, v_cache, meta, window, scale)
 
 
@@ -174,14 +169,14 @@ def paged_attention_invariant(
     scale: float,
 ) -> torch.Tensor:
     """kernels.attention_invariant.paged_attention_invariant (batch-invariant attention) on the chosen backend."""
-    t = _kernels(q.device)
+    t = triton_kernels(q.device)
     fn = t.paged_attention_invariant if t else _attention_invariant.paged_attention_invariant
     return fn(q, k_cache, v_cache, meta, window, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float: bool = False) -> torch.Tensor:
     """kernels.norm.rms_norm on the chosen backend."""
-    t = _kernels(x.device)
+    t = triton_kernels(x.device)
     return (t.rms_norm if t else _norm.rms_norm)(x, weight, eps, weight_in_float)
 
 
@@ -189,13 +184,13 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_rms_norm_reference` on the chosen backend: (normed, new residual) in one pass."""
-    t = _kernels(x.device)
+    t = triton_kernels(x.device)
     return (t.add_rms_norm if t else add_rms_norm_reference)(x, residual, weight, eps, weight_in_float)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """kernels.rope.apply_rope on the chosen backend."""
-    t = _kernels(x.device)
+    t = triton_kernels(x.device)
     return (t.apply_rope if t else _rope.apply_rope)(x, cos, sin)
 
 
@@ -215,7 +210,7 @@ def prepare_qkv(
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     """kernels.fused.prepare_qkv on the chosen backend: bias, q/k norms, RoPE and the KV store in one pass."""
-    t = _kernels(qkv.device)
+    t = triton_kernels(qkv.device)
     fn = t.prepare_qkv if t else _fused.prepare_qkv
     return fn(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache, slot_mapping)
 
@@ -243,7 +238,7 @@ def prepare_attention(
         q = prepare_qkv(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache,
                         meta.slot_mapping)  # fmt: skip
         return paged_attention_invariant(q, k_cache, v_cache, meta, window, scale)
-    t = _kernels(qkv.device)
+    t = triton_kernels(qkv.device)
     fn = t.prepare_attention if t else _fused.prepare_attention
     return fn(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache, meta, window,
               scale)  # fmt: skip
@@ -269,7 +264,7 @@ def attention_linear(
 ) -> torch.Tensor:
     """kernels.fused.attention_linear on the chosen backend (deterministic mode: `prepare_attention`'s, then
     torch's matmul)."""
-    t = None if meta.deterministic else _kernels(qkv.device)
+    t = None if meta.deterministic else triton_kernels(qkv.device)
     if t is None:
         o = prepare_attention(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache,
                               v_cache, meta, window, scale)  # fmt: skip
@@ -300,7 +295,7 @@ def attention_rotate(
 ) -> torch.Tensor:
     """kernels.fused.attention_rotate on the chosen backend (deterministic mode: `prepare_attention`'s, then the
     rotation)."""
-    t = None if meta.deterministic else _kernels(qkv.device)
+    t = None if meta.deterministic else triton_kernels(qkv.device)
     if t is None:
         o = prepare_attention(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache,
                               v_cache, meta, window, scale)  # fmt: skip
@@ -311,7 +306,7 @@ def attention_rotate(
 
 def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """kernels.fused.gated_act on the chosen backend."""
-    t = _kernels(gate_up.device)
+    t = triton_kernels(gate_up.device)
     return (t.gated_act if t else _fused.gated_act)(gate_up, act)
 
 
@@ -326,7 +321,7 @@ def norm_rotate(
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """kernels.fused.norm_rotate on the chosen backend: (add +) norm, cast and input rotation in one pass."""
-    t = _kernels(x.device)
+    t = triton_kernels(x.device)
     fn = t.norm_rotate if t else _fused.norm_rotate
     return fn(x, residual, weight, eps, weight_in_float, signs, block, dtype)
 
@@ -335,7 +330,7 @@ def gated_act_rotate(
     gate_up: torch.Tensor, act: str, signs: torch.Tensor, block: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """kernels.fused.gated_act_rotate on the chosen backend."""
-    t = _kernels(gate_up.device)
+    t = triton_kernels(gate_up.device)
     return (t.gated_act_rotate if t else _fused.gated_act_rotate)(gate_up, act, signs, block, dtype)
 
 
@@ -349,7 +344,7 @@ def norm_linear(
     act: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """kernels.fused.norm_linear on the chosen backend: (add +) norm, a dense linear (and the activation) at once."""
-    t = _kernels(x.device)
+    t = triton_kernels(x.device)
     return (t.norm_linear if t else _fused.norm_linear)(x, residual, weight, eps, weight_in_float, w, act)
 
 
@@ -365,7 +360,7 @@ def norm_rotate_int4(
     w4: _fused.Int4Weight,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """kernels.fused.norm_rotate_int4 on the chosen backend: norm_rotate and the int4 GEMV in one launch."""
-    t = _kernels(x.device)
+    t = triton_kernels(x.device)
     fn = t.norm_rotate_int4 if t else _fused.norm_rotate_int4
     return fn(x, residual, weight, eps, weight_in_float, signs, block, dtype, w4)
 
@@ -374,7 +369,7 @@ def gated_act_rotate_int4(
     gate_up: torch.Tensor, act: str, signs: torch.Tensor, block: int, dtype: torch.dtype, w4: _fused.Int4Weight
 ) -> torch.Tensor:
     """kernels.fused.gated_act_rotate_int4 on the chosen backend."""
-    t = _kernels(gate_up.device)
+    t = triton_kernels(gate_up.device)
     return (t.gated_act_rotate_int4 if t else _fused.gated_act_rotate_int4)(gate_up, act, signs, block, dtype, w4)
 
 
@@ -383,52 +378,25 @@ def int4_matmul(
     tile_rows: int | None = None,
 ) -> torch.Tensor:
     """`int4_matmul_reference` on the chosen backend."""
-    t = _kernels(x.device)
+    t = triton_kernels(x.device)
     return (t.int4_matmul if t else int4_matmul_reference)(x, qweight, scale, zero, group, tile_rows)
 
 
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, tile_rows: int | None = None
                 ) -> torch.Tensor:  # fmt: skip
     """`int8_matmul_reference` on the chosen backend."""
-    t = _kernels(x.device)
+    t = triton_kernels(x.device)
     return (t.int8_matmul if t else int8_matmul_reference)(x, codes, scale, tile_rows)
 
 
 def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tile_rows: int = 16
                  ) -> torch.Tensor:  # fmt: skip
     """`dense_matmul_reference` on the chosen backend (Triton: one launch of fixed tiles)."""
-    t = _kernels(x.device)
+    t = triton_kernels(x.device)
     return (t.dense_matmul if t else dense_matmul_reference)(x, weight, bias, tile_rows)
 
 
 def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
     """`hadamard_rotate_reference` on the chosen backend."""
-    t = _kernels(x.device)
+    t = triton_kernels(x.device)
     return (t.hadamard_rotate if t else hadamard_rotate_reference)(x, signs, block)
-
-
-def shape_logits(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    bitmask: torch.Tensor | None = None,
-    bias: LogitBias | None = None,
-    penalties: Penalties | None = None,
-) -> torch.Tensor:
-    """`shape_logits_reference` on the chosen backend."""
-    t = _kernels(logits.device)
-    return (t.shape_logits if t else shape_logits_reference)(logits, temperature, bitmask, bias, penalties)
-
-
-def select_tokens(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    log_min_p: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    keys: torch.Tensor,
-    filtered: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`select_tokens_reference` on the chosen backend."""
-    t = _kernels(logits.device)
-    fn = t.select_tokens if t else select_tokens_reference
-    return fn(logits, temperature, log_min_p, top_k, top_p, keys, filtered)

@@ -3,7 +3,7 @@
 `prepare_qkv`: a fused qkv matmul's output -> bias, per-head q/k norms, RoPE, k and v into the paged
 cache, q out; `gated_act`: the MLP's act(gate) * up from the fused gate_up output; `norm_rotate` and
 `gated_act_rotate`: a norm or the activation feeding a Hadamard-rotated int4/int8 linear, with the
-linear's cast and input rotation (`hadamard_rotate`, quant.hadamard.Rotation's map); `norm_linear`: a norm
+linear's cast and input rotation (`hadamard_rotate`, kernels.hadamard.Rotation's map); `norm_linear`: a norm
 feeding a dense linear (and the activation after a fused gate_up), the GPU's one-launch GEMV; `prepare_attention`:
 prepare_qkv and the paged attention after it (one launch of a decode step on the GPU), and `attention_linear`
 with the o projection (whose GEMV merges the attention's key splits); `norm_rotate_int4` and
@@ -175,10 +175,10 @@ def attention_rotate(
 
 
 def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
-    """x [..., K] -> per block of `block` inputs (x * signs) · H_b in x's dtype: quant.hadamard.Rotation's
+    """x [..., K] -> per block of `block` inputs (x * signs) · H_b in x's dtype: kernels.hadamard.Rotation's
     forward step by step (signs and the orthonormal H_b cast to x's dtype, one batched matmul)."""
-    # imported here: superslm.quant imports models.transformer, which imports the kernels
-    from superslm.quant.hadamard import hadamard_matrix
+    # imported here: kernels.hadamard imports kernels.dispatch, which imports this module
+    from superslm.kernels.hadamard import hadamard_matrix
 
     k, lead = x.shape[-1], x.shape[:-1]
     if block < 1 or k % block:

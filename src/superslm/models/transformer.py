@@ -58,6 +58,12 @@ class DenseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def plan_args(self) -> tuple[list[torch.Tensor | None], list[int]]:
+        """The C++ plan's operands (kernels.cpu_decode.build_plan): kind 0, the weight in the compute dtype."""
+        w = self.weight.detach()
+        bias = None if self.bias is None else self.bias.detach()
+        return [w, None, bias, None, None, None], [0, 0, w.shape[0], w.shape[1], w.shape[1]]
+
     def forward_row_blocks(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Deterministic mode's rule, x [M, in] -> [M, out]: 16 rows a call (kernels.dispatch.dense_matmul; on the
         Triton path one launch of fixed 16-row tiles, not a cuBLAS call per block). A hook keeps the module's call."""

@@ -7,10 +7,10 @@ Hadamard rotation that makes int4 lose less, and the module swap that puts them 
 See docs/quantization.md.
 """
 
+from superslm.kernels.hadamard import Rotation, fwht, random_signs, rotate_activation, rotate_weight, unrotate_weight
 from superslm.quant.base import FORMATS, LinearFormat, dequantize_gguf, format_class, load_linear, register_format
 from superslm.quant.dense import Bf16Linear, Int8Linear
 from superslm.quant.gguf_map import NEAREST, ConcatLinear, linear_from_gguf, nearest_format
-from superslm.quant.hadamard import Rotation, fwht, random_signs, rotate_activation, rotate_weight, unrotate_weight
 from superslm.quant.int4 import GGUFInt4Linear, Int4Linear
 from superslm.quant.int5 import GGUFInt5Linear
 from superslm.quant.swap import linear_summary, quantize_from_source, quantize_linears, row_permutation

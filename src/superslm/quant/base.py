@@ -21,8 +21,8 @@ from torch import nn
 from superslm.errors import FormatError, InvalidArgument, UnsupportedModel
 from superslm.formats.blocks import BlockType
 from superslm.kernels.fused import Int4Weight
+from superslm.kernels.hadamard import Rotation, unrotate_weight
 from superslm.kernels.row_blocks import BLOCK, by_row_blocks, pad_rows
-from superslm.quant.hadamard import Rotation, unrotate_weight
 
 #: name -> format class
 FORMATS: dict[str, type[LinearFormat]] = {}
@@ -205,6 +205,21 @@ class LinearFormat(nn.Module):
     def _matmul_tiled(self, h: torch.Tensor, tile_rows: int) -> torch.Tensor:
         """`_matmul` with `tile_rows` rows per program: each row's bits those of a call of tile_rows rows."""
         raise NotImplementedError
+
+    #: the C++ plan's kind of this format (kernels/cpu/plan_linear.h); None: the plan cannot run it
+    plan_kind: ClassVar[int | None] = None
+
+    def plan_args(self) -> tuple[list[torch.Tensor | None], list[int]] | None:
+        """The C++ plan's operands of this linear (kernels.cpu_decode.build_plan): (a, b, bias, signs, hadamard,
+        extra) and (kind, group, out, in, k_pad); None where the plan cannot run it here."""
+        return None
+
+    def _plan_rotation(self) -> list[torch.Tensor | None]:
+        """(signs, hadamard) of the input rotation as the plan reads them, or (None, None)."""
+        return [None, None] if self.rotation is None else list(self.rotation._tables(self.compute_dtype))
+
+    def _plan_ints(self) -> list[int]:
+        return [self.out_features, self.in_features, self.k_pad]
 
     def input_rotation(self) -> tuple[torch.Tensor, int, torch.dtype] | None:
         """(signs, block, compute dtype) when `forward` is the base's pad-rotate-matmul and rotates, so a kernel

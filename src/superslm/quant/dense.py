@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from superslm.kernels import dispatch
+from superslm.kernels.hadamard import pick_block, rotate_weight
 from superslm.quant.base import LinearFormat, as_bias, as_parts, register_format
-from superslm.quant.hadamard import pick_block, rotate_weight
 from superslm.quant.int4 import round_up
 
 #: int8 kernel: K is padded to a multiple of this
@@ -56,6 +56,9 @@ class Bf16Linear(LinearFormat):
         """weight [out, k_pad] (stored basis: rotated when `rotation` is given)."""
         super().__init__(in_features, weight.shape[0], weight.shape[1], bias, rotation, note)
         self.register_buffer("weight", weight.to(torch.bfloat16).contiguous())
+
+    def plan_args(self) -> tuple[list[torch.Tensor | None], list[int]]:
+        return [self.weight, None, self.bias, *self._plan_rotation(), None], [3, 0, *self._plan_ints()]
 
     @classmethod
     def from_dense(
@@ -127,6 +130,12 @@ class Int8Linear(LinearFormat):
         super().__init__(in_features, n, k_pad, bias, rotation, note)
         self.register_buffer("codes", codes.to(torch.int8).contiguous())
         self.register_buffer("scale", scale.to(torch.bfloat16).contiguous())
+
+    #: codes and a per-channel scale as the C++ int8 GEMVs read them (kernels.cpu_decode.vnni_linear)
+    int8_codes: ClassVar[bool] = True
+
+    def plan_args(self) -> tuple[list[torch.Tensor | None], list[int]]:
+        return [self.codes, self.scale, self.bias, *self._plan_rotation(), None], [2, 0, *self._plan_ints()]
 
     @classmethod
     def from_dense(

@@ -137,6 +137,10 @@ class ConcatLinear(LinearFormat):
     def row_invariant(self) -> bool:
         return all(p.row_invariant for p in self.parts)
 
+    def plan_args(self) -> tuple[list[torch.Tensor | None], list[int]]:
+        """Kind 4 with no tensors of its own: build_plan adds each part's operands (`plan.add_part`)."""
+        return [None] * 6, [4, 0, self.out_features, self.in_features, self.in_features]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 

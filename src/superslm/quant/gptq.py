@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from superslm.errors import InvalidArgument
-from superslm.quant.hadamard import rotate_weight
+from superslm.kernels.hadamard import rotate_weight
 
 #: columns updated together (the lazy batch update of the GPTQ paper)
 _BLOCK = 128

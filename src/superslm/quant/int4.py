@@ -19,12 +19,13 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from superslm import cext
 from superslm.errors import InternalError, InvalidArgument, UnsupportedModel
 from superslm.formats.blocks import BlockType, Int4BlockType
 from superslm.kernels import dispatch
 from superslm.kernels.fused import Int4Weight
+from superslm.kernels.hadamard import pick_block, rotate_weight
 from superslm.quant.base import LinearFormat, as_bias, as_parts, register_format
-from superslm.quant.hadamard import pick_block, rotate_weight
 
 GROUPS = (32, 64, 128, 256)
 #: rows per block of the stored packed layout (torch's kernel's on AVX-512; the C++ VNNI kernels read it)
@@ -253,6 +254,12 @@ class Int4Linear(LinearFormat):
 
     def kernel_row_invariant(self) -> bool:
         return self.layout == "cpu" and dispatch.backend(self.qweight.device) == "torch"
+
+    def plan_args(self) -> tuple[list[torch.Tensor | None], list[int]] | None:
+        if cpu_block() != 64 and cext.vnni() is not None:
+            return None  # the VNNI kernels read blocks of 64 rows, torch's layout here has others: no plan
+        return [self.qweight, self.scales_zeros, self.bias, *self._plan_rotation(), None], [1, self.group,
+                                                                                           *self._plan_ints()]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "cpu" and dispatch.backend(x.device) == "torch":

@@ -115,6 +115,11 @@ class GGUFInt5Linear(LinearFormat):
     def from_dense(cls, *args: Any, **kwargs: Any) -> LinearFormat:
         raise InvalidArgument("the gguf5 format is built from GGUF Q5_0 blocks (from_gguf)")
 
+    def plan_args(self) -> tuple[list[torch.Tensor | None], list[int]] | None:
+        if cext.vnni() is None:
+            return None  # the 5-bit codes run only on the VNNI kernels; the module has its own fallback
+        return [self.qweight, self.scales_zeros, self.bias, None, None, self.bits], [5, 32, *self._plan_ints()]
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         ext = cext.vnni()
         if ext is None or x.device.type != "cpu":

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from superslm.errors import InvalidArgument
-from superslm.kernels.sampling_reference import LogitBias, Penalties
+from superslm.kernels.sampling_args import LogitBias, Penalties
 from superslm.sampling._device import upload
 from superslm.sampling.noise import keys_tensor
 from superslm.sampling.penalties import build_penalty_tensors

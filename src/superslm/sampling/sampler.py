@@ -24,6 +24,7 @@ from torch import Tensor
 
 from superslm.errors import InvalidArgument, SuperSLMError
 from superslm.kernels import dispatch
+from superslm.sampling import on_device
 from superslm.sampling._device import upload
 from superslm.sampling.batch import sampling_batch
 from superslm.sampling.noise import draw_seed, gumbel_noise, keys_tensor
@@ -170,7 +171,7 @@ def sample(logits: Tensor, rows: Sequence[SamplerState], *, bitmask: Tensor | No
         as passed in: before the bitmask too. (vLLM's runner masks before its raw logprobs; an
         engine that wants that calls `apply_token_bitmask` itself and passes bitmask=None.)
 
-        fused: run every row through the two device-side kernels (kernels.dispatch `shape_logits`,
+        fused: run every row through the two device-side kernels (sampling.on_device `shape_logits`,
             `select_tokens`: the same tokens, tests hold them equal) instead of per-stage row subsets.
             None: fused where those kernels are Triton (a GPU, or SUPERSLM_KERNELS=triton): a step then
             costs two launches and no host sync but the tokens' copy. Rows asking for logprobs get their
@@ -202,8 +203,8 @@ def sample(logits: Tensor, rows: Sequence[SamplerState], *, bitmask: Tensor | No
             tokens = logits.argmax(dim=-1)
         else:
             b = sampling_batch(rows, vocab, device)
-            x = dispatch.shape_logits(logits, b.temperature, bitmask, b.bias, b.penalties)
-            tokens = dispatch.select_tokens(x, b.temperature, b.log_min_p, b.top_k, b.top_p, b.keys)
+            x = on_device.shape_logits(logits, b.temperature, bitmask, b.bias, b.penalties)
+            tokens = on_device.select_tokens(x, b.temperature, b.log_min_p, b.top_k, b.top_p, b.keys)
         return _with_logprobs(logits, tokens, params, lp_rows)
 
     # plain greedy rows read the logits as they are (float32 argmax of bf16 is the same index): a

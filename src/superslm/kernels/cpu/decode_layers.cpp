@@ -271,7 +271,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_part", &DecodePlan::add_part)
       .def("num_layers", &DecodePlan::num_layers)
       .def("run", &DecodePlan::run, pybind11::call_guard<pybind11::gil_scoped_release>());
-  // the block Hadamard rotation of quant/hadamard.py Rotation, row by row in float, bf16 out
+  // the block Hadamard rotation of kernels/hadamard.py Rotation, row by row in float, bf16 out
   m.def(
       "hadamard_rows",
       [](const at::Tensor& x, const at::Tensor& signs, int64_t block, int64_t kpad) {

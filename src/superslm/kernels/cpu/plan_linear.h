@@ -84,7 +84,7 @@ static at::Tensor blocks16(const at::Tensor& x, const at::Tensor& w, const at::T
 struct Lin {
   int64_t kind = 0, group = 0, out = 0, in = 0, kpad = 0;
   at::Tensor a, b, bias;
-  // block Hadamard rotation of the input (quant/hadamard.py Rotation): signs [kpad], H [block, block]
+  // block Hadamard rotation of the input (kernels/hadamard.py Rotation): signs [kpad], H [block, block]
   at::Tensor signs, hadamard, signs_f;  // signs_f: the signs as float, for rotate_rows
   // INT5: the fifth-bit masks (int64 [N / 64, K / 4, 4])
   at::Tensor extra;

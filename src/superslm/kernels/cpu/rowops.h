@@ -301,7 +301,7 @@ void act_rows(const T* gu, T* out, int64_t B, int64_t inter, int64_t act) {
   }
 }
 
-// ---- the block Hadamard rotation of a linear's input (quant/hadamard.py Rotation) ----
+// ---- the block Hadamard rotation of a linear's input (kernels/hadamard.py Rotation) ----
 
 // x [rows, in] (float or bf16) -> out [rows, kpad] of out's dtype: zero-padded past `in`, times
 // signs_f (float [kpad], +-1), then the orthonormal Walsh-Hadamard transform of each run of `block`

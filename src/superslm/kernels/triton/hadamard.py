@@ -1,6 +1,6 @@
 """Block Hadamard rotation of activations: x -> per block of b inputs, (x * signs) · H_b.
 
-The map of quant/hadamard.py's `Rotation` (see kernels.dispatch.hadamard_rotate_reference). Each
+The map of kernels/hadamard.py's `Rotation` (see kernels.dispatch.hadamard_rotate_reference). Each
 program takes BLOCK_R (row, block) pairs as a [BLOCK_R, b] tile and multiplies it with the ±1
 Sylvester matrix (H[i, j] = (-1)^popcount(i & j)) by butterflies (`fwht_rows`), then scales by
 1/sqrt(b) rounded to x's dtype, as `Rotation` rounds its matrix. x * signs is exact in bf16/fp16, so
@@ -62,8 +62,8 @@ def _hadamard_kernel(
 @functools.lru_cache(maxsize=32)
 def h_scale(block: int, dtype: torch.dtype) -> float:
     """1/sqrt(block) as `Rotation` multiplies by it: H_b's float32 entry rounded to `dtype`."""
-    # imported here: superslm.quant imports models.transformer, which imports kernels.dispatch
-    from superslm.quant.hadamard import hadamard_matrix
+    # imported here: kernels.hadamard imports kernels.dispatch, which imports the Triton kernels
+    from superslm.kernels.hadamard import hadamard_matrix
 
     return float(hadamard_matrix(block)[0, 0].to(dtype))
 

@@ -1,6 +1,6 @@
 """Device-side sampling: logits shaping and token selection, one program per row, no host sync.
 
-Two kernels, each with the signature and meaning of its torch reference in kernels/dispatch.py
+Two kernels, each with the signature and meaning of its torch reference in sampling/on_device.py
 (`shape_logits_reference`, `select_tokens_reference`), which run superslm.sampling's own stages:
 
 - `shape_logits`: grammar bitmask, logit_bias, repetition/frequency/presence penalties, then the
@@ -34,7 +34,7 @@ from superslm.errors import InvalidArgument
 from superslm.kernels.triton._util import interpreted
 
 if TYPE_CHECKING:
-    from superslm.kernels.sampling_reference import LogitBias, Penalties
+    from superslm.kernels.sampling_args import LogitBias, Penalties
 
 #: sampling.params.GREEDY_EPS: rows whose temperature is below it are greedy
 GREEDY_EPS: tl.constexpr = tl.constexpr(1e-5)
@@ -289,7 +289,7 @@ def shape_logits(
 ) -> torch.Tensor:
     """Shaped float32 [B, V] logits: bitmask, logit_bias, penalties, temperature (sampler order).
 
-    Same signature and meaning as kernels.sampling_reference.shape_logits_reference.
+    Same signature and meaning as sampling.on_device.shape_logits_reference.
     """
     x = _rows(logits)
     n, vocab = x.shape
@@ -336,7 +336,7 @@ def select_tokens(
 ) -> torch.Tensor:
     """int64 [B]: each row's next token from shaped logits (greedy argmax, or filtered Gumbel race).
 
-    Same signature and meaning as kernels.sampling_reference.select_tokens_reference.
+    Same signature and meaning as sampling.on_device.select_tokens_reference.
     """
     x = _rows(logits.to(torch.float32))
     n, vocab = x.shape

@@ -1,39 +1,27 @@
-"""Device-side sampling's inputs and torch references: the meaning of kernels/triton/sampling.py's kernels.
+"""Sampling on the device: the torch references of kernels/triton/sampling.py's kernels, and the choice between them.
 
-`shape_logits_reference` and `select_tokens_reference` run superslm.sampling's own stages on every row at once;
-sampling/batch.py builds their inputs (`LogitBias`, `Penalties`). kernels.dispatch picks between these and the
-Triton kernels (and re-exports the names).
+`shape_logits_reference` and `select_tokens_reference` run this package's own stages on every row at once;
+sampling/batch.py builds their inputs (kernels.sampling_args: `LogitBias`, `Penalties`). `shape_logits` and
+`select_tokens` run the Triton kernels where kernels.dispatch chose Triton for the device, else the references.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-
-class LogitBias(NamedTuple):
-    """Every row's logit_bias as CSR: row b's pairs are tokens / values[offsets[b]:offsets[b + 1]]."""
-
-    offsets: torch.Tensor
-    """int32 [B + 1], ascending, offsets[0] = 0."""
-    tokens: torch.Tensor
-    """int32 [K]: token ids, distinct within a row."""
-    values: torch.Tensor
-    """float32 [K]: the biases."""
-
-
-class Penalties(NamedTuple):
-    """Penalty inputs: `build_penalty_tensors` of the P rows that use penalties, and per-row factors."""
-
-    rows: torch.Tensor
-    """int32 [B]: row b's row in counts / prompt_mask, -1 for rows without penalties."""
-    counts: torch.Tensor
-    """int32 [P, V]: output token counts."""
-    prompt_mask: torch.Tensor
-    """bool [P, V]: tokens in the prompt."""
-    factors: torch.Tensor
-    """float32 [B, 3]: presence, frequency, repetition (read only where rows >= 0)."""
+from superslm.kernels.dispatch import triton_kernels
+from superslm.kernels.sampling_args import LogitBias, Penalties
+from superslm.sampling.noise import gumbel_noise
+from superslm.sampling.params import GREEDY_EPS
+from superslm.sampling.shaping import (
+    apply_logit_bias,
+    apply_min_p,
+    apply_penalties,
+    apply_temperature,
+    apply_token_bitmask,
+    apply_top_k,
+    apply_top_p,
+)
 
 
 def shape_logits_reference(
@@ -50,9 +38,6 @@ def shape_logits_reference(
     Each stage is exactly neutral where a row has it off, so this equals the sampler's per-row
     subsets. `logits` (any float dtype) is not modified.
     """
-    from superslm.sampling.params import GREEDY_EPS
-    from superslm.sampling.shaping import apply_logit_bias, apply_penalties, apply_temperature, apply_token_bitmask
-
     x = logits.to(torch.float32, copy=True)
     if bitmask is not None:
         apply_token_bitmask(x, bitmask)
@@ -85,10 +70,6 @@ def select_tokens_reference(
     [B]), top_k (int [B], 0 or >= V off), top_p (float32 [B]), then argmax(x + gumbel_noise(keys)).
     `filtered`, if given (float32 [B, V]), receives the logits after top_p (greedy rows: unchanged).
     """
-    from superslm.sampling.noise import gumbel_noise
-    from superslm.sampling.params import GREEDY_EPS
-    from superslm.sampling.shaping import apply_min_p, apply_top_k, apply_top_p
-
     x = logits.to(torch.float32, copy=True)
     vocab = x.shape[1]
     greedy = temperature < GREEDY_EPS
@@ -101,3 +82,30 @@ def select_tokens_reference(
         filtered.copy_(torch.where(greedy.unsqueeze(1), logits.float(), x))
     x += gumbel_noise(keys, vocab)
     return torch.where(greedy, first, x.argmax(dim=-1))
+
+
+def shape_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    bitmask: torch.Tensor | None = None,
+    bias: LogitBias | None = None,
+    penalties: Penalties | None = None,
+) -> torch.Tensor:
+    """`shape_logits_reference` on the chosen backend."""
+    t = triton_kernels(logits.device)
+    return (t.shape_logits if t else shape_logits_reference)(logits, temperature, bitmask, bias, penalties)
+
+
+def select_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    log_min_p: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    keys: torch.Tensor,
+    filtered: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`select_tokens_reference` on the chosen backend."""
+    t = triton_kernels(logits.device)
+    fn = t.select_tokens if t else select_tokens_reference
+    return fn(logits, temperature, log_min_p, top_k, top_p, keys, filtered)
