@@ -51,6 +51,19 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "mistral": ("MistralConfig", dict(SMALL, sliding_window=6, head_dim=16)),
+    # Phi-3-mini-128k's layout, shrunk: q/k/v and gate/up stored fused, LongRoPE (short factors within the 64
+    # trained positions, cos/sin scaled for the 256 of max_position_embeddings), a sliding window, and
+    # Phi-4-mini's partial rotary dimensions (12 of 16)
+    "phi3": ("Phi3Config", dict(SMALL, max_position_embeddings=256, original_max_position_embeddings=64,
+                                bos_token_id=0, eos_token_id=1, pad_token_id=None,
+                                sliding_window=12, rope_parameters={
+                                    "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                    "short_factor": [1.0, 1.1, 1.3, 1.7, 2.4, 3.0],
+                                    "long_factor": [1.2, 2.0, 3.5, 6.0, 9.0, 14.0]})),
+    # SmolLM3-3B's layout, shrunk: layers 1 and 3 without rotary positions (NoPE), tied, GQA
+    "smollm3": ("SmolLM3Config", dict(SMALL, num_hidden_layers=4, no_rope_layers=[1, 0, 1, 0], bos_token_id=0,
+                                      eos_token_id=1, pad_token_id=None,
+                                      rope_theta=2000000.0, tie_word_embeddings=True)),
     # Qwen2.5-0.5B's config, shrunk: q/k/v biases, tied
     "qwen2": ("Qwen2Config", dict(SMALL, rope_theta=1000000.0, tie_word_embeddings=True)),
     # Qwen3-0.6B's config, shrunk: q/k norms, explicit head_dim != dim/heads

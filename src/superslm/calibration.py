@@ -19,8 +19,8 @@ from superslm.cache.kv import KVCache
 from superslm.errors import InvalidArgument
 from superslm.kernels.attention import AttnMetadata
 from superslm.memory import available_memory
+from superslm.models.parts import LINEAR_NAMES
 from superslm.quant.gptq import Calibration
-from superslm.quant.swap import LAYER_LINEARS
 
 #: calibration tokens by default, in sequences of SEQ tokens
 TOKENS = 2048
@@ -106,9 +106,9 @@ class LayerCalibrator:
         net = self.model.net
         layer = net.layers[i]
         cal = Calibration()
-        with torch.no_grad(), cal.watch({attr: getattr(layer, attr) for attr in LAYER_LINEARS}):
+        with torch.no_grad(), cal.watch({attr: getattr(layer, attr) for attr in LINEAR_NAMES}):
             for j, seq in enumerate(self.seqs):
                 n = len(seq)
                 meta = AttnMetadata.one_prompt(n, _PAGE)
                 self.h[j] = net.run_layers(self.h[j], meta, self.kv.k, self.kv.v, start=i, end=i + 1)
-        return {attr: cal.pop(attr) for attr in LAYER_LINEARS}
+        return {attr: cal.pop(attr) for attr in LINEAR_NAMES}

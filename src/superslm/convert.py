@@ -26,17 +26,16 @@ import torch
 from superslm.errors import InvalidArgument, ModelNotFound
 from superslm.formats import native
 from superslm.models.loader import Source, Stored, canonical_names, open_source
+from superslm.models.parts import NORMS, PIECES, stacked
 from superslm.quant import LinearFormat, linear_from_gguf
 from superslm.quant.stored import INT4_PACKED, linear_state
-from superslm.quant.swap import LAYER_LINEARS, gguf_parts, make_linear
+from superslm.quant.swap import gguf_parts, make_linear
 
 #: --format: the body's linears; "gguf" runs a GGUF file's int4 blocks as they are (others nearest),
 #: "dense" keeps float weights as the source holds them (GGUF blocks dequantized to float32)
 BODY_FORMATS = ("int4", "int8", "bf16", "gguf", "dense")
 #: --head: a format, "nearest" (a GGUF head's block type mapped like the body's) or "dense"
 HEAD_FORMATS = ("int4", "int8", "bf16", "nearest", "dense")
-PARTS = ("q", "k", "v", "o", "gate", "up", "down")
-NORMS = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
 #: files of a Hugging Face folder's tokenizer and template, copied as they are
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "chat_template.json")
@@ -111,9 +110,9 @@ class _Writer:
         keys = [k[len(prefix):] for k in self.names if k.startswith(prefix)]
         # GGUF blocks kept as they are need no float copy of the linears
         w = {k: _fixed(self.source, prefix + k, self.names[prefix + k]) for k in keys
-             if not (body == "gguf" and k in PARTS)}
+             if not (body == "gguf" and k in PIECES)}
         if self.adapter is not None:
-            for part in PARTS:
+            for part in (p for p in PIECES if p in w):
                 delta = self.adapter.delta(i, part)
                 if delta is not None:
                     w[part] = w[part] + delta
@@ -124,14 +123,13 @@ class _Writer:
                 self.tensors[prefix + k] = w[k].to(_float_dtype(self.names[prefix + k], exact=True))
         if body == "dense":
             return
-        biases = {"qkv": torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if arch.qkv_bias else None,
-                  "o": w["o_bias"] if arch.o_bias else None}
         hessians = self.calibrator.layer(i) if self.calibrator is not None else {}
-        for attr, parts in LAYER_LINEARS.items():
+        for attr, spec in self.source.recipe.parts.linears(arch).items():
+            bias = stacked(w, attr)[1] if spec.bias else None
             if body == "gguf":
-                module = linear_from_gguf(gguf_parts(self.source, self.names, prefix, parts), biases.get(attr))
+                module = linear_from_gguf(gguf_parts(self.source, self.names, prefix, spec.pieces), bias)
             else:
-                module = self.make(body, torch.cat([w[p] for p in parts]), biases.get(attr), hessians.get(attr))
+                module = self.make(body, stacked(w, attr)[0], bias, hessians.get(attr))
                 if hessians.get(attr) is not None:
                     self.gptq[prefix + attr] = module
             self.put(prefix + attr, module)

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from superslm.convert import NORMS, PARTS
 from superslm.errors import FormatError, InvalidArgument
 from superslm.models.loader import Source
+from superslm.models.parts import BIASES, LINEAR_NAMES, PIECES
 from superslm.models.transformer import DenseLinear, Transformer
 from superslm.quant import ConcatLinear, LinearFormat
 from superslm.quant.stored import linear_from_state
-from superslm.quant.swap import LAYER_LINEARS
 
 
 def _bias_of(module: LinearFormat) -> torch.Tensor | None:
@@ -66,16 +65,18 @@ def converted_net(
     weights = {"embed": get("embed")}
     if n == a.layers:
         weights.update({k: get(k) for k in ("norm", "head") if k in stored})
-    norms = [k for k in NORMS if k in ("attn_norm", "ffn_norm") or a.qk_norm and k in ("q_norm", "k_norm")
-             or a.post_norms and k.startswith("post_")]
-    biases = ["q_bias", "k_bias", "v_bias"] * a.qkv_bias + ["o_bias"] * a.o_bias
+    parts = source.recipe.parts
+    norms = parts.norms(a)
+    specs = parts.linears(a).values()
     for i in range(n):
         weights.update({f"layers.{i}.{k}": get(f"layers.{i}.{k}") for k in norms})
-        if body == "dense":
-            weights.update({f"layers.{i}.{k}": get(f"layers.{i}.{k}") for k in (*PARTS, *biases)})
+        if body == "dense":  # the pieces as the source stored them, split or fused
+            for spec in specs:
+                weights.update({f"layers.{i}.{k}": get(f"layers.{i}.{k}") for k in (*spec.pieces, *spec.bias)})
         else:  # empty placeholders: the module swap below replaces these linears
-            weights.update({f"layers.{i}.{k}": torch.empty(0, a.dim, device=device, dtype=dt) for k in PARTS})
-            weights.update({f"layers.{i}.{k}": torch.empty(0, device=device, dtype=dt) for k in biases})
+            weights.update({f"layers.{i}.{k}": torch.empty(0, a.dim, device=device, dtype=dt) for k in PIECES})
+            weights.update({f"layers.{i}.{k}": torch.empty(0, device=device, dtype=dt) for k in BIASES
+                            if any(k in s.bias for s in specs)})
     net = Transformer(a, weights, n)
     q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
     shapes = {"qkv": (a.dim, q + 2 * kv), "o": (q, a.dim), "gate_up": (a.dim, 2 * a.ffn), "down": (a.ffn, a.dim),
@@ -96,7 +97,7 @@ def converted_net(
 
     if body != "dense":
         for i, layer in enumerate(net.layers):
-            for attr in LAYER_LINEARS:
+            for attr in LINEAR_NAMES:
                 setattr(layer, attr, build(f"layers.{i}.{attr}"))
     if net.has_head and "head" in linears:
         net.head = build("head")

@@ -14,6 +14,7 @@ from superslm.errors import InvalidArgument, TemplateError
 from superslm.hub import resolve_path  # noqa: F401  (re-exported)
 from superslm.models.arch import Arch
 from superslm.models.loader import Source, materialize, open_source
+from superslm.models.parts import PIECES
 from superslm.models.transformer import Transformer
 
 if TYPE_CHECKING:
@@ -196,7 +197,7 @@ QUANTS = ("auto", "none", "gguf", "int4", "int8", "bf16")
 
 
 #: weights `quantize_from_source` takes from a GGUF file's blocks (linears, head, embedding rows)
-_BLOCK_LINEARS = frozenset({"q", "k", "v", "o", "gate", "up", "down", "head", "embed"})
+_BLOCK_LINEARS = frozenset({*PIECES, "head", "embed"})
 
 
 def load(

@@ -16,7 +16,7 @@ import torch
 
 from superslm.errors import UnsupportedModel
 
-ROPE_KINDS = ("default", "linear", "dynamic", "yarn", "llama3")
+ROPE_KINDS = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 
 
@@ -38,8 +38,11 @@ class Rope:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
-    #: per-dimension divisors of the inverse frequencies (GGUF's rope_freqs tensor, Llama 3.1)
+    #: per-dimension divisors of the inverse frequencies (GGUF's rope_freqs tensor, Llama 3.1); longrope: the
+    #: short factors, used by positions within original_context
     freq_factors: tuple[float, ...] | None = None
+    #: longrope: the divisors of positions past original_context
+    long_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ROPE_KINDS:
@@ -48,6 +51,13 @@ class Rope:
             raise UnsupportedModel(f"rope theta must be a positive number, got {self.theta}")
         if self.kind != "default" and not (self.factor > 0 and math.isfinite(self.factor)):
             raise UnsupportedModel(f"rope scaling factor must be positive, got {self.factor}")
+        if self.kind == "longrope":
+            for name in ("freq_factors", "long_factors"):
+                f = getattr(self, name)
+                if f is None or not all(math.isfinite(x) and x > 0 for x in f):
+                    raise UnsupportedModel(f"longrope needs positive {name.replace('freq', 'short')}, got {f}")
+            if self.original_context <= 0:
+                raise UnsupportedModel("longrope needs original_max_position_embeddings")
 
     def inv_freq(self, rotary_dim: int) -> tuple[torch.Tensor, float]:
         """Inverse frequencies [rotary_dim // 2] (float32) and the attention scaling of cos/sin."""
@@ -61,7 +71,22 @@ class Rope:
             return base / self.factor, 1.0
         if self.kind == "llama3":
             return _llama3(base, self), 1.0
+        if self.kind == "longrope":
+            return base, self.longrope_scale()
         return _yarn(self, rotary_dim)
+
+    def long_inv_freq(self, rotary_dim: int) -> torch.Tensor:
+        """longrope: the inverse frequencies of positions past original_context (the long factors')."""
+        base = 1.0 / (self.theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+        return base / torch.tensor(self.long_factors, dtype=torch.float32)
+
+    def longrope_scale(self) -> float:
+        """longrope's scaling of cos/sin: attention_factor, else sqrt(1 + ln(factor) / ln(original)) (transformers)."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(self.factor) / math.log(self.original_context))
 
     def dynamic_inv_freq(self, rotary_dim: int, seq_len: int, context: int) -> torch.Tensor:
         """Dynamic NTK: the base grows once a sequence passes the trained context (HF's formula)."""
@@ -155,6 +180,8 @@ class Arch:
     norm_float: bool = False
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()
+    #: one entry per layer: whether it rotates q and k (SmolLM3's NoPE layers do not); empty: all do
+    rope_layers: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab", "dim", "ffn", "layers", "heads", "kv_heads", "head_dim"):
@@ -173,22 +200,28 @@ class Arch:
             raise UnsupportedModel(f"{self.family}: {len(self.windows)} layer kinds for {self.layers} layers")
         if not self.attn_scale:
             object.__setattr__(self, "attn_scale", self.head_dim**-0.5)
-
-    def rope_of(self, layer: int) -> Rope:
-        """The rope of a layer: sliding-window layers use `rope_local` where the family has one."""
-        if self.windows[layer] is not None and self.rope_local is not None:
-            return self.rope_local
-        return self.rope
-
-    def with_layers(self, n: int) -> Arch:
-        """The same model cut after its first n layers."""
-        return replace(self, layers=n, windows=self.windows[:n])
+        if not self.rope_layers:
+            object.__setattr__(self, "rope_layers", (True,) * self.layers)
+        if len(self.rope_layers) != self.layers:
+            raise UnsupportedModel(f"{self.family}: {len(self.rope_layers)} rope flags for {self.layers} layers")
+        if self.rope.kind == "longrope" and len(self.rope.long_factors or ()) != self.rotary_dim // 2:
+            raise UnsupportedModel(f"{self.family}: longrope needs {self.rotary_dim // 2} factors, got "
+                                   f"{len(self.rope.long_factors or ())}")
+        if self.rope.freq_factors is not None and len(self.rope.freq_factors) != self.rotary_dim // 2:
+            raise UnsupportedModel(f"{self.family}: {len(self.rope.freq_factors)} rope frequency factors for "
+                                   f"{self.rotary_dim // 2} frequencies")
 
     def summary(self) -> dict[str, Any]:
-        """A JSON-able view for `superslm info`."""
+        """A JSON-able view for `superslm info` and converted folders. Fields at their defaults that older
+        releases did not have (rope_layers all True, no long factors) are left out, so a model's fingerprint
+        (a hash of this) is the same as before they existed."""
         out: dict[str, Any] = {}
         for k, v in self.__dict__.items():
-            out[k] = v.__dict__ if isinstance(v, Rope) else v
+            if isinstance(v, Rope):
+                v = {n: x for n, x in v.__dict__.items() if not (n == "long_factors" and x is None)}
+            out[k] = v
+        if all(self.rope_layers):
+            del out["rope_layers"]
         return out
 
 
@@ -203,16 +236,20 @@ def rope_from_params(p: Mapping[str, Any], default_theta: float, context: int, o
     if not isinstance(p, Mapping):
         raise UnsupportedModel(f"rope parameters must be a JSON object, got {type(p).__name__}")
     kind = p.get("rope_type", p.get("type", "default")) or "default"
-    if kind == "longrope":
-        raise UnsupportedModel("rope scaling kind 'longrope' is not supported")
+    if kind in ("su", "yarn") and "long_factor" in p:
+        kind = "longrope"  # Phi-3's older spellings, as transformers renames them
     known = {
         "rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
         "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
         "mscale_all_dim", "truncate", "partial_rotary_factor",
     }
+    if kind == "longrope":
+        known |= {"long_factor", "short_factor"}
     unknown = sorted(set(p) - known)
     if unknown:
         raise UnsupportedModel(f"rope scaling option(s) {unknown} are not supported")
+    if kind == "longrope":
+        return _longrope(p, default_theta, context, original)
     if kind in ("llama3", "yarn"):
         original = original or p.get("original_max_position_embeddings") or context
     else:
@@ -235,6 +272,25 @@ def rope_from_params(p: Mapping[str, Any], default_theta: float, context: int, o
         mscale_all_dim=p.get("mscale_all_dim"),
         truncate=bool(p.get("truncate", True)),
     )
+
+
+def _longrope(p: Mapping[str, Any], default_theta: float, context: int, original: int | None) -> Rope:
+    """Phi-3's LongRoPE as transformers reads it: short factors within the original context, long past it, and
+    cos/sin scaled by attention_factor (derived from max_position_embeddings / original when absent)."""
+    original = int(original or p.get("original_max_position_embeddings") or context)
+    factor = p.get("factor")
+    factor = context / original if factor is None else float(factor)
+
+    def factors(key: str) -> tuple[float, ...]:
+        got = p.get(key)
+        if not isinstance(got, (list, tuple)) or not all(isinstance(x, (int, float)) for x in got):
+            raise UnsupportedModel(f"longrope {key} must be a list of numbers, got {got!r}")
+        return tuple(float(x) for x in got)
+
+    attention = p.get("attention_factor")
+    return Rope(theta=float(p.get("rope_theta", default_theta)), kind="longrope", factor=float(factor),
+                original_context=original, attention_factor=None if attention is None else float(attention),
+                freq_factors=factors("short_factor"), long_factors=factors("long_factor"))
 
 
 def hf_ropes(cfg: Mapping[str, Any], local_theta_key: str | None = None) -> tuple[Rope, Rope | None]:
@@ -308,3 +364,17 @@ def gguf_get(md: Mapping[str, Any], key: str, default: Any = None, required: boo
     if required:
         raise UnsupportedModel(f"GGUF metadata has no {key}")
     return default
+
+
+def gguf_longrope(arch: Arch, md: Mapping[str, Any], long: tuple[float, ...], short: tuple[float, ...]) -> Arch:
+    """The Arch of a GGUF file that carries LongRoPE factors (llama.cpp's rope_factors_long/short tensors): the
+    trained context and the cos/sin scale come from the metadata, as llama.cpp's converter writes them."""
+    a = gguf_get(md, "general.architecture", required=True)
+    original = gguf_get(md, f"{a}.rope.scaling.original_context_length")
+    if not original:
+        raise UnsupportedModel(f"{a}: LongRoPE factors without rope.scaling.original_context_length")
+    attn = gguf_get(md, f"{a}.rope.scaling.attn_factor")
+    rope = Rope(theta=arch.rope.theta, kind="longrope", factor=arch.context / int(original),
+                original_context=int(original), attention_factor=None if attn is None else float(attn),
+                freq_factors=short, long_factors=long)
+    return replace(arch, rope=rope)

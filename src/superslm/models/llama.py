@@ -35,9 +35,13 @@ def hf_common(cfg: Mapping[str, Any], family: str, **extra: Any) -> dict[str, An
     head_dim = whole(cfg, "head_dim", dim // heads)
     layers = whole(cfg, "num_hidden_layers")
     rope, local = hf_ropes(cfg)
-    rotary = int(head_dim * float(cfg.get("partial_rotary_factor", 1.0)))
+    params = cfg.get("rope_parameters")
+    partial = cfg.get("partial_rotary_factor")
+    if partial is None and isinstance(params, Mapping):  # transformers 5 writes it into rope_parameters
+        partial = params.get("partial_rotary_factor")
+    rotary = int(head_dim * float(partial or 1.0))
     windows = hf_layer_windows(cfg, layers, max_window_layers=family in ("qwen2", "qwen3"))
-    if cfg.get("layer_types") is None and cfg.get("sliding_window") and family == "mistral":
+    if cfg.get("layer_types") is None and cfg.get("sliding_window") and family in ("mistral", "phi3"):
         windows = (int(cfg["sliding_window"]),) * layers
     fields: dict[str, Any] = dict(
         family=family,

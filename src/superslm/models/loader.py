@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from superslm.errors import FormatError, ModelNotFound, UnsupportedModel
-from superslm.models.arch import Arch, Rope, eos_tuple
-from superslm.models.registry import LAYER_KEYS, Recipe, recipe_for_gguf, recipe_for_hf
+from superslm.models.arch import Arch, Rope, eos_tuple, gguf_longrope
+from superslm.models.registry import Recipe, recipe_for_gguf, recipe_for_hf
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,10 @@ def open_gguf(path: Path) -> Source:
         qkv_bias=arch.qkv_bias or "blk.0.attn_q.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
     )
+    if "rope_factors_long.weight" in names and "rope_factors_short.weight" in names:  # Phi-3's LongRoPE
+        long, short = (tuple(float(x) for x in g.dequantize(f"rope_factors_{k}.weight").reshape(-1))
+                       for k in ("long", "short"))
+        arch = gguf_longrope(arch, md, long, short)
     if "rope_freqs.weight" in names:
         factors = tuple(float(x) for x in g.dequantize("rope_freqs.weight").reshape(-1))
         arch = replace(arch, rope=replace(arch.rope, freq_factors=factors))
@@ -168,7 +172,7 @@ def _arch_from_summary(d: Mapping[str, Any]) -> Arch:
         return None if r is None else Rope(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()})
 
     fields = dict(d, rope=rope(d["rope"]), rope_local=rope(d.get("rope_local")))
-    fields.update(windows=tuple(d["windows"]), eos_ids=tuple(d["eos_ids"]))
+    fields.update(windows=tuple(d["windows"]), eos_ids=tuple(d["eos_ids"]), rope_layers=tuple(d.get("rope_layers", ())))
     return Arch(**fields)
 
 
@@ -206,19 +210,6 @@ def open_source(path: str | Path) -> Source:
 # --- canonical weights ----------------------------------------------------------------------------
 
 
-def _expected(arch: Arch) -> set[str]:
-    want = {"attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down"}
-    if arch.qkv_bias:
-        want |= {"q_bias", "k_bias", "v_bias"}
-    if arch.o_bias:
-        want.add("o_bias")
-    if arch.qk_norm:
-        want |= {"q_norm", "k_norm"}
-    if arch.post_norms:
-        want |= {"post_attn_norm", "post_ffn_norm"}
-    return want
-
-
 def _find(src: Source, name: str) -> Stored | None:
     for prefix in src.recipe.hf_prefixes if src.is_hf else ("",):
         t = src.tensors.get(prefix + name)
@@ -244,12 +235,10 @@ def canonical_names(src: Source, layers: int | None = None) -> dict[str, Stored]
             raise FormatError(f"{src.path}: missing tensor {glob[key]}")
         if t is not None:
             out[key] = t
-    want = _expected(arch)
+    want = recipe.parts.tensors(arch)
     for i in range(n):
         prefix = f"model.layers.{i}." if hf else f"blk.{i}."
-        for key in LAYER_KEYS:
-            if key not in want:
-                continue
+        for key in want:
             t = _find(src, prefix + per_layer[key]) if key in per_layer else None
             if t is None:
                 raise FormatError(f"{src.path}: missing tensor {prefix + per_layer.get(key, key)}")
@@ -278,21 +267,14 @@ def materialize(
             continue
         t = stored.load().float()
         t = fix(short, t, src.arch)
-        _check_shape(key, short, t, src.arch)
+        _check_shape(key, short, t, src.arch, src.recipe)
         out[key] = t.to(device=device, dtype=dtype).contiguous()
     return out
 
 
-def _check_shape(key: str, short: str, t: torch.Tensor, a: Arch) -> None:
-    q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+def _check_shape(key: str, short: str, t: torch.Tensor, a: Arch, recipe: Recipe) -> None:
     shapes: Mapping[str, tuple[int, ...]] = {
-        "embed": (a.vocab, a.dim), "head": (a.vocab, a.dim), "norm": (a.dim,),
-        "attn_norm": (a.dim,), "ffn_norm": (a.dim,), "post_attn_norm": (a.dim,), "post_ffn_norm": (a.dim,),
-        "q": (q, a.dim), "k": (kv, a.dim), "v": (kv, a.dim), "o": (a.dim, q),
-        "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,), "o_bias": (a.dim,),
-        "q_norm": (a.head_dim,), "k_norm": (a.head_dim,),
-        "gate": (a.ffn, a.dim), "up": (a.ffn, a.dim), "down": (a.dim, a.ffn),
-    }
+        "embed": (a.vocab, a.dim), "head": (a.vocab, a.dim), "norm": (a.dim,), **recipe.parts.shapes(a)}
     want = shapes[short]
     if tuple(t.shape) != want:
         raise FormatError(f"tensor {key} has shape {tuple(t.shape)}, the config implies {want}")

@@ -1,9 +1,9 @@
 """Recipes by name: a family is found by HF `model_type` or GGUF `general.architecture`.
 
-A recipe reads its config into an Arch and names its tensors for both sources. Canonical names
-(what the forward pass reads) are: embed, norm, head, and per layer `layers.{i}.` + attn_norm, q, k,
-v, o, q_bias, k_bias, v_bias, o_bias, q_norm, k_norm, post_attn_norm, ffn_norm, gate, up, down,
-post_ffn_norm.
+A recipe reads its config into an Arch, declares its layers' parts (models/parts.py: which tensors, fused
+or split) and names its tensors for both sources. Canonical names (what the forward pass reads) are: embed,
+norm, head, and per layer `layers.{i}.` + the parts' names (attn_norm, q, k, v or qkv, o, their biases,
+q_norm, k_norm, post_attn_norm, ffn_norm, gate, up or gate_up, down, post_ffn_norm).
 """
 
 from __future__ import annotations
@@ -16,11 +16,7 @@ import torch
 
 from superslm.errors import UnsupportedModel
 from superslm.models.arch import Arch
-
-LAYER_KEYS = (
-    "attn_norm", "q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm",
-    "post_attn_norm", "ffn_norm", "gate", "up", "down", "post_ffn_norm",
-)
+from superslm.models.parts import LayerParts
 
 #: GGUF tensor names as llama.cpp writes them, the same for every family we run
 GGUF_GLOBAL = {"embed": "token_embd.weight", "norm": "output_norm.weight", "head": "output.weight"}
@@ -63,6 +59,9 @@ class Recipe:
     arch_from_gguf: Callable[[Mapping[str, Any]], Arch]
     hf_global: Mapping[str, str] = field(default_factory=lambda: HF_GLOBAL)
     hf_layer: Mapping[str, str] = field(default_factory=lambda: HF_LAYER)
+    gguf_layer: Mapping[str, str] = field(default_factory=lambda: GGUF_LAYER)
+    #: what each layer is made of, and whether the checkpoint fuses q/k/v and gate/up
+    parts: LayerParts = field(default_factory=LayerParts)
     #: HF folders may nest the text model (e.g. Gemma 3 multimodal: language_model.)
     hf_prefixes: tuple[str, ...] = ("",)
     #: row permutation of q/k written by llama.cpp's converter (undone at load)
@@ -71,7 +70,7 @@ class Recipe:
     fix_gguf: Fix = _keep
 
     def layer_names(self, hf: bool) -> Mapping[str, str]:
-        return self.hf_layer if hf else GGUF_LAYER
+        return self.hf_layer if hf else self.gguf_layer
 
     def global_names(self, hf: bool) -> Mapping[str, str]:
         return self.hf_global if hf else GGUF_GLOBAL
@@ -91,7 +90,7 @@ def register(recipe: Recipe) -> Recipe:
 
 def _load_all() -> None:
     # Importing the family modules registers them; kept lazy to avoid an import cycle.
-    from superslm.models import gemma3, llama, qwen2, qwen3  # noqa: F401
+    from superslm.models import gemma3, llama, phi3, qwen2, qwen3, smollm3  # noqa: F401
 
 
 def recipe_for_hf(config: Mapping[str, Any]) -> Recipe:
@@ -110,8 +109,3 @@ def recipe_for_gguf(metadata: Mapping[str, Any]) -> Recipe:
     if arch not in _BY_GGUF:
         raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported (known: {sorted(_BY_GGUF)})")
     return _BY_GGUF[arch]
-
-
-def known_families() -> list[str]:
-    _load_all()
-    return sorted({r.family for r in _BY_HF.values()})

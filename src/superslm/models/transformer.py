@@ -38,6 +38,7 @@ from superslm.kernels.norm import norm_dtype
 from superslm.kernels.rope import rope_cos_sin
 from superslm.kernels.row_blocks import BLOCK, by_row_blocks, pad_rows
 from superslm.models.arch import Arch
+from superslm.models.parts import LINEAR_NAMES, LayerParts, stacked
 
 
 class DenseLinear(nn.Module):
@@ -79,20 +80,10 @@ class Layer(nn.Module):
         super().__init__()
         self.arch, self.index = arch, index
         self.window = arch.windows[index]
-        # q, k, v fused into one matmul; gate and up into another
-        bias = None
-        if arch.qkv_bias:
-            bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]])  # type: ignore[list-item]
-        self.qkv = DenseLinear(torch.cat([w["q"], w["k"], w["v"]]), bias)  # type: ignore[list-item]
-        self.o = DenseLinear(w["o"], w["o_bias"] if arch.o_bias else None)  # type: ignore[arg-type]
-        self.gate_up = DenseLinear(torch.cat([w["gate"], w["up"]]))  # type: ignore[list-item]
-        self.down = DenseLinear(w["down"])  # type: ignore[arg-type]
-        norms = ["attn_norm", "ffn_norm"]
-        if arch.qk_norm:
-            norms += ["q_norm", "k_norm"]
-        if arch.post_norms:
-            norms += ["post_attn_norm", "post_ffn_norm"]
-        for n in norms:
+        # each linear is one matmul: q, k, v stacked, gate and up stacked (as the checkpoint fused them or not)
+        for name in LINEAR_NAMES:
+            setattr(self, name, DenseLinear(*stacked(w, name)))
+        for n in LayerParts().norms(arch):
             self.register_buffer(n, w[n], persistent=False)
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -273,6 +264,7 @@ class Transformer(nn.Module):
             head = weights["embed"] if arch.tied or weights.get("head") is None else weights["head"]
             self.head = DenseLinear(head)  # type: ignore[arg-type]
         self._inv_freq: dict[int, tuple[torch.Tensor, float]] = {}
+        self._long_inv_freq: dict[int, torch.Tensor] = {}
         self._kinds = sorted({self._rope_key(i) for i in range(n)})
         #: embeddings computed from tokens another way (quant.gguf_map.GGUFEmbedding reads the file's blocks)
         self.embed_rows: nn.Module | None = None
@@ -293,15 +285,25 @@ class Transformer(nn.Module):
         return self.embed_weight.device
 
     def _rope_key(self, layer: int) -> int:
-        # 0: the global rope, 1: the local (sliding-window) rope where the family has one
+        # 0: the global rope, 1: the local (sliding-window) rope where the family has one, 2: none (NoPE layers:
+        # identity tables, cos 1 and sin 0, leave q and k exactly as they are on every path)
+        if not self.arch.rope_layers[layer]:
+            return 2
         return int(self.arch.windows[layer] is not None and self.arch.rope_local is not None)
 
     def _rope_tables(self, positions: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         a = self.arch
         out = {}
         for kind in self._kinds:
+            if kind == 2:
+                ones = torch.ones(positions.shape[0], a.rotary_dim, dtype=self.dtype, device=self.device)
+                out[kind] = (ones, torch.zeros_like(ones))
+                continue
             rope = a.rope_local if kind else a.rope
             assert rope is not None
+            if rope.kind == "longrope":
+                out[kind] = self._longrope_tables(kind, rope, positions)
+                continue
             if rope.kind == "dynamic":
                 # batch-invariant variant of HF's dynamic NTK: the base follows each row's own length
                 tabs = [
@@ -317,6 +319,21 @@ class Transformer(nn.Module):
             inv, scale = self._inv_freq[kind]
             out[kind] = rope_cos_sin(positions, inv, scale, self.dtype)
         return out
+
+    def _longrope_tables(self, kind: int, rope: Any, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """LongRoPE per row: the short factors' table where the row's position + 1 is within the original
+        context, the long factors' past it. transformers picks one table for a whole forward call by its
+        longest position; the per-row rule is the same when tokens are fed one at a time, and keeps a row's
+        bits independent of the rest of its step (a prompt fed whole across the boundary differs)."""
+        if kind not in self._inv_freq:
+            inv, scale = rope.inv_freq(self.arch.rotary_dim)
+            self._inv_freq[kind] = (inv.to(self.device), scale)
+            self._long_inv_freq[kind] = rope.long_inv_freq(self.arch.rotary_dim).to(self.device)
+        short, scale = self._inv_freq[kind]
+        cos, sin = rope_cos_sin(positions, short, scale, self.dtype)
+        lcos, lsin = rope_cos_sin(positions, self._long_inv_freq[kind], scale, self.dtype)
+        past = (positions + 1 > rope.original_context)[:, None]  # both tables always: no host sync in a graph
+        return torch.where(past, lcos, cos), torch.where(past, lsin, sin)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [N] -> residual stream [N, dim]."""
@@ -341,7 +358,8 @@ class Transformer(nn.Module):
             # all layers in one C++ call (kernels/cpu_decode.py): all-decode steps, or every step in
             # deterministic mode, where its per-row arithmetic makes each row batch-invariant
             tables = self._rope_tables(positions)
-            tabs = [tables[k] for k in range(max(tables) + 1)] if 0 in tables else [tables[1], tables[1]]
+            some = next(iter(tables.values()))  # the plan wants a table at every key up to the largest it reads
+            tabs = [tables.get(k, some) for k in range(max(tables) + 1)]
             key_slots, row_seq, lens = row_key_slots(meta, h.device)
             return decode_layers(self, h, meta.slot_mapping, key_slots, row_seq, lens, tabs, k_cache, v_cache, start,
                                  end, meta.deterministic, meta.lora)
@@ -385,7 +403,7 @@ class Transformer(nn.Module):
     @property
     def row_multiple(self) -> int:
         """16 when some linear may round a row differently with another row count, else 1."""
-        linears = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        linears = [getattr(layer, name) for layer in self.layers for name in LINEAR_NAMES]
         if self.has_head:
             linears.append(self.head)
         return 1 if all(getattr(m, "row_invariant", False) for m in linears) else BLOCK

@@ -14,13 +14,11 @@ import torch
 from superslm.errors import InvalidArgument, UnsupportedModel
 from superslm.memory import release_freed_memory
 from superslm.models.loader import Source, Stored, canonical_names
+from superslm.models.parts import LINEAR_NAMES
 from superslm.models.transformer import DenseLinear, Transformer
 from superslm.quant.base import LinearFormat, format_class
 from superslm.quant.gguf_map import GGUFEmbedding, GGUFPart, linear_from_gguf
 
-#: a Layer's linears, and the canonical weights each one fuses (in this order along out)
-LAYER_LINEARS: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"),
-                                             "down": ("down",)}
 #: formats a rotation helps (bf16 keeps every bit anyway)
 _ROTATED = ("int4", "int8")
 
@@ -61,7 +59,7 @@ def quantize_linears(
         raise InvalidArgument("the gguf format comes from GGUF blocks: use quantize_from_source")
     done: dict[str, str] = {}
     for i, layer in enumerate(net.layers):
-        for attr in LAYER_LINEARS:
+        for attr in LINEAR_NAMES:
             dense = getattr(layer, attr)
             if body is None or not isinstance(dense, DenseLinear):
                 continue
@@ -133,10 +131,11 @@ def quantize_from_source(
         source.gguf.release_pages()
         release_freed_memory()
 
+    specs = source.recipe.parts.linears(source.arch)
     for i, layer in enumerate(net.layers):
-        for attr, keys in LAYER_LINEARS.items():
+        for attr, spec in specs.items():
             old = getattr(layer, attr)
-            parts = gguf_parts(source, names, f"layers.{i}.", keys)
+            parts = gguf_parts(source, names, f"layers.{i}.", spec.pieces)
             module = linear_from_gguf(parts, getattr(old, "bias", None), mapping)
             setattr(layer, attr, module)
             done[f"layers.{i}.{attr}"] = module.describe()
@@ -164,7 +163,7 @@ def quantize_from_source(
 def linear_summary(net: Transformer) -> dict[str, int]:
     """{describe() of a linear: how many modules} over the whole model (for `superslm info`)."""
     out: dict[str, int] = {}
-    modules = [getattr(layer, attr) for layer in net.layers for attr in LAYER_LINEARS]
+    modules = [getattr(layer, attr) for layer in net.layers for attr in LINEAR_NAMES]
     if getattr(net, "has_head", False):
         modules.append(net.head)
     for m in modules:
