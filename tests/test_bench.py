@@ -11,6 +11,7 @@ import pytest
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_bench_with_transformers_peer(smollm2_gguf: Path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "superslm.cli", "bench", "--model", str(smollm2_gguf), "--threads", "1",

@@ -78,8 +78,7 @@ def _three_ways(net: Transformer, lengths: list[int]) -> tuple[torch.Tensor, tor
                 net.fast_decode = False
                 outs.append(net.run_layers(h, meta, kv.k, kv.v))
                 continue
-            tables = net._rope_tables(meta.positions)
-            tabs = [tables.get(k, tables[max(tables)]) for k in range(2)]
+            tabs = net.rope_table_list(meta.positions)
             key_slots, row_seq, lens = cpu_decode.row_key_slots(meta, h.device)
             fn = cpu_decode.decode_layers_reference if way == "reference" else cpu_decode.decode_layers
             outs.append(fn(net, h, meta.slot_mapping, key_slots, row_seq, lens, tabs, kv.k, kv.v, 0, len(net.layers)))

@@ -21,6 +21,9 @@ from superslm.kernels.hadamard import rotate_activation
 from superslm.quant.gptq import Calibration, gptq_int4, rotated_hessian
 from superslm.quant.int4 import Int4Linear
 
+#: GPTQ calibration and tuning run whole models layer by layer: slow
+pytestmark = pytest.mark.slow
+
 
 def _inputs(k: int, t: int, seed: int) -> torch.Tensor:
     """Correlated inputs [t, k] with a few large channels and two dead ones, as real activations have."""

@@ -128,6 +128,7 @@ def test_int4_probe_reports_instead_of_raising(gpu_bench):
     assert model is None and "does not run on meta" in why
 
 
+@pytest.mark.slow
 def test_host_step_benchmark_runs() -> None:
     """benchmarks/host_step.py (its own process: it replaces the graphs' forward) times a few graph steps."""
     import os

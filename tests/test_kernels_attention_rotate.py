@@ -72,6 +72,7 @@ def test_the_merge_rotates_o_input(dtype, variant, splits, padding, pad_to, bloc
     torch.testing.assert_close(got[:m].float().cpu(), ref.float(), atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.slow
 def test_a_rotated_model_merges_into_o_rotation(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny Qwen2 re-quantized to rotated int4 (bf16), two key splits a decode step: no merge and no o Hadamard
     launch in decode steps; the tokens of the attention's merge followed by the Hadamard kernel."""

@@ -128,6 +128,7 @@ def test_shapes_the_fused_kernels_do_not_take_run_the_steps_apart(monkeypatch: p
 # output (float32) is not the linear's compute dtype (bf16)
 @pytest.mark.parametrize("family,quant,dtype", [("qwen2", "int4", "bf16"), ("gemma3", "int8", "bf16"),
                                                 ("llama", "int4", "fp32")])  # fmt: skip
+@pytest.mark.slow
 def test_a_rotated_model_rotates_inside_its_norms(family, quant, dtype, tmp_path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """A model re-quantized to rotated int4/int8 on the Triton path: each layer's qkv and gate_up inputs are

@@ -155,6 +155,7 @@ def test_operands_the_fused_kernel_does_not_take_run_the_two_kernels(launches) -
 
 
 # Qwen2: qkv bias, bf16, SiLU; Llama in float32: the norm's output (float32) is not the linear's dtype (bf16)
+@pytest.mark.slow
 @pytest.mark.parametrize("family,dtype", [("qwen2", "bf16"), ("llama", "fp32")])
 def test_a_rotated_int4_model_runs_its_inputs_inside_the_gemvs(family, dtype, tmp_path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip

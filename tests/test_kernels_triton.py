@@ -315,6 +315,7 @@ def test_dispatch_runs_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 # --- the compiler -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_gpus() -> None:
     """What the interpreter lets pass, the GPU compiler may refuse: compile each launcher's variants
     for sm_90 (H100/H200) and gfx942 (MI300) ahead of time, in a process without TRITON_INTERPRET."""

@@ -231,6 +231,7 @@ def test_deterministic_dense_linears_take_one_launch(tmp_path, monkeypatch: pyte
         assert rows[:3] == want[deterministic], rows  # the first layer's qkv, o, gate_up
 
 
+@pytest.mark.slow
 def test_engine_tokens_and_logprobs_are_bit_identical(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """test_deterministic's contract on the Triton path: Gemma 3 (sliding windows) with an int4 body and an int8
     head, unrotated as a GGUF file's blocks load, so every linear is a Triton GEMV at few rows and a GEMM at

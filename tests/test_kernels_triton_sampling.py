@@ -156,6 +156,7 @@ def test_select_tokens(b: int, v: int) -> None:
             assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
 
 
+@pytest.mark.slow
 def test_select_tokens_ties() -> None:
     """Few distinct values: top_k keeps the whole tie at the k-th value; top_p cuts inside a tie
     group in token-id order; the greedy argmax is the first maximal token. 24 noise streams."""

@@ -13,7 +13,8 @@ import pytest
 from tests.triton_interpret import ON_GPU, import_kernels
 
 tk = import_kernels()
-pytestmark = pytest.mark.usefixtures("triton_interpret")
+# the Triton interpreter over a whole engine: slow
+pytestmark = [pytest.mark.usefixtures("triton_interpret"), pytest.mark.slow]
 
 import superslm  # noqa: E402
 from superslm import Request, Sampling  # noqa: E402

@@ -97,6 +97,7 @@ def test_cpu_modules_run_the_kernels_when_asked(monkeypatch: pytest.MonkeyPatch)
     assert calls == ["hadamard_rotate", "int4_matmul", "hadamard_rotate", "int8_matmul", "hadamard_rotate"]
 
 
+@pytest.mark.slow
 def test_int4_model_on_the_kernels(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A model re-quantized to int4 (int8 head) on the dispatcher's kernels: logits within bf16 of the CPU's
     packed kernels, and the same greedy tokens with decode graphs as without."""

@@ -121,6 +121,7 @@ def test_every_answer_parses_and_validates(model, answers) -> None:
         assert a.text == model.tokenizer.decode(a.tokens)  # the streamed text is the tokens' text
 
 
+@pytest.mark.slow
 def test_jump_forward_off_gives_identical_tokens(model, first) -> None:
     off = decode(model, {n: a.prompt for n, a in first.items()}, jump_forward=False)
     differ = [n for n in first if off[n].tokens != first[n].tokens or off[n].end != first[n].end]

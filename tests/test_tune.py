@@ -11,10 +11,13 @@ import superslm
 from superslm.convert import convert
 from superslm.errors import InvalidArgument
 from superslm.models.loader import open_source
+from superslm.models.parts import LINEAR_NAMES
 from superslm.quant.int4 import Int4Linear
-from superslm.quant.swap import LAYER_LINEARS
 from superslm.quant.tune import tune_int4
 from tests.tiny_models import TEXT, build_hf_model
+
+#: GPTQ calibration and tuning run whole models layer by layer: slow
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +35,7 @@ def seqs(n: int, length: int = 48, seed: int = 0) -> list[list[int]]:
 def test_tuning_lowers_held_out_kl_and_keeps_the_codes(folder) -> None:
     model = superslm.load(folder, dtype="float32", quant=None)
     net = model.net
-    dense = {f"layers.{i}.{a}": getattr(layer, a) for i, layer in enumerate(net.layers) for a in LAYER_LINEARS}
+    dense = {f"layers.{i}.{a}": getattr(layer, a) for i, layer in enumerate(net.layers) for a in LINEAR_NAMES}
     quant = {name: Int4Linear.from_dense(d.weight, d.bias, group=32, rotate=1) for name, d in dense.items()}
     steps: list[float] = []
     # one sequence, held out and trained on: the KL tuning lowers is the one it measures (random tokens on a
@@ -55,7 +58,7 @@ def test_tuning_runs_gemma3s_forward(tmp_path) -> None:
     build_hf_model("gemma3", tmp_path)
     net = superslm.load(tmp_path, dtype="float32", quant=None).net
     quant = {f"layers.{i}.{a}": Int4Linear.from_dense(getattr(layer, a).weight, group=32, rotate=2)
-             for i, layer in enumerate(net.layers) for a in LAYER_LINEARS}
+             for i, layer in enumerate(net.layers) for a in LINEAR_NAMES}
     (s,) = seqs(1, length=40, seed=3)
     _, info = tune_int4(net, quant, [s, s], 20, lr=3e-3)
     assert info["kl_after"] < 0.5 * info["kl_before"], info

@@ -38,7 +38,7 @@ from superslm.kernels.norm import norm_dtype
 from superslm.kernels.rope import rope_cos_sin
 from superslm.kernels.row_blocks import BLOCK, by_row_blocks, pad_rows
 from superslm.models.arch import Arch
-from superslm.models.parts import LINEAR_NAMES, LayerParts, stacked
+from superslm.models.parts import LINEAR_NAMES, NORMS, LayerParts, stacked
 
 
 class DenseLinear(nn.Module):
@@ -83,8 +83,10 @@ class Layer(nn.Module):
         # each linear is one matmul: q, k, v stacked, gate and up stacked (as the checkpoint fused them or not)
         for name in LINEAR_NAMES:
             setattr(self, name, DenseLinear(*stacked(w, name)))
-        for n in LayerParts().norms(arch):
-            self.register_buffer(n, w[n], persistent=False)
+        wanted = LayerParts().norms(arch)
+        for n in NORMS:  # in this order: a model's fingerprint hashes its buffers in order
+            if n in wanted:
+                self.register_buffer(n, w[n], persistent=False)
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return rms_norm(x, getattr(self, name), self.arch.norm_eps, self.arch.norm_float)
@@ -320,6 +322,12 @@ class Transformer(nn.Module):
             out[kind] = rope_cos_sin(positions, inv, scale, self.dtype)
         return out
 
+    def rope_table_list(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) at every rope key up to the largest a layer reads (the C++ plan indexes them by key)."""
+        tables = self._rope_tables(positions)
+        some = next(iter(tables.values()))  # keys no layer reads get any table
+        return [tables.get(k, some) for k in range(max(tables) + 1)]
+
     def _longrope_tables(self, kind: int, rope: Any, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """LongRoPE per row: the short factors' table where the row's position + 1 is within the original
         context, the long factors' past it. transformers picks one table for a whole forward call by its
@@ -357,9 +365,7 @@ class Transformer(nn.Module):
         if self._plan_step(h, meta, k_cache):
             # all layers in one C++ call (kernels/cpu_decode.py): all-decode steps, or every step in
             # deterministic mode, where its per-row arithmetic makes each row batch-invariant
-            tables = self._rope_tables(positions)
-            some = next(iter(tables.values()))  # the plan wants a table at every key up to the largest it reads
-            tabs = [tables.get(k, some) for k in range(max(tables) + 1)]
+            tabs = self.rope_table_list(positions)
             key_slots, row_seq, lens = row_key_slots(meta, h.device)
             return decode_layers(self, h, meta.slot_mapping, key_slots, row_seq, lens, tabs, k_cache, v_cache, start,
                                  end, meta.deterministic, meta.lora)
