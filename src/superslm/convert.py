@@ -26,7 +26,7 @@ import torch
 from superslm.errors import InvalidArgument, ModelNotFound
 from superslm.formats import native
 from superslm.models.loader import Source, Stored, canonical_names, open_source
-from superslm.models.parts import NORMS, PIECES, stacked
+from superslm.models.parts import NORMS, PIECES, stack, stacked
 from superslm.quant import LinearFormat, linear_from_gguf
 from superslm.quant.stored import INT4_PACKED, linear_state
 from superslm.quant.swap import gguf_parts, make_linear
@@ -125,11 +125,12 @@ class _Writer:
             return
         hessians = self.calibrator.layer(i) if self.calibrator is not None else {}
         for attr, spec in self.source.recipe.parts.linears(arch).items():
-            bias = stacked(w, attr)[1] if spec.bias else None
-            if body == "gguf":
+            if body == "gguf":  # the weight from the file's blocks (w holds no float copy), the bias from w
+                bias = stack(w, spec.bias) if spec.bias else None
                 module = linear_from_gguf(gguf_parts(self.source, self.names, prefix, spec.pieces), bias)
             else:
-                module = self.make(body, stacked(w, attr)[0], bias, hessians.get(attr))
+                weight, bias = stacked(w, attr, arch)
+                module = self.make(body, weight, bias, hessians.get(attr))
                 if hessians.get(attr) is not None:
                     self.gptq[prefix + attr] = module
             self.put(prefix + attr, module)

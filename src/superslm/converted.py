@@ -10,7 +10,7 @@ import torch
 
 from superslm.errors import FormatError, InvalidArgument
 from superslm.models.loader import Source
-from superslm.models.parts import BIASES, LINEAR_NAMES, PIECES
+from superslm.models.parts import LINEAR_NAMES
 from superslm.models.transformer import DenseLinear, Transformer
 from superslm.quant import ConcatLinear, LinearFormat
 from superslm.quant.stored import linear_from_state
@@ -74,9 +74,9 @@ def converted_net(
             for spec in specs:
                 weights.update({f"layers.{i}.{k}": get(f"layers.{i}.{k}") for k in (*spec.pieces, *spec.bias)})
         else:  # empty placeholders: the module swap below replaces these linears
-            weights.update({f"layers.{i}.{k}": torch.empty(0, a.dim, device=device, dtype=dt) for k in PIECES})
-            weights.update({f"layers.{i}.{k}": torch.empty(0, device=device, dtype=dt) for k in BIASES
-                            if any(k in s.bias for s in specs)})
+            for spec in specs:
+                weights.update({f"layers.{i}.{k}": torch.empty(0, a.dim, device=device, dtype=dt) for k in spec.pieces})
+                weights.update({f"layers.{i}.{k}": torch.empty(0, device=device, dtype=dt) for k in spec.bias})
     net = Transformer(a, weights, n)
     q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
     shapes = {"qkv": (a.dim, q + 2 * kv), "o": (q, a.dim), "gate_up": (a.dim, 2 * a.ffn), "down": (a.ffn, a.dim),

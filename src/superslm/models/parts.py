@@ -71,9 +71,8 @@ class DenseMLP:
 
 #: Gemma's sandwich norms, after attention and after the MLP (Arch.post_norms)
 POST_NORMS = ("post_attn_norm", "post_ffn_norm")
-#: every canonical name a linear's weight, a linear's bias or a layer's norm may have, split or fused
+#: every canonical name a linear's weight or a layer's norm may have, split or fused
 PIECES = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down")
-BIASES = ("q_bias", "k_bias", "v_bias", "qkv_bias", "o_bias")
 NORMS = ("attn_norm", "ffn_norm", "q_norm", "k_norm", *POST_NORMS)
 
 
@@ -102,20 +101,16 @@ class LayerParts:
         return out
 
 
-#: a layer's linears, fused or split, by the pieces a weight mapping holds: fused names win
-_BOTH = {"qkv": (("qkv",), ("q", "k", "v")), "gate_up": (("gate_up",), ("gate", "up"))}
-_BIASES = {"qkv": (("qkv_bias",), ("q_bias", "k_bias", "v_bias")), "o": (("o_bias",),)}
+def stack(w: Mapping[str, torch.Tensor | None], names: tuple[str, ...]) -> torch.Tensor:
+    """The tensors `names` of `w` stacked along their first dimension (one name: the tensor itself)."""
+    return w[names[0]] if len(names) == 1 else torch.cat([w[k] for k in names])  # type: ignore[misc, return-value]
 
 
-def stacked(w: Mapping[str, torch.Tensor | None], name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias or None) of linear `name` from a layer's canonical tensors `w`, stacking the split pieces
-    where the checkpoint stored them apart (the forward pass runs each linear as one matmul)."""
-    options = _BOTH.get(name, ((name,),))
-    pieces = next((p for p in options if all(w.get(k) is not None for k in p)), options[-1])
-    weight = w[pieces[0]] if len(pieces) == 1 else torch.cat([w[k] for k in pieces])  # type: ignore[misc]
-    bias = None
-    for names in _BIASES.get(name, ()):
-        if all(w.get(k) is not None for k in names):
-            bias = w[names[0]] if len(names) == 1 else torch.cat([w[k] for k in names])  # type: ignore[misc]
+def stacked(w: Mapping[str, torch.Tensor | None], name: str, a: Arch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias or None) of linear `name` from a layer's canonical tensors `w`, as the fused layout names
+    them where `w` holds those pieces, else the split one (the forward pass runs each linear as one matmul)."""
+    for fused in (True, False):
+        spec = LayerParts(Attention(fused), DenseMLP(fused)).linears(a)[name]
+        if all(w.get(k) is not None for k in spec.pieces):
             break
-    return weight, bias  # type: ignore[return-value]
+    return stack(w, spec.pieces), (stack(w, spec.bias) if spec.bias else None)

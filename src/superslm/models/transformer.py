@@ -82,7 +82,7 @@ class Layer(nn.Module):
         self.window = arch.windows[index]
         # each linear is one matmul: q, k, v stacked, gate and up stacked (as the checkpoint fused them or not)
         for name in LINEAR_NAMES:
-            setattr(self, name, DenseLinear(*stacked(w, name)))
+            setattr(self, name, DenseLinear(*stacked(w, name, arch)))
         wanted = LayerParts().norms(arch)
         for n in NORMS:  # in this order: a model's fingerprint hashes its buffers in order
             if n in wanted:
