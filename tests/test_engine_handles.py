@@ -4,6 +4,8 @@ without a hang or a leaked page."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from superslm import Request, Sampling
@@ -76,3 +78,50 @@ def test_generate_leaves_other_requests_reports_to_advance(tiny) -> None:  # noq
     assert sum(len(pr.tokens) for pr in seen) == 3 and seen[-1].end == "length"
     assert not e.busy()
     _clean(e)
+
+
+def test_the_scheduler_alone_grants_and_frees_pages(tiny, monkeypatch) -> None:  # noqa: F811
+    """Every page a sequence, a restored one, a prefix handle (its own and an adopter's copy) or a low-level
+    slot holds is taken and given back by engine/scheduler.py: a page granted elsewhere is one the scheduler's
+    preemption and admission rules cannot see."""
+    from superslm.cache import PagePool
+
+    callers: set[str] = set()
+    for name in ("allocate", "retain", "release"):
+        real = getattr(PagePool, name)
+
+        def spy(self, *args, _real=real, **kwargs):
+            callers.add(sys._getframe(1).f_globals["__name__"])
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(PagePool, name, spy)
+    model, _ = tiny
+    # 8 pages of 4 tokens; the prefix holds 3 (9 tokens: two full pages shared, the third copied for each
+    # adopter). The adopter (14 + 8 tokens: 4 pages of its own) and q (8 + 8: 4) cannot both grow: a preemption
+    engine = model.engine(slots=2, context=64, page_size=4, kv_budget=8 * engine_page_bytes(model, 4))
+    p, q = prompts(2, seed=7, lo=14, hi=14)
+    q = q[:8]
+    pre = engine.prefix(p[:9])
+    done = engine.generate([Request(p[9:], 8, S, prefix=pre), Request(q, 8, S)])
+    assert all(c.end == "length" for c in done)
+    engine.release(pre)
+    rid = engine.add(Request(q, 8, S))
+    engine.advance()
+    blob = engine.save(rid)
+    engine.cancel(rid)
+    engine.generate([])  # the restored sequence runs at once (a free slot and pages)
+    i = engine.restore(blob)
+    while engine.busy():
+        engine.advance()
+    engine.step(q[:5], [0] * 5, [False] * 4 + [True])
+    engine.reset(0)
+    assert i >= 0 and engine.scheduler.num_preemptions >= 1
+    assert callers == {"superslm.engine.scheduler"}, callers
+    _clean(engine)
+
+
+def engine_page_bytes(model, page_size: int) -> int:
+    from superslm.cache.kv import KVCache
+
+    a = model.arch
+    return KVCache.page_bytes(len(model.net.layers), page_size, a.kv_heads, a.head_dim, model.dtype)

@@ -1,6 +1,6 @@
 """Every refusal SuperSLM makes is an exception class of its own.
 
-As the seed's status codes: one class per real cause, so a caller (and the server, which maps each
+One class per real cause, so a caller (and the server, which maps each
 class to one HTTP status and error code) can tell malformed input from a wrong lifecycle state from
 content that does not match what it claims to be.
 """

@@ -132,17 +132,14 @@ class ContractsMixin:
         if tuple(saved.k.shape) != want or tuple(saved.v.shape) != want or n > seq.num_tokens:
             raise StateCorrupted(f"saved KV {tuple(saved.k.shape)} does not fit this engine's cache {want} and "
                                  f"{seq.num_tokens} tokens")
-        pages = -(-n // self.page_size)
         self._register(seq)
         if adapter is not None:
             adapter.users.add(id(seq))
-        if n and len(self.scheduler.running) < self.slots and self.pool.can_allocate(pages):
-            seq.block_table = self.pool.allocate(pages)
+        if n and self.scheduler.resume(seq, n):
             slots = self._slots_of(seq, n)
             self.kv.k[:, slots] = saved.k.to(self.kv.k)
             self.kv.v[:, slots] = saved.v.to(self.kv.v)
             seq.num_computed_tokens = n
-            self.scheduler.running.append(seq)
         else:
             self.scheduler.add(seq)
         return seq.id
@@ -179,7 +176,7 @@ class ContractsMixin:
         if len(ids) >= self.context:
             raise ContextLengthExceeded(f"a prefix of {len(ids)} tokens leaves no room in a context of {self.context}")
         ps = self.page_size
-        pages = self.pool.allocate(-(-len(ids) // ps))
+        pages = self.scheduler.grant(-(-len(ids) // ps))
         meta = AttnMetadata(
             positions=torch.arange(len(ids), device=self.net.device),
             slot_mapping=torch.tensor(slot_mapping(pages, 0, len(ids), ps), device=self.net.device),
@@ -188,8 +185,7 @@ class ContractsMixin:
         )
         with torch.inference_mode():
             self.net.run_layers(self.net.embed(torch.tensor(ids, device=self.net.device)), meta, self.kv.k, self.kv.v)
-        if self.scheduler.prefix_caching:
-            self.pool.register_full_pages(pages, ids, len(ids), None)
+        self.scheduler.cache_pages(pages, ids)
         return Prefix(tuple(ids), pages, owner=weakref.ref(self))
 
     def release(self: Engine, prefix: Prefix) -> None:
@@ -199,31 +195,15 @@ class ContractsMixin:
         if prefix.users:
             raise PrefixInUse(f"the prefix is used by {len(prefix.users)} live request(s)")
         if not prefix.released:
-            self.pool.release(prefix.pages)
+            self.scheduler.free(prefix.pages)
             prefix.released = True
 
-    def _adopt(self: Engine, seq: Sequence) -> bool:
-        """Give a sequence its prefix's pages (full ones shared, the partial one copied)."""
-        pre: Prefix = seq.request.prefix
-        n, ps = len(pre.tokens), self.page_size
-        full = n // ps
-        need = 1 if n % ps else 0
-        if not self.pool.can_allocate(need):
-            return False
-        self.pool.retain(pre.pages[:full])
-        seq.block_table = list(pre.pages[:full])
-        if need:
-            page = self.pool.allocate(1)[0]
-            src = torch.arange(full * ps, n, device=self.kv.k.device) - full * ps + pre.pages[full] * ps
-            dst = src - pre.pages[full] * ps + page * ps
-            self.kv.k[:, dst] = self.kv.k[:, src]
-            self.kv.v[:, dst] = self.kv.v[:, src]
-            seq.block_table.append(page)
-        seq.num_computed_tokens = n
-        seq.num_hashed_pages = full
-        if seq.preemptions == 0:
-            seq.cached = n
-        return True
+    def _copy_page(self: Engine, src: int, dst: int, n: int) -> None:
+        """The KV of page src's first n slots into page dst (a prefix's partial page, for the scheduler)."""
+        offsets = torch.arange(n, device=self.kv.k.device)
+        a, b = offsets + src * self.page_size, offsets + dst * self.page_size
+        self.kv.k[:, b] = self.kv.k[:, a]
+        self.kv.v[:, b] = self.kv.v[:, a]
 
     # --- hidden states ------------------------------------------------------------------------------
 

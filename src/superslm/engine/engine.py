@@ -128,7 +128,7 @@ class Engine(SequenceMixin, OutputMixin, OverlapMixin, ContractsMixin):
             raise InvalidArgument(f"kv_budget holds no KV page ({page_bytes} bytes each)")
         self.kv = KVCache(layers, pages, page_size, a.kv_heads, a.head_dim, dtype, device)
         self.pool = PagePool(pages, page_size)
-        self.scheduler = Scheduler(self.pool, slots, rows, prefix_caching, chunk=chunk, adopt=self._adopt)
+        self.scheduler = Scheduler(self.pool, slots, rows, prefix_caching, chunk=chunk, copy_page=self._copy_page)
         self.vocab = a.vocab
         self._stop_ids = frozenset(model.stop_ids)
         self._seqs: dict[int, Sequence] = {}
@@ -240,7 +240,7 @@ class Engine(SequenceMixin, OutputMixin, OverlapMixin, ContractsMixin):
         """Run one step (or, with a layer budget, at most that many layers of it) and report.
 
         With a layer budget, a step whose layers are not all done reports nothing for its tokens
-        (they are in progress: the seed's -1); the next call continues it."""
+        (they are in progress); the next call continues it."""
         if layer_budget is not None and (not isinstance(layer_budget, int) or layer_budget < 1):
             raise InvalidArgument(f"layer_budget must be a positive integer, got {layer_budget!r}")
         out, self._pending = self._pending, []
@@ -286,7 +286,8 @@ class Engine(SequenceMixin, OutputMixin, OverlapMixin, ContractsMixin):
 
     def _manual_slots(self) -> ManualSlots:
         if self._manual is None:
-            self._manual = ManualSlots(self.net, self.kv, self.pool, self.slots, self.context, self.deterministic)
+            self._manual = ManualSlots(self.net, self.kv, self.scheduler, self.slots, self.context,
+                                       self.deterministic)
         return self._manual
 
     def step(self, tokens: list[int], slots: list[int], wanted: list[bool]) -> torch.Tensor:

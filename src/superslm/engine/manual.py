@@ -1,5 +1,5 @@
 """Low-level stepping: the caller says which slot each token row belongs to and which rows it wants
-logits of (the seed's Engine.step). Slots here are caller-owned sequences that share the KV pool with
+logits of (`Engine.step`). Slots here are caller-owned sequences that share the KV pool with
 the engine's requests; their pages stay referenced until `reset`."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from superslm.cache import PagePool
 from superslm.cache.kv import KVCache, slot_mapping
+from superslm.engine.scheduler import Scheduler
 from superslm.errors import ContextLengthExceeded, InvalidArgument, KVCacheFull, TokenOutOfRange
 from superslm.kernels.attention import AttnMetadata
 from superslm.models.transformer import Transformer
@@ -18,9 +18,9 @@ from superslm.models.transformer import Transformer
 class ManualSlots:
     """Caller-driven sequences: `step(tokens, slots, wanted)` appends rows and returns logits."""
 
-    def __init__(self, net: Transformer, kv: KVCache, pool: PagePool, slots: int, context: int,
+    def __init__(self, net: Transformer, kv: KVCache, scheduler: Scheduler, slots: int, context: int,
                  deterministic: bool = False) -> None:
-        self.net, self.kv, self.pool = net, kv, pool
+        self.net, self.kv, self.scheduler = net, kv, scheduler
         self.deterministic = deterministic
         self.slots, self.context = slots, context
         self.lengths = [0] * slots
@@ -30,7 +30,7 @@ class ManualSlots:
         """Empty a slot and give its pages back."""
         self._check_slot(slot)
         if self.tables[slot]:
-            self.pool.release(self.tables[slot])
+            self.scheduler.free(self.tables[slot])
         self.tables[slot], self.lengths[slot] = [], 0
 
     def _check_slot(self, slot: int) -> None:
@@ -91,17 +91,17 @@ class ManualSlots:
             if not isinstance(t, int) or not 0 <= t < vocab:
                 raise TokenOutOfRange(f"token {t!r} at row {row} is outside the vocabulary [0, {vocab})")
             by_slot.setdefault(s, []).append(row)
-        ps = self.pool.page_size
+        ps = self.scheduler.pool.page_size
         need = {}
         for s, rows in by_slot.items():
             if self.lengths[s] + len(rows) > self.context:
                 raise ContextLengthExceeded(f"slot {s} would hold {self.lengths[s] + len(rows)} tokens")
             need[s] = -(-(self.lengths[s] + len(rows)) // ps) - len(self.tables[s])
-        if not self.pool.can_allocate(sum(need.values())):
+        if not self.scheduler.can_grant(sum(need.values())):
             raise KVCacheFull(f"the KV pool cannot hold {sum(need.values())} more pages")
         for s, k in need.items():
             if k > 0:
-                self.tables[s].extend(self.pool.allocate(k))
+                self.tables[s].extend(self.scheduler.grant(k))
         # the step's rows grouped by slot; `order` maps them back to the caller's row order
         order = [row for rows in by_slot.values() for row in rows]
         positions, slot_map, starts, lens, tables = [], [], [0], [], []

@@ -41,7 +41,7 @@ class OutputMixin:
             if row >= 0:
                 seqs.append(seq)
                 if seq.prefill_hidden is None and work.h is not None:
-                    # the seed's prefill hidden state: final norm at the last prompt position
+                    # the prefill hidden state: final norm at the last prompt position
                     seq.prefill_hidden = self.net.final_norm(work.h[row]).float().clone()
             elif not seq.end:
                 self.scheduler.register(seq)

@@ -102,19 +102,14 @@ class OverlapMixin:
             return  # a waiting request is admitted by the next schedule, after this step is accepted
         # every sequence here samples on the device (`_graph_step` launches no step otherwise, and a step
         # ahead keeps its sequences)
-        need = 0
         for seq, _ in chunks:
             if seq.end or seq.prefill_hidden is None:
                 return
             if len(seq.output) + 2 > seq.max_tokens:
                 return  # this step's token may be its last: the step after would be thrown away
-            need += max(0, sched.pages_for(seq.num_computed_tokens + 2) - len(seq.block_table))
-        # the pages of the token after this step's, from free pages only (the pool hands those out first): a
-        # step that a stop may throw away evicts no cached prefix; all or none, else the next schedule may preempt
-        if need > self.pool.num_free:
+        # the pages of the token after this step's (free pages only, all or none)
+        if not sched.grow_ahead([seq for seq, _ in chunks], 2):
             return
-        for seq, _ in chunks:
-            sched.grow(seq, 2)
         if not self._graphs.usable(chunks):  # type: ignore[union-attr]
             return  # the grown tables past the graphs' width: the next schedule runs the built path
         nxt, logits = self._graphs.run(chunks, ahead=step.tokens)  # type: ignore[union-attr]

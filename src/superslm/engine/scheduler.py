@@ -1,5 +1,9 @@
 """The one scheduling rule, in plain Python: which sequences compute how many tokens this step.
 
+The scheduler alone grants and frees KV pages: prompts and answers (`grow`), restored sequences
+(`resume`), prefix handles (`grant`, `free`, `adopt`) and caller-driven slots all ask it, so one object
+knows why every page is held.
+
 Every step has a budget of `rows` tokens. Generating sequences get their next token first; the rows
 left go to the next chunks of prompts not read yet (running ones first, then new ones from the
 waiting queue while slots are free), so decode and chunked prefill share one forward pass. When the
@@ -10,7 +14,8 @@ came last is preempted: its pages go back and it later resumes from its prompt a
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from superslm.cache import PagePool
@@ -36,12 +41,12 @@ class Scheduler:
 
     def __init__(self, pool: PagePool, slots: int, rows: int, prefix_caching: bool = True,
                  extra_key: Callable[[Sequence], str | None] | None = None, chunk: int | None = None,
-                 adopt: Callable[[Sequence], bool] | None = None) -> None:
+                 copy_page: Callable[[int, int, int], None] | None = None) -> None:
         self.pool, self.slots, self.rows = pool, slots, rows
         #: the most prompt tokens one sequence reads in a step
         self.chunk = chunk or rows
-        #: gives a sequence its prefix handle's pages (False: no room now)
-        self.adopt = adopt
+        #: copy_page(src, dst, n): the KV of a page's first n slots into another page (the KV's owner does it)
+        self.copy_page = copy_page
         self.prefix_caching = prefix_caching
         self.extra_key = extra_key or (lambda s: s.salt)
         self.waiting: deque[Sequence] = deque()
@@ -56,11 +61,29 @@ class Scheduler:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.pool.page_size)
 
+    # --- pages ------------------------------------------------------------------------------------
+
+    def can_grant(self, n: int) -> bool:
+        return self.pool.can_allocate(n)
+
+    def grant(self, n: int) -> list[int]:
+        """n pages, all or none (KVCacheFull where the pool cannot hold them, nothing changed)."""
+        return self.pool.allocate(n)
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Drop one reference per page (a block_table in order: its last pages are evicted first)."""
+        self.pool.release(pages)
+
+    def cache_pages(self, pages: Seq[int], tokens: Seq[int]) -> None:
+        """Offer the full pages holding `tokens` to the prefix cache (a prefix handle's, no salt)."""
+        if self.prefix_caching:
+            self.pool.register_full_pages(pages, tokens, len(tokens), None)
+
     def release(self, seq: Sequence) -> None:
         """Give a sequence's pages back, offering its full computed pages to the prefix cache first."""
         if seq.block_table:
             self.register(seq)
-            self.pool.release(seq.block_table)
+            self.free(seq.block_table)
         seq.block_table = []
 
     def register(self, seq: Sequence) -> None:
@@ -94,9 +117,52 @@ class Scheduler:
         need = self.pages_for(seq.num_computed_tokens + n) - len(seq.block_table)
         if need <= 0:
             return True
-        if not self.pool.can_allocate(need):
+        if not self.can_grant(need):
             return False
-        seq.block_table.extend(self.pool.allocate(need))
+        seq.block_table.extend(self.grant(need))
+        return True
+
+    def grow_ahead(self, seqs: Seq[Sequence], n: int) -> bool:
+        """Give every seq the pages for n more tokens from free pages only, all or none: a step launched
+        ahead, which a stop may throw away, evicts no cached prefix and leaves the next schedule no
+        preemption to make."""
+        need = sum(max(0, self.pages_for(s.num_computed_tokens + n) - len(s.block_table)) for s in seqs)
+        if need > self.pool.num_free:
+            return False
+        for seq in seqs:
+            self.grow(seq, n)
+        return True
+
+    def resume(self, seq: Sequence, num_tokens: int) -> bool:
+        """Run a restored sequence now with pages for its first num_tokens (whose KV the caller writes);
+        False when no slot or no room is free (it waits in the queue instead, to be recomputed)."""
+        pages = self.pages_for(num_tokens)
+        if len(self.running) >= self.slots or not self.can_grant(pages):
+            return False
+        seq.block_table = self.grant(pages)
+        self.running.append(seq)
+        return True
+
+    def adopt(self, seq: Sequence) -> bool:
+        """Give a sequence its prefix handle's pages: full ones shared, the partial last one copied into a
+        page of its own (it will write there). False when the pool has no page for that copy now."""
+        pre = seq.request.prefix
+        n, ps = len(pre.tokens), self.pool.page_size
+        full, partial = divmod(n, ps)
+        if partial and not self.can_grant(1):
+            return False
+        self.pool.retain(pre.pages[:full])
+        seq.block_table = list(pre.pages[:full])
+        if partial:
+            if self.copy_page is None:
+                raise TypeError("a prefix with a partial page needs the scheduler's copy_page")
+            page = self.grant(1)[0]
+            self.copy_page(pre.pages[full], page, partial)
+            seq.block_table.append(page)
+        seq.num_computed_tokens = n
+        seq.num_hashed_pages = full
+        if seq.preemptions == 0:
+            seq.cached = n
         return True
 
     def fits_alone(self, seq: Sequence) -> bool:
@@ -137,7 +203,7 @@ class Scheduler:
                 step.too_long.append(seq)
                 seq.end = END_LENGTH
                 continue
-            if not seq.block_table and seq.request.prefix is not None and self.adopt is not None:
+            if not seq.block_table and seq.request.prefix is not None:
                 if not self.adopt(seq):
                     break
             elif not seq.block_table and self.prefix_caching and not seq.wants_prompt_logprobs:

@@ -209,7 +209,7 @@ class Sampling:
 
 @dataclass(frozen=True)
 class DampedGreedy:
-    """Damped greedy decoding with an anti-LM (the seed's SSLM_DECODE_MODE_DAMPED_GREEDY).
+    """Damped greedy decoding with an anti-LM.
 
     Deterministic, no randomness: among the `top_k` most likely tokens, each candidate's
     log-probability is lowered by `alpha` times the log-probability that an n-gram model of the
