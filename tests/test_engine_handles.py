@@ -64,7 +64,7 @@ def test_restore_into_a_smaller_context_stops_where_it_ends(tiny) -> None:  # no
         big.advance()
     with pytest.raises(ContextLengthExceeded):
         small.restore(big.save(rid))
-    assert not small.busy() and i not in small._seqs
+    assert not small.busy() and i not in small.output.seqs
     _clean(small)
 
 

@@ -174,7 +174,7 @@ def test_save_restore_with_a_step_in_flight(tiny, kernels, launches) -> None:
     assert on._in_flight is not None  # the next step is running
     blob = on.save(rid)  # accepts it first: its token comes with the next advance
     assert on._in_flight is None
-    settled = [t for q in on._pending for t in q.tokens]  # what the next advance reports first
+    settled = [t for q in on.output.pending for t in q.tokens]  # what the next advance reports first
     assert len(settled) == 1
     other = engine(model, True)
     rid2 = other.restore(blob)
@@ -224,7 +224,7 @@ def test_a_restored_request_is_scheduled_at_once(tiny, kernels, launches) -> Non
     ps = prompts(3, seed=15)
     src = engine(model, False)
     rid = src.add(Request(ps[2], 8, Sampling(ignore_eos=True)))
-    while not src._seqs[rid].output:
+    while not src.output.seqs[rid].output:
         src.advance()
     blob = src.save(rid)
     on = engine(model, True)

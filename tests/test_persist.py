@@ -145,6 +145,6 @@ def test_every_released_version_stays_readable() -> None:
         want = json.loads((data / f"sequence-v{version}.json").read_text())
         engine = model.engine(slots=1, context=128, deterministic=True)
         rid = engine.restore(blob)
-        done = len(engine._seqs[rid].output)
+        done = len(engine.output.seqs[rid].output)
         tokens, text, _ = collect(engine, rid)
         assert want["tokens"][:done] + tokens == want["tokens"]

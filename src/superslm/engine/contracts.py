@@ -48,7 +48,7 @@ class ContractsMixin:
     """stats / prefill_hidden / save / restore / prefix / release / hidden for Engine."""
 
     def _live(self: Engine, request_id: int) -> Sequence:
-        seq = self._seqs.get(request_id)
+        seq = self.output.seqs.get(request_id)
         if seq is None:
             raise UnknownRequest(f"no live request with id {request_id}")
         return seq
@@ -92,7 +92,7 @@ class ContractsMixin:
         seq = self._live(request_id)
         if self._in_flight is not None:
             with torch.inference_mode():
-                self._settle(self._pending)  # a step launched ahead is accepted (its Progress: next advance)
+                self._settle(self.output.pending)  # a step launched ahead is accepted (its Progress: next advance)
             if seq.end:
                 raise UnknownRequest(f"request {request_id} ended in its last step; its Progress says how")
         if self._in_step(seq):

@@ -20,7 +20,7 @@ from superslm.cache import PagePool
 from superslm.cache.kv import KVCache
 from superslm.engine.contracts import ContractsMixin, Prefix
 from superslm.engine.manual import ManualSlots
-from superslm.engine.output import OutputMixin
+from superslm.engine.output import OutputProcessor
 from superslm.engine.overlap import InFlight, OverlapMixin
 from superslm.engine.request import END_CANCELLED, END_LENGTH, Progress, Request, Sequence
 from superslm.engine.runner import StepWork, build_step, run_layers, step_logits
@@ -60,7 +60,7 @@ def _available_memory(device: torch.device) -> int:
     return available_memory()
 
 
-class Engine(SequenceMixin, OutputMixin, OverlapMixin, ContractsMixin):
+class Engine(SequenceMixin, OverlapMixin, ContractsMixin):
     """Runs up to `slots` sequences of at most `context` tokens, in steps of at most `rows` rows.
 
     `kv_budget` sizes the KV pool: bytes (an int), a fraction of the free memory (a float in (0, 1]),
@@ -130,17 +130,13 @@ class Engine(SequenceMixin, OutputMixin, OverlapMixin, ContractsMixin):
         self.pool = PagePool(pages, page_size)
         self.scheduler = Scheduler(self.pool, slots, rows, prefix_caching, chunk=chunk, copy_page=self._copy_page)
         self.vocab = a.vocab
-        self._stop_ids = frozenset(model.stop_ids)
-        self._seqs: dict[int, Sequence] = {}
+        self.output = OutputProcessor(self.net, self.scheduler, frozenset(model.stop_ids), a.vocab, bool(jump_forward))
         self._next_id = 0
-        self._pending: list[Progress] = []
         self._work: StepWork | None = None
         self._rng = random.Random()
         self.steps = 0
         self._manual: ManualSlots | None = None
         self.deterministic = bool(deterministic)
-        #: append the tokens a grammar forces without sampling them (off: mask and sample each)
-        self.jump_forward = bool(jump_forward)
         self._graphs = self._decode_graphs(graphs)
         if overlap and self._graphs is None:
             raise InvalidArgument("overlap=True launches decode steps ahead from the decode graphs, which are off")
@@ -167,7 +163,7 @@ class Engine(SequenceMixin, OutputMixin, OverlapMixin, ContractsMixin):
 
     def _register(self, seq: Sequence) -> None:
         self._next_id += 1
-        self._seqs[seq.id] = seq
+        self.output.seqs[seq.id] = seq
 
     def add(self, request: Request) -> int:
         """Queue a request; returns its id. Its Progress comes from later `advance` calls."""
@@ -205,19 +201,8 @@ class Engine(SequenceMixin, OutputMixin, OverlapMixin, ContractsMixin):
             pre.users.add(id(seq))
         if adapter is not None:
             adapter.users.add(id(seq))
-        params = seq.sampler.params
-        if seq.grammar is not None and self.jump_forward and params.logprobs is None and params.prompt_logprobs is None:
-            # jump-forward at the start: tokens the grammar forces before any choice (not where logprobs are
-            # asked for: every token of the answer gets its logprob, so each one is computed)
-            forced = seq.grammar.take_forced(seq.max_tokens)
-            if forced:
-                p = Progress(seq.id)
-                for t in forced:
-                    seq.sampler.append_token(t)
-                    if self._append(seq, t, p):
-                        break  # the forced tokens reached max_tokens or a stop string: p is the last report
-                self._pending.append(p)
-        if seq.id in self._seqs:
+        self.output.start(seq)
+        if seq.id in self.output.seqs:
             self.scheduler.add(seq)
         return seq
 
@@ -228,11 +213,11 @@ class Engine(SequenceMixin, OutputMixin, OverlapMixin, ContractsMixin):
             # mid-step (layer budget): finish the step's other rows first, then drop it
             seq.end = END_CANCELLED
             return
-        self._finish(seq, END_CANCELLED)
+        self.output.finish(seq, END_CANCELLED)
 
     def busy(self) -> bool:
         """True while any request is queued, running or has Progress not yet returned."""
-        return bool(self._seqs or self._pending or self._work is not None or self._in_flight is not None)
+        return bool(self.output.seqs or self.output.pending or self._work is not None or self._in_flight is not None)
 
     # --- stepping ---------------------------------------------------------------------------------
 
@@ -243,7 +228,7 @@ class Engine(SequenceMixin, OutputMixin, OverlapMixin, ContractsMixin):
         (they are in progress); the next call continues it."""
         if layer_budget is not None and (not isinstance(layer_budget, int) or layer_budget < 1):
             raise InvalidArgument(f"layer_budget must be a positive integer, got {layer_budget!r}")
-        out, self._pending = self._pending, []
+        out, self.output.pending = self.output.pending, []
         if self._in_flight is not None:
             # the step launched ahead last call: accept it (launching the one after it, unless budgeted)
             with torch.inference_mode():
@@ -252,7 +237,7 @@ class Engine(SequenceMixin, OutputMixin, OverlapMixin, ContractsMixin):
         if self._work is None:
             sched = self.scheduler.schedule()
             for seq in sched.too_long:
-                self._finish(seq, END_LENGTH, into=out)
+                self.output.finish(seq, END_LENGTH, into=out)
             if not sched.chunks:
                 return out
             if self._graphs is not None and layer_budget is None and self._graphs.usable(sched.chunks):
@@ -265,11 +250,11 @@ class Engine(SequenceMixin, OutputMixin, OverlapMixin, ContractsMixin):
             if not done:
                 return out
             work, self._work = self._work, None
-            self._prompt_logprobs(work)
-            tokens = self._greedy_tokens(work)
+            self.output.prompt_logprobs(work)
+            tokens = self.output.greedy_tokens(work)
             logits = step_logits(self.net, work) if tokens is None else None
         self.steps += 1
-        out.extend(self._accept(work, logits, tokens))
+        out.extend(self.output.accept(work, logits, tokens))
         return out
 
     @property
@@ -294,7 +279,7 @@ class Engine(SequenceMixin, OutputMixin, OverlapMixin, ContractsMixin):
         """Low level: append each token row to its slot (0..slots-1, caller-owned sequences sharing
         the KV pool with requests) and return the logits of the wanted rows, in row order."""
         with torch.inference_mode():
-            self._settle(self._pending)  # a step in flight is accepted first: its Progress comes with advance
+            self._settle(self.output.pending)  # a step in flight is accepted first: its Progress comes with advance
         return self._manual_slots().step(tokens, slots, wanted)
 
     def reset(self, slot: int) -> None:
@@ -312,10 +297,10 @@ class Engine(SequenceMixin, OutputMixin, OverlapMixin, ContractsMixin):
                 seqs.append(self._add(r))
         except BaseException:
             for seq in seqs:  # a refused request: the ones before it do not run on without a caller
-                if seq.id in self._seqs:
+                if seq.id in self.output.seqs:
                     self.cancel(seq.id)
             added = {seq.id for seq in seqs}
-            self._pending = [p for p in self._pending if p.id not in added]
+            self.output.pending = [p for p in self.output.pending if p.id not in added]
             raise
         ids = [seq.id for seq in seqs]
         done: dict[int, Completion] = {seq.id: Completion(seq.id) for seq in seqs}
@@ -325,7 +310,7 @@ class Engine(SequenceMixin, OutputMixin, OverlapMixin, ContractsMixin):
         try:
             self._generate_loop(done, others)
         finally:
-            self._pending.extend(others)
+            self.output.pending.extend(others)
         return [done[i] for i in ids]
 
     def _generate_loop(self, done: dict[int, Completion], others: list[Progress]) -> None:

@@ -1,39 +1,63 @@
 """What happens to a step's logits: grammar masks, sampling or damped greedy, jump-forward, stop
-tokens and strings, text, and the end of a sequence. A mixin of Engine (it uses its fields)."""
+tokens and strings, text, and the end of a sequence. The output processor owns the live sequences and
+the Progress not yet reported; the scheduler frees a finished one's pages."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
 from superslm.engine.masks import apply_row, banned_tokens
 from superslm.engine.request import END_CANCELLED, END_GRAMMAR, END_LENGTH, END_STOP, Progress, Sequence
 from superslm.engine.runner import StepWork, step_greedy
+from superslm.engine.scheduler import Scheduler
+from superslm.models.transformer import Transformer
 from superslm.sampling import TokenLogprobs, sample
 from superslm.sampling.damped import damped_choice
 from superslm.sampling.sampler import logprobs_of
 
-if TYPE_CHECKING:
-    from superslm.engine.engine import Engine
 
+class OutputProcessor:
+    """Turns each step's logits (or certified greedy tokens) into tokens, text and Progress: one `accept`
+    per step. Holds the live sequences by id (`seqs`) and the Progress reported by the next advance
+    (`pending`: ends outside a step, tokens a grammar forces at the start)."""
 
-class OutputMixin:
-    """Token acceptance for Engine: one call per step (`_accept`)."""
+    def __init__(self, net: Transformer, scheduler: Scheduler, stop_ids: frozenset[int], vocab: int,
+                 jump_forward: bool = True) -> None:
+        self.net, self.scheduler, self.stop_ids, self.vocab = net, scheduler, stop_ids, vocab
+        #: append the tokens a grammar forces without sampling them (off: mask and sample each)
+        self.jump_forward = jump_forward
+        self.seqs: dict[int, Sequence] = {}
+        self.pending: list[Progress] = []
 
-    def _greedy_tokens(self: Engine, work: StepWork) -> torch.Tensor | None:
+    def start(self, seq: Sequence) -> None:
+        """A new sequence: jump-forward over the tokens its grammar forces before any choice (not where
+        logprobs are asked for: every token of the answer gets its logprob, so each one is computed)."""
+        params = seq.sampler.params
+        if seq.grammar is None or not self.jump_forward or params.logprobs is not None \
+                or params.prompt_logprobs is not None:
+            return
+        forced = seq.grammar.take_forced(seq.max_tokens)
+        if forced:
+            p = Progress(seq.id)
+            for t in forced:
+                seq.sampler.append_token(t)
+                if self.append(seq, t, p):
+                    break  # the forced tokens reached max_tokens or a stop string: p is the last report
+            self.pending.append(p)
+
+    def greedy_tokens(self, work: StepWork) -> torch.Tensor | None:
         """The sampling rows' tokens straight from the head when every one is plain greedy (no logprobs,
         logit_bias, penalties, grammar or damping): `step_greedy` certifies each argmax without computing
         all the logits; None where it does not apply (the step then computes its logits)."""
         for (seq, _), row in zip(work.chunks, work.sample_rows):
             p = seq.sampler.params
             plain = (p.greedy and p.logprobs is None and not p.logit_bias and not p.uses_penalties
-                     and seq.allowed is None and not self._banned(seq))
+                     and seq.allowed is None and not self.banned(seq))
             if row >= 0 and not (plain and p.damped is None and seq.grammar is None):
                 return None
         return step_greedy(self.net, work)
 
-    def _accept(self: Engine, work: StepWork, logits: torch.Tensor | None,
+    def accept(self, work: StepWork, logits: torch.Tensor | None,
                 tokens: torch.Tensor | None = None) -> list[Progress]:
         seqs: list[Sequence] = []
         for (seq, n), row in zip(work.chunks, work.sample_rows):
@@ -47,16 +71,16 @@ class OutputMixin:
                 self.scheduler.register(seq)
         out: list[Progress] = []
         if seqs:
-            if tokens is not None:  # plain greedy rows, certified by the head (_greedy_tokens)
+            if tokens is not None:  # plain greedy rows, certified by the head (greedy_tokens)
                 bitmask, chosen, logprobs = None, tokens.tolist(), [None] * len(seqs)
             else:
                 assert logits is not None
-                bitmask = self._bitmask(seqs)
+                bitmask = self.bitmask(seqs)
                 result = sample(logits, [s.sampler for s in seqs], bitmask=bitmask)
                 chosen, logprobs = result.token_list(), result.logprobs()
             for i, seq in enumerate(seqs):
                 if seq.end == END_CANCELLED:
-                    self._finish(seq, END_CANCELLED, into=out)
+                    self.finish(seq, END_CANCELLED, into=out)
                     continue
                 token = chosen[i]
                 damped = seq.sampler.params.damped
@@ -68,22 +92,22 @@ class OutputMixin:
 
                         apply_token_bitmask(row, bitmask[i : i + 1])
                     token = damped_choice(row[0].log_softmax(-1), seq.anti, damped)
-                out.append(self._take(seq, token, logprobs[i]))
+                out.append(self.take(seq, token, logprobs[i]))
         for seq, _ in work.chunks:
-            if seq.end == END_CANCELLED and seq.id in self._seqs:
-                self._finish(seq, END_CANCELLED, into=out)
+            if seq.end == END_CANCELLED and seq.id in self.seqs:
+                self.finish(seq, END_CANCELLED, into=out)
         return out
 
-    def _banned(self: Engine, seq: Sequence) -> tuple[int, ...]:
+    def banned(self, seq: Sequence) -> tuple[int, ...]:
         """The tokens seq may not sample next (min_tokens' stop tokens, bad words; engine/masks.py)."""
-        return banned_tokens(seq.output, seq.sampler.params, self._stop_ids, seq.bad_words)
+        return banned_tokens(seq.output, seq.sampler.params, self.stop_ids, seq.bad_words)
 
-    def _prompt_logprobs(self: Engine, work: StepWork) -> None:
+    def prompt_logprobs(self, work: StepWork) -> None:
         """For each chunk of a prompt whose request asks for prompt_logprobs: the logprob of every prompt token
         its rows predict (row of position q -> prompt[q + 1]), from the raw logits as the sampler's logprobs."""
         for (seq, n), row0 in zip(work.chunks, work.meta.query_start):
             k = seq.sampler.params.prompt_logprobs
-            first = seq.num_computed_tokens  # _accept has not counted this chunk yet
+            first = seq.num_computed_tokens  # accept has not counted this chunk yet
             last = min(first + n, len(seq.prompt) - 1)  # positions first..last-1 predict a prompt token
             if seq.prompt_logprobs is None or last <= first:
                 continue
@@ -98,10 +122,10 @@ class OutputMixin:
                     top = tuple(zip(ids[j], values[j], strict=True))
                     seq.prompt_logprobs[a + 1 + j] = TokenLogprobs(seq.prompt[a + 1 + j], lp_j, ranks[j], top)
 
-    def _bitmask(self: Engine, seqs: list[Sequence]) -> torch.Tensor | None:
+    def bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """int32 [rows, ceil(vocab / 32)] of the tokens each row may sample (grammar masks, allowed_token_ids,
         min_tokens' and bad words' bans), or None where every row may sample any token."""
-        bans = [self._banned(s) for s in seqs]
+        bans = [self.banned(s) for s in seqs]
         grammar = any(s.grammar is not None for s in seqs)
         if not grammar and not any(bans) and all(s.allowed is None for s in seqs):
             return None
@@ -115,25 +139,25 @@ class OutputMixin:
             apply_row(bitmask[row], seq.allowed, banned)
         return bitmask.to(self.net.device)
 
-    def _take(self: Engine, seq: Sequence, token: int, lp: TokenLogprobs | None) -> Progress:
+    def take(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> Progress:
         """Accept one sampled token, then any tokens the grammar forces after it."""
         p = Progress(seq.id, cached=seq.cached)
         if seq.grammar is not None and seq.grammar.is_dead:
             # its mask allowed nothing (an llguidance error, or a dead end): the sampled token is noise
-            return self._finish(seq, END_GRAMMAR, progress=p)
+            return self.finish(seq, END_GRAMMAR, progress=p)
         seq.sampler.append_token(token)
         if seq.prompt_logprobs is not None:  # the prompt is read: its logprobs go out once, with its first token
             p.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
         if lp is not None:
             p.logprobs.append(lp)
         params = seq.sampler.params
-        stop = token in params.stop_token_ids or (token in self._stop_ids and not params.ignore_eos)
+        stop = token in params.stop_token_ids or (token in self.stop_ids and not params.ignore_eos)
         if seq.grammar is not None and not seq.grammar.accept(token) and not stop:
-            return self._finish(seq, END_GRAMMAR, progress=p)
+            return self.finish(seq, END_GRAMMAR, progress=p)
         if stop:
             seq.stop_reason = token
-            return self._finish(seq, END_STOP, progress=p)
-        if self._append(seq, token, p):
+            return self.finish(seq, END_STOP, progress=p)
+        if self.append(seq, token, p):
             return p
         if seq.grammar is not None:
             # jump-forward: tokens the grammar allows as the only continuation, without sampling
@@ -141,16 +165,16 @@ class OutputMixin:
             limit = max(0, seq.max_tokens - len(seq.output)) if jump else 0
             for forced in seq.grammar.take_forced(limit):
                 seq.sampler.append_token(forced)
-                if self._append(seq, forced, p):
+                if self.append(seq, forced, p):
                     return p
             if seq.grammar.is_dead:
-                return self._finish(seq, END_GRAMMAR, progress=p)
+                return self.finish(seq, END_GRAMMAR, progress=p)
             if params.ignore_eos and seq.grammar.is_finished:
-                return self._finish(seq, END_STOP, progress=p)
+                return self.finish(seq, END_STOP, progress=p)
         self.scheduler.register(seq)
         return p
 
-    def _append(self: Engine, seq: Sequence, token: int, p: Progress) -> bool:
+    def append(self, seq: Sequence, token: int, p: Progress) -> bool:
         """One output token: text, stop strings, max_tokens. True when the sequence ended."""
         seq.output.append(token)
         if seq.anti is not None:
@@ -165,14 +189,14 @@ class OutputMixin:
             p.text += res.text
             if res.stopped:
                 seq.stop_reason = res.stop
-                self._finish(seq, END_STOP, progress=p)
+                self.finish(seq, END_STOP, progress=p)
                 return True
         if len(seq.output) >= seq.max_tokens:
-            self._finish(seq, END_LENGTH, progress=p)
+            self.finish(seq, END_LENGTH, progress=p)
             return True
         return False
 
-    def _finish(self: Engine, seq: Sequence, end: str, progress: Progress | None = None,
+    def finish(self, seq: Sequence, end: str, progress: Progress | None = None,
                 into: list[Progress] | None = None) -> Progress:
         """End a sequence: flush its held text, free its pages, and report it."""
         p = progress or Progress(seq.id, cached=seq.cached)
@@ -182,7 +206,7 @@ class OutputMixin:
         seq.end, p.end, p.stop_reason = end, end, seq.stop_reason
         p.forced_tokens = seq.grammar.num_forced if seq.grammar is not None else 0
         self.scheduler.remove(seq)
-        self._seqs.pop(seq.id, None)
+        self.seqs.pop(seq.id, None)
         if progress is None:
-            (self._pending if into is None else into).append(p)
+            (self.pending if into is None else into).append(p)
         return p

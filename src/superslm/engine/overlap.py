@@ -84,11 +84,11 @@ class OverlapMixin:
         work, logits = self._graphs.run(chunks)  # type: ignore[union-attr]
         self.steps += 1
         if not all(_device_sampled(s) for s, _ in chunks):
-            out.extend(self._accept(work, logits))
+            out.extend(self.output.accept(work, logits))
             return
         step = self._stage(work, sample(logits, [s.sampler for s, _ in chunks]).tokens)
         self._launch_ahead(step)
-        out.extend(self._accept(work, None, step.host_tokens()))
+        out.extend(self.output.accept(work, None, step.host_tokens()))
         self._drop_idle_flight()
 
     def _launch_ahead(self: Engine, step: InFlight) -> None:
@@ -122,7 +122,7 @@ class OverlapMixin:
     def _drop_idle_flight(self: Engine) -> None:
         """Forget a step in flight that no live sequence is in (the step before it ended them all)."""
         flight = self._in_flight
-        if flight is not None and not any(seq.id in self._seqs for seq, _ in flight.work.chunks):
+        if flight is not None and not any(seq.id in self.output.seqs for seq, _ in flight.work.chunks):
             self._in_flight = None
 
     def _settle(self: Engine, out: list[Progress], go_on: bool = False) -> None:
@@ -132,18 +132,18 @@ class OverlapMixin:
         if flight is None:
             return
         work = flight.work
-        keep = [i for i, (seq, _) in enumerate(work.chunks) if seq.id in self._seqs]
+        keep = [i for i, (seq, _) in enumerate(work.chunks) if seq.id in self.output.seqs]
         if not keep:
             return
         self.steps += 1
         if len(keep) == len(work.chunks):
             if go_on:
                 self._launch_ahead(flight)
-            out.extend(self._accept(work, None, flight.host_tokens()))
+            out.extend(self.output.accept(work, None, flight.host_tokens()))
             self._drop_idle_flight()
             return
         chosen = flight.host_tokens().tolist()
         tokens = torch.tensor([chosen[i] for i in keep], dtype=torch.long)
         work = StepWork([work.chunks[i] for i in keep], work.tokens, work.meta, list(range(len(keep))), None,
                         work.next_layer)  # fmt: skip
-        out.extend(self._accept(work, None, tokens))
+        out.extend(self.output.accept(work, None, tokens))
