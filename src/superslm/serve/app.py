@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from superslm.encoders import CrossEncoder, Encoder
 from superslm.errors import InternalError, ModelNotFound, SuperSLMError, UnsupportedModel
 from superslm.serve import embeddings, generate
+from superslm.serve.guard import BrowserGuard, HostRules
 from superslm.serve.loop import EngineLoop
 from superslm.serve.metrics import Metrics
 from superslm.serve.output import Job
@@ -45,8 +46,9 @@ if TYPE_CHECKING:
     from superslm.model import Model
 
 MAX_MESSAGE = 400
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 503: "service_unavailable_error"}
 HTTP_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -176,6 +178,8 @@ def create_app(
     api_key: str | None = None,
     max_waiting: int = 256,
     max_body_bytes: int = 4 << 20,
+    allowed_hosts: Iterable[str] | None = None,
+    cors_origins: Iterable[str] = (),
     **engine_kwargs: Any,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `model`: a language model, an `Encoder` (/v1/embeddings) or a
@@ -185,6 +189,9 @@ def create_app(
     name(s) requests may give as `model` (default: model.name). `api_key`: when set, every route but
     /health needs `Authorization: Bearer <api_key>`. `max_waiting`: sequences admitted beyond the
     engine's slots before requests get 503. `max_body_bytes`: larger bodies get 413.
+    `allowed_hosts`: the Host names requests may carry (default: loopback names; `*` any; `.example.com`
+    with its subdomains), `cors_origins`: the web pages (origins) that may call it from a browser; other
+    Origins get 403, a POST that is not `application/json` 415 (serve/guard.py).
     The engine loop thread starts with the app's lifespan (or at the first request) and stops with it.
     """
     if isinstance(model, (Encoder, CrossEncoder)):
@@ -213,6 +220,15 @@ def create_app(
 
     app = FastAPI(title="SuperSLM", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
+    cors = [cors_origins] if isinstance(cors_origins, str) else list(cors_origins)
+    hosts = [allowed_hosts] if isinstance(allowed_hosts, str) else allowed_hosts
+    if cors:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=cors, allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+    # outermost (added last): a refused Host or Origin reaches no route and no CORS answer
+    app.add_middleware(BrowserGuard, rules=HostRules(hosts, cors), error=error_json)
     _errors(app)
     auth = Depends(_auth(state))
 

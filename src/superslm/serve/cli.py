@@ -69,6 +69,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-body-bytes", type=_count(1), default=4 << 20, help="larger request bodies get 413")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds a SIGTERM waits for requests in flight before cancelling them")
+    p.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
+                   help="the Host names the server answers to, against DNS rebinding (`*` any, `.example.com` "
+                        "with subdomains; default: loopback names when --host is loopback, else any)")
+    p.add_argument("--cors-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="web pages (e.g. https://app.example) that may call the server from a browser "
+                        "(default: none; requests with another Origin get 403)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -87,6 +93,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         import uvicorn
 
         from superslm.serve.app import create_app
+        from superslm.serve.guard import is_loopback
     except ImportError as e:
         print(f"superslm serve needs the server extra ({e.name} is missing): pip install 'superslm[serve]'",
               file=sys.stderr)
@@ -99,7 +106,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     model = loader(ns.model, device=ns.device, dtype=ns.dtype)
     names = ns.served_model_name or default_names(model.name, ns.model)
     app = create_app(model, slots=ns.slots, context=ns.context, served_model_name=names,
-                     api_key=ns.api_key, max_waiting=ns.max_waiting, max_body_bytes=ns.max_body_bytes)
+                     api_key=ns.api_key, max_waiting=ns.max_waiting, max_body_bytes=ns.max_body_bytes,
+                     allowed_hosts=ns.allowed_hosts or (None if is_loopback(ns.host) else ["*"]),
+                     cors_origins=ns.cors_origins)
     state = app.state.server
 
     class DrainingServer(uvicorn.Server):
