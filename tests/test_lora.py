@@ -165,3 +165,22 @@ def test_adapted_requests_save_restore_and_share_safely(setup) -> None:
     a2.unmap()
     with pytest.raises(InvalidArgument, match="prefix"):
         e.add(Request(p[3:], 4, s, prefix=e.prefix(p[:3]), adapter=a1))
+
+
+def test_a_salt_cannot_read_an_adapters_cached_pages(setup) -> None:
+    """The prefix-cache key of an adapted request once joined the salt and the adapter with "|" (and the
+    adapter's id(), which Python reuses): a request without the adapter whose salt spelled "|lora:NAME:ID" read
+    the adapter's KV. Now the key is bytes with the adapter's content fingerprint; its own pages still hit,
+    and a second mapping of the same adapter (same weights) shares them."""
+    model, base, *_ = setup
+    a1 = model.adapter(base / "a1")
+    p, s = prompts(1, seed=9, lo=40, hi=40)[0], Sampling(ignore_eos=True)
+    e = model.engine(slots=1, context=512)  # 32 pages: none of the requests' evicts another's
+    first = e.generate([Request(p, 2, s, adapter=a1)])[0]
+    assert first.cached == 0
+    for forged in (f"|lora:{a1.name}:{id(a1)}", f"lora:{a1.fingerprint}", "\0", ""):
+        assert e.generate([Request(p, 2, s, salt=forged)])[0].cached == 0, forged
+    assert e.generate([Request(p, 2, s, adapter=a1, salt="x")])[0].cached == 0  # a salt still separates
+    again = model.adapter(base / "a1")
+    assert e.generate([Request(p, 2, s, adapter=again)])[0].cached == 32  # two full pages of 16
+    assert e.generate([Request(p, 2, s, adapter=model.adapter(base / "a2"))])[0].cached == 0

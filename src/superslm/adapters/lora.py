@@ -42,14 +42,9 @@ class Adapter:
     unmapped: bool = False
 
     @property
-    def key(self) -> str:
-        """The prefix-cache salt of this adapter (pages computed with it are its own)."""
-        return f"lora:{self.name}:{id(self)}"
-
-    @property
     def fingerprint(self) -> str:
         """sha256 of the adapter's name, rank, scale and weights: how a saved request names its adapter in another
-        process, where `key` (an id()) means nothing."""
+        process, and the prefix cache's key of the pages computed with it."""
         if self._fingerprint is None:
             h = hashlib.sha256(f"{self.name}|{self.rank}|{self.scale}|{self.model_fingerprint}".encode())
             for key in sorted(self.weights):

@@ -129,9 +129,13 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens > 1
 
     @property
-    def salt(self) -> str | None:
-        """The prefix-cache key: the request's salt and its adapter (pages are never shared across them)."""
+    def salt(self) -> str | bytes | None:
+        """The prefix-cache key: the request's salt (str) and its adapter (pages are never shared across them).
+        With an adapter, bytes (which the page hash tells from any str): its content fingerprint (64 hex digits,
+        so nothing a salt holds can pose as another adapter, and an id() Python reuses names nothing), then a
+        tag for no salt or the salt's utf-8."""
         adapter = self.request.adapter
         if adapter is None:
             return self.request.salt
-        return f"{self.request.salt or ''}|{adapter.key}"
+        salt = self.request.salt
+        return b"lora:" + adapter.fingerprint.encode() + (b"\0" if salt is None else b"\1" + salt.encode())
