@@ -148,3 +148,64 @@ def test_every_released_version_stays_readable() -> None:
         done = len(engine.output.seqs[rid].output)
         tokens, text, _ = collect(engine, rid)
         assert want["tokens"][:done] + tokens == want["tokens"]
+
+
+def _forge(blob: bytes, fingerprint: str, path: tuple, value) -> bytes:
+    """The blob with one header field replaced and the checksum recomputed (a checksum is no signature)."""
+    saved = persist.decode(blob, fingerprint)
+    header = json.loads(json.dumps(saved.header))
+    node = header
+    for key in path[:-1]:
+        node = node[key]
+    if value is _DROP:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return persist.encode(header, saved.k, saved.v)
+
+
+_DROP = object()
+NONSENSE = [None, -1, 0, 1e29, 2**70, "x", [], {}, [[1]], [-5], True, _DROP]
+
+
+def _paths(state: dict, prefix: tuple = ()) -> list[tuple]:
+    out = []
+    for key, value in state.items():
+        out.append(prefix + (key,))
+        if isinstance(value, dict):
+            out += _paths(value, prefix + (key,))
+    return out
+
+
+def test_forged_fields_are_refused_as_corrupted_or_run(model) -> None:
+    """Every field of a saved sequence, set to nonsense with a valid checksum: restore() refuses it with
+    StateCorrupted (before: AttributeError, IndexError, or accepted: cached=-1, max_tokens=1e29, page_size=0),
+    or what it accepts runs to its end; nothing leaks and the engine goes on serving."""
+    engine = model.engine(slots=1, context=128)
+    rid = engine.add(Request(prompts(1, seed=34)[0], 12, SAMPLING))
+    engine.advance()
+    engine.advance()
+    blob = engine.save(rid)
+    engine.cancel(rid)
+    fp = model.fingerprint
+    header = persist.decode(blob, fp).header
+    paths = [("page_size",)] + [("sequence",) + p for p in _paths(header["sequence"])]
+    accepted = []
+    for path in paths:
+        for value in NONSENSE:
+            forged = _forge(blob, fp, path, value)
+            try:
+                i = engine.restore(forged)
+            except StateCorrupted:
+                continue
+            accepted.append((path, value))
+            while engine.busy():
+                engine.advance()
+            assert i not in engine.output.seqs
+    ints = {("page_size",), ("sequence", "cached"), ("sequence", "max_tokens"), ("sequence", "request_max_tokens"),
+            ("sequence", "preemptions"), ("sequence", "layers_run")}
+    for path, value in accepted:
+        assert path not in ints or type(value) is int and value >= 0 and value < 2**62, (path, value)
+    engine.pool.check()
+    assert engine.pool.num_used == 0
+    assert engine.restore(blob) >= 0

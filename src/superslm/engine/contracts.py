@@ -108,8 +108,8 @@ class ContractsMixin:
         LoRA adapter needs the same adapter (`Model.adapter`, same weights) passed back: AdapterMismatch
         otherwise. Its max_tokens is cut to what this engine's context holds (ContextLengthExceeded if none)."""
         saved = persist.decode(blob, self.model.fingerprint)
+        st = persist.check_header(saved.header)
         try:
-            st = saved.header["sequence"]
             self._restored_adapter(st.get("adapter"), adapter)
             prompt = st["prompt"]
             # a well-formed blob (its checksum is no signature) can still hold a prompt the engine cannot run:
@@ -120,7 +120,7 @@ class ContractsMixin:
             request = Request(prompt=prompt, max_tokens=int(st["request_max_tokens"]), salt=st["salt"],
                               adapter=adapter)
             seq = self._new_sequence(request, prompt, state=st)
-        except (KeyError, TypeError, ValueError, InvalidArgument) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, InvalidArgument) as e:
             raise StateCorrupted(f"saved sequence state is malformed ({e})") from e
         # a smaller context than the saving engine's: the answer stops where this one's ends, as add() cuts it
         seq.max_tokens = min(seq.max_tokens, self.context - len(seq.prompt))

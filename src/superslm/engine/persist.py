@@ -105,6 +105,44 @@ def decode(blob: bytes, fingerprint: str) -> SavedSequence:
     return SavedSequence(version, header, k, v)
 
 
+#: the integer fields of a saved sequence and their least value (all below 2**62)
+_COUNTS = {"max_tokens": 1, "request_max_tokens": 1, "cached": 0, "preemptions": 0, "layers_run": 0}
+
+
+def _count(value: Any, least: int) -> bool:
+    return type(value) is int and least <= value < 1 << 62
+
+
+def check_header(header: dict[str, Any]) -> dict[str, Any]:
+    """The saved sequence's state, its plain fields checked by type and range (StateCorrupted otherwise): a blob
+    whose checksum was recomputed can hold anything, and what the parts' `from_state` reject comes later."""
+    if not _count(header.get("page_size"), 1):
+        raise StateCorrupted(f"saved sequence page_size is {header.get('page_size')!r}")
+    st = header.get("sequence")
+    if not isinstance(st, dict):
+        raise StateCorrupted("saved sequence has no state")
+    for name, least in _COUNTS.items():
+        if not _count(st.get(name), least):
+            raise StateCorrupted(f"saved sequence field {name} is {st.get(name)!r}")
+    for name in ("prompt", "output"):
+        ids = st.get(name)
+        if not isinstance(ids, list) or not all(_count(t, 0) for t in ids):
+            raise StateCorrupted(f"saved sequence {name} is not a list of token ids")
+    if not st["prompt"]:
+        raise StateCorrupted("saved sequence has an empty prompt")
+    if len(st["output"]) >= st["max_tokens"] or st["max_tokens"] > st["request_max_tokens"]:
+        raise StateCorrupted(f"saved sequence has {len(st['output'])} of max_tokens {st['max_tokens']} (of the "
+                             f"request's {st['request_max_tokens']})")
+    if st["cached"] > len(st["prompt"]) + len(st["output"]):
+        raise StateCorrupted(f"saved sequence cached {st['cached']} tokens of {len(st['prompt'])} + output")
+    if st.get("salt") is not None and not isinstance(st["salt"], str):
+        raise StateCorrupted("saved sequence salt is not text")
+    for name in ("sampler", "decoder", "stops"):
+        if not isinstance(st.get(name), dict):
+            raise StateCorrupted(f"saved sequence {name} state is missing")
+    return st
+
+
 def sequence_state(seq: Any) -> dict[str, Any]:
     """The plain-data state of an engine Sequence (everything but its KV)."""
     req = seq.request

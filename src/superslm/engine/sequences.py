@@ -60,6 +60,8 @@ class SequenceMixin:
         else:
             sampler = SamplerState.from_state(state["sampler"])
             sampling = sampler.params.validate(self.vocab)
+            if sampler.penalties is not None:
+                self._prompt_ids(sorted(sampler.penalties.token_ids))  # TokenOutOfRange past the vocabulary
             decoder, stops = StreamDecoder.from_state(tok, state["decoder"]), StopChecker.from_state(state["stops"])
             max_tokens = int(state["max_tokens"])
         request.sampling = sampling

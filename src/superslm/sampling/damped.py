@@ -66,9 +66,13 @@ class AntiLM:
 
     @classmethod
     def from_state(cls, data: Mapping[str, Any]) -> AntiLM:
-        anti = cls(int(data["order"]))
-        for t in data["history"]:
-            anti.append(int(t))
+        order, history = data["order"], data["history"]
+        if type(order) is not int or not 1 <= order <= 8 or not isinstance(history, list) or not all(
+                type(t) is int and t >= 0 for t in history):
+            raise ValueError("malformed AntiLM state")
+        anti = cls(order)
+        for t in history:
+            anti.append(t)
         return anti
 
 

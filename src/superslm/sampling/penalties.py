@@ -46,11 +46,18 @@ class PenaltyState:
 
     @classmethod
     def from_state(cls, data: Mapping[str, Any]) -> PenaltyState:
-        """Rebuild from `state()` output."""
-        return cls(
-            prompt_token_ids=frozenset(int(t) for t in data["prompt"]),
-            output_counts=Counter({int(t): int(n) for t, n in data["output"]}),
-        )
+        """Rebuild from `state()` output (ValueError for anything but token ids and positive counts)."""
+        prompt = data["prompt"]
+        counts = {t: n for t, n in data["output"]}
+        if not all(type(t) is int and t >= 0 for t in [*prompt, *counts]) or not all(
+                type(n) is int and n > 0 for n in counts.values()):
+            raise ValueError("penalty state holds something other than token ids and counts")
+        return cls(prompt_token_ids=frozenset(prompt), output_counts=Counter(counts))
+
+    @property
+    def token_ids(self) -> set[int]:
+        """Every token id the state holds (for a check against the vocabulary)."""
+        return set(self.prompt_token_ids) | set(self.output_counts)
 
 
 def build_penalty_tensors(

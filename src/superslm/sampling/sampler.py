@@ -87,11 +87,17 @@ class SamplerState:
     def from_state(cls, data: Mapping[str, Any]) -> SamplerState:
         """Rebuild from `state()` output."""
         penalties = data.get("penalties")
+        params = Sampling.from_dict(data["params"])
+        seed, step = data["seed"], data["step"]
+        if type(seed) is not int or not 0 <= seed < 1 << 64 or type(step) is not int or not 0 <= step < 1 << 62:
+            raise ValueError(f"sampler seed {seed!r} / step {step!r} are not counts")
+        if params.uses_penalties and penalties is None:
+            raise ValueError("the sampler uses penalties but holds no penalty state")
         return cls(
-            params=Sampling.from_dict(data["params"]),
-            seed=int(data["seed"]),
-            step=int(data["step"]),
-            penalties=None if penalties is None else PenaltyState.from_state(penalties),
+            params=params,
+            seed=seed,
+            step=step,
+            penalties=None if penalties is None or not params.uses_penalties else PenaltyState.from_state(penalties),
         )
 
 

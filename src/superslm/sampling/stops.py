@@ -127,10 +127,12 @@ class StopChecker:
 
     @classmethod
     def from_state(cls, data: Mapping[str, Any]) -> StopChecker:
-        """Rebuild from `state()` output."""
-        checker = cls(data["stop"])
-        checker._held = data["held"]
-        checker._stopped = bool(data["stopped"])
-        checker._match = data["match"]
-        checker._context = str(data.get("context", ""))
+        """Rebuild from `state()` output (ValueError where a field has the wrong type)."""
+        stop, held, stopped, match = data["stop"], data["held"], data["stopped"], data["match"]
+        context = data.get("context", "")
+        if not isinstance(stop, list) or not isinstance(held, str) or not isinstance(stopped, bool) \
+                or not isinstance(context, str) or not (match is None or isinstance(match, str)):
+            raise ValueError("malformed StopChecker state")
+        checker = cls(stop)
+        checker._held, checker._stopped, checker._match, checker._context = held, stopped, match, context
         return checker
