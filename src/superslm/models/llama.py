@@ -77,6 +77,10 @@ def gguf_common(md: Mapping[str, Any], family: str, **extra: Any) -> dict[str, A
 
     heads = int(key("attention.head_count", required=True))
     dim = int(key("embedding_length", required=True))
+    if heads <= 0 or key("attention.key_length") is None and dim % heads:
+        from superslm.errors import FormatError
+
+        raise FormatError(f"{a}: embedding length {dim} is not a multiple of {heads} heads (and no key length)")
     head_dim = int(key("attention.key_length", dim // heads))
     value_dim = int(key("attention.value_length", head_dim))
     if value_dim != head_dim:

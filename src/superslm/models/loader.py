@@ -141,6 +141,10 @@ def open_gguf(path: Path) -> Source:
     md = g.metadata
     recipe = recipe_for_gguf(md)
     arch = _read_arch(recipe.arch_from_gguf, md, path)
+    for special in (arch.bos_id, *arch.eos_ids):
+        # llama.cpp warns and goes on; a bos outside the table would fail every prompt, an eos never stop one
+        if special is not None and not (isinstance(special, int) and 0 <= special < arch.vocab):
+            raise FormatError(f"{path}: special token id {special!r} is outside the vocabulary [0, {arch.vocab})")
     names = set(g.tensors)
     arch = replace(
         arch,
@@ -263,18 +267,22 @@ def materialize(
     for key, stored in canonical_names(src, layers).items():
         short = key.rsplit(".", 1)[-1] if key.startswith("layers.") else key
         if short in skip:
+            _check_shape(key, short, tuple(stored.shape), src.arch, src.recipe)  # its blocks are read later
             out[key] = torch.empty((0, int(stored.shape[-1]) if len(stored.shape) else 0), dtype=dtype, device=device)
             continue
         t = stored.load().float()
         t = fix(short, t, src.arch)
-        _check_shape(key, short, t, src.arch, src.recipe)
+        _check_shape(key, short, tuple(t.shape), src.arch, src.recipe)
+        if t.is_floating_point() and not bool(torch.isfinite(t.sum())):
+            # a NaN or inf weight makes every answer NaN (a sum is one pass: an inf of overflow needs |w| ~ 1e31)
+            raise FormatError(f"{src.path}: tensor {stored.name} holds NaN or infinite values")
         out[key] = t.to(device=device, dtype=dtype).contiguous()
     return out
 
 
-def _check_shape(key: str, short: str, t: torch.Tensor, a: Arch, recipe: Recipe) -> None:
+def _check_shape(key: str, short: str, shape: tuple[int, ...], a: Arch, recipe: Recipe) -> None:
     shapes: Mapping[str, tuple[int, ...]] = {
         "embed": (a.vocab, a.dim), "head": (a.vocab, a.dim), "norm": (a.dim,), **recipe.parts.shapes(a)}
     want = shapes[short]
-    if tuple(t.shape) != want:
-        raise FormatError(f"tensor {key} has shape {tuple(t.shape)}, the config implies {want}")
+    if tuple(shape) != want:
+        raise FormatError(f"tensor {key} has shape {tuple(shape)}, the config implies {want}")

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from superslm.errors import InvalidArgument, UnsupportedModel
+from superslm.errors import FormatError, InvalidArgument, UnsupportedModel
 from superslm.memory import release_freed_memory
 from superslm.models.loader import Source, Stored, canonical_names
 from superslm.models.parts import LINEAR_NAMES
@@ -137,6 +137,7 @@ def quantize_from_source(
             old = getattr(layer, attr)
             parts = gguf_parts(source, names, f"layers.{i}.", spec.pieces)
             module = linear_from_gguf(parts, getattr(old, "bias", None), mapping)
+            check_finite(module, f"{source.path}: layer {i}'s {attr}")
             setattr(layer, attr, module)
             done[f"layers.{i}.{attr}"] = module.describe()
         release()
@@ -146,6 +147,11 @@ def quantize_from_source(
         if part[3] is not None:
             raise UnsupportedModel(f"{source.recipe.family}: the GGUF embedding's rows are permuted")
         fix = source.recipe.fix_gguf
+        if "head" in names or head != "nearest":  # else the head checks the same blocks below
+            table = names["embed"].load()
+            if not bool(torch.isfinite(torch.sum(table, dtype=torch.float32))):
+                raise FormatError(f"{source.path}: the embedding holds NaN or infinite values")
+            del table
         net.embed_rows = GGUFEmbedding(part[0], part[1], part[2], net.dtype,
                                        lambda t: fix("embed", t, source.arch), source.gguf.release_pages)
     if getattr(net, "has_head", False) and head is not None:
@@ -153,11 +159,20 @@ def quantize_from_source(
             key = "head" if "head" in names else "embed"
             net.head = linear_from_gguf(gguf_parts(source, names, "", (key,)), getattr(net.head, "bias", None), mapping,
                                        release)
+            check_finite(net.head, f"{source.path}: the head")
         else:
             net.head = make_linear(head, net.head.weight, net.head.bias, group, rotate, seed)
         done["head"] = net.head.describe()
     release()
     return done
+
+
+def check_finite(module: torch.nn.Module, where: str) -> None:
+    """FormatError where a module's float tensors (a format's scales, a bias) hold NaN or inf: every answer
+    would be NaN. One sum per tensor (an overflow to inf needs values near 1e31)."""
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(torch.sum(t, dtype=torch.float32))):
+            raise FormatError(f"{where}: {name} holds NaN or infinite values")
 
 
 def linear_summary(net: Transformer) -> dict[str, int]:
