@@ -357,3 +357,42 @@ def test_structured_outputs_is_guided(tiny_server, spelled, as_before) -> None:
     assert new.json()["choices"][0]["message"] == old.json()["choices"][0]["message"]
     if "choice" in spelled:
         assert new.json()["choices"][0]["message"]["content"] in spelled["choice"]
+
+
+def test_a_grammar_that_dies_finishes_with_error(client, monkeypatch) -> None:
+    """A grammar that dies mid-answer (an llguidance error, such as its lexer limit: here the third token is
+    refused) cut the text short and the server said "stop", so a client took truncated JSON for a whole
+    answer. It says "error" now; the next identical request, grammar intact, finishes with "stop"."""
+    from superslm.grammar import GrammarState
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER_SCHEMA}}
+    real = GrammarState.accept
+
+    def dies(self, token):
+        return real(self, token) if len(self.tokens) < 2 else False
+
+    monkeypatch.setattr(GrammarState, "accept", dies)
+    r = chat(client, JSON_ASK, response_format=fmt)
+    assert r.choices[0].finish_reason == "error"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(r.choices[0].message.content)
+    monkeypatch.setattr(GrammarState, "accept", real)
+    ok = chat(client, JSON_ASK, response_format=fmt)
+    assert ok.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(ok.choices[0].message.content), WEATHER_SCHEMA)
+
+
+@pytest.mark.parametrize("options", [{"lenient": True}, {"item_separator": "x"}, {"key_separator": "="},
+                                     {"whitespace_pattern": "[a-z]*"}, {"whitespace_pattern": r"\s*"},
+                                     {"whitespace_flexible": "yes"}, "compact"])
+def test_a_schemas_x_guidance_cannot_loosen_it(server, options) -> None:
+    """llguidance's other options would break the output's JSON (separators) or drop keywords it does not
+    know (lenient): a schema may set its whitespace only, with a pattern of JSON whitespace."""
+    schema = {**WEATHER_SCHEMA, "x-guidance": options}
+    body = {"model": "smollm2", "messages": JSON_ASK, "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert_error(r, 400, "invalid_grammar")
+    fine = {**WEATHER_SCHEMA, "x-guidance": {"whitespace_pattern": r"[\x20\n]{0,2}"}}
+    body["response_format"]["json_schema"]["schema"] = fine
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).status_code == 200

@@ -9,6 +9,7 @@ against a tokenizer is `GrammarCompiler.compile`'s job.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -28,6 +29,29 @@ MAX_WHITESPACE_LIMIT = 1000
 _JSON_WS = r"[\x20\x0A\x0D\x09]"
 # x-guidance keys that decide whitespace
 _WS_KEYS = {"whitespace_flexible", "whitespace_pattern"}
+
+
+# one item of a whitespace pattern: an escape of a JSON whitespace character, a literal space, a class
+# bracket, a group, an alternation or a quantifier (digits only inside {m,n})
+_WS_ITEM = re.compile(r"\\[nrt]|\\x(?:20|0[aAdD9])|\\u00(?:20|0[aAdD9])| |[\[\]()|*+?]|\{\d{1,4}(?:,\d{0,4})?\}")
+
+
+def check_x_guidance(options: Any) -> None:
+    """A schema's own "x-guidance" options: whitespace settings only, and a pattern that can only match JSON
+    whitespace (GrammarError otherwise). Its other options (separators, `lenient`, which drops the keywords
+    llguidance does not know) would let a schema's output be invalid JSON or break its own schema."""
+    if not isinstance(options, dict):
+        raise GrammarError("x-guidance must be an object")
+    other = sorted(set(options) - _WS_KEYS)
+    if other:
+        raise GrammarError(f"x-guidance: only whitespace_flexible and whitespace_pattern are accepted, not {other}")
+    if "whitespace_flexible" in options and not isinstance(options["whitespace_flexible"], bool):
+        raise GrammarError("x-guidance.whitespace_flexible must be true or false")
+    pattern = options.get("whitespace_pattern")
+    if pattern is not None:
+        if not isinstance(pattern, str) or len(pattern) > 200 or _WS_ITEM.sub("", pattern):
+            raise GrammarError("x-guidance.whitespace_pattern may only match JSON whitespace (spaces, \\n, \\r, "
+                               "\\t in classes, groups and quantifiers)")
 
 
 @dataclass(frozen=True)
@@ -127,6 +151,8 @@ class Constraint:
             if schema is True:
                 schema = {}  # same meaning, and llguidance applies options to objects only
             own = schema.get("x-guidance") if isinstance(schema, dict) else None
+            if own is not None:
+                check_x_guidance(own)
             # a schema's own whitespace setting wins (our pattern would override its
             # whitespace_flexible, as llguidance ranks a pattern above the flag)
             ours = {} if isinstance(own, dict) and own.keys() & _WS_KEYS else self.json_options()

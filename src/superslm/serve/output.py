@@ -3,8 +3,8 @@
 A `Job` gathers the engine's Progress per choice and writes the non-streaming body, the streaming
 chunks and the usage, for /v1/completions (`chat=False`) and /v1/chat/completions (`chat=True`).
 A chat request that offers tools reads each choice through a `ToolStream` (tool_calls, finish
-reason "tool_calls"). A choice whose grammar admitted no further token (engine end "grammar")
-finishes with "stop".
+reason "tool_calls"). A choice whose grammar died (engine end "grammar": an llguidance error or no token
+allowed) finishes with "error": its text is cut short, which "stop" would hide.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from superslm.serve.loop import sampled_tokens
 from superslm.serve.toolcalls import ToolStream
 from superslm.tokenizer import Tokenizer
 
-# OpenAI has no reason for a grammar with nothing left to admit: its output is as complete as the
-# grammar allows, which is what "stop" says (the metrics count it under reason="grammar")
-FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "grammar": "stop"}
+# a dead grammar is a failed request, vLLM's "error" (the metrics count it under reason="grammar")
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "grammar": "error"}
 
 
 @dataclass
