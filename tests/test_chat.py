@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -457,6 +459,36 @@ def test_helpers(ref: Any) -> None:
 def test_sandbox_escapes_are_refused(source: str) -> None:
     with pytest.raises(TemplateError):
         ChatTemplate(source).render([USER])
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "{% set xs = range(100000)|list %}{% for a in xs %}{% for b in xs %}{{ '' }}{% endfor %}{% endfor %}",
+        "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+        "{{ 'x' * 10 ** 9 }}",
+        "{{ [1, 2] * 10 ** 8 }}",
+        "{{ (2 ** 4000) ** 8 }}",
+    ],
+)
+def test_a_hostile_template_ends_within_its_budget(source: str) -> None:
+    """A template's loops once rendered for minutes (and held a server worker for good); a `*` or `**` can take
+    all memory in one line. A render now ends with TemplateError within its budget, and the thread's trace
+    function (a debugger's, coverage's) is restored."""
+    from superslm.tokenizer.chat import RENDER_SECONDS
+
+    before = sys.gettrace()
+    start = time.monotonic()
+    with pytest.raises(TemplateError):
+        ChatTemplate(source).render([USER])
+    assert time.monotonic() - start < RENDER_SECONDS + 2
+    assert sys.gettrace() is before
+
+
+def test_the_budget_leaves_real_templates_alone() -> None:
+    chat = [USER if i % 2 == 0 else {"role": "assistant", "content": "fine " * 50} for i in range(400)]
+    assert ChatTemplate(QWEN25).render(chat).count("<|im_start|>") == 402  # system, 400, the answer
 
 
 def test_template_errors() -> None:

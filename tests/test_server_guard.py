@@ -94,3 +94,36 @@ def test_the_cli_default_follows_the_bind_address() -> None:
 
     ns = build_parser().parse_args(["serve", "--allowed-hosts", "box.lan", "--cors-origins", "https://a.b"])
     assert ns.allowed_hosts == ["box.lan"] and ns.cors_origins == ["https://a.b"]
+
+
+def test_a_hostile_chat_template_cannot_wedge_the_server(tmp_path) -> None:
+    """A model file's template with nested loops rendered for minutes; eight abandoned requests held every
+    worker thread and later requests hung. Each render now ends within its budget with a 400."""
+    import concurrent.futures
+    import time
+
+    from superslm.serve import create_app
+    from superslm.tokenizer import ChatTemplate
+
+    folder, _ = tiny_folder("llama")
+    model = superslm.load(folder)
+    if model.tokenizer.chat_template is None:
+        pytest.skip("the tiny model has no chat template to replace")
+    model._template = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                                   "{% endfor %}")
+    with LiveServer(create_app(model, slots=2, context=64, served_model_name="tiny")) as s:
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+        def abandoned(_: int) -> None:
+            try:
+                httpx.post(f"{s.url}/v1/chat/completions", json=chat, timeout=0.5)
+            except httpx.TimeoutException:
+                pass
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            list(pool.map(abandoned, range(12)))
+        start = time.monotonic()
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 400 and "budget" in r.json()["error"]["message"]
+        ok = httpx.post(f"{s.url}/v1/completions", json=BODY, timeout=60)
+        assert ok.status_code == 200 and time.monotonic() - start < 40

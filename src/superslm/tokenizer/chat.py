@@ -1,12 +1,16 @@
 """Chat templates: a model's Jinja template, rendered in a sandbox as transformers renders it.
 
 Templates come with model files, so they are untrusted code: they run in jinja2's immutable
-sandbox, see only plain JSON data, and any reach for an unsafe attribute fails loudly.
+sandbox, see only plain JSON data, and any reach for an unsafe attribute fails loudly. A render has a
+budget (lines of template code run, seconds, the size of what `*` and `**` build), so a template's loops
+cannot hold a server's worker for good.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -16,6 +20,34 @@ from superslm.errors import InvalidArgument, SuperSLMError, TemplateError
 
 if TYPE_CHECKING:  # jinja2 is imported with the first template (plain generation never needs it)
     import jinja2
+
+#: the most lines of template code one render runs (a chat of 100 messages takes a few thousand) and its seconds
+RENDER_STEPS = 2_000_000
+RENDER_SECONDS = 5.0
+#: the longest string or list a template's `*` may build, and the largest power its `**` may compute
+MAX_REPEAT = 1 << 20
+MAX_POWER_BITS = 4096
+
+
+class _Budget:
+    """A trace function for one render (this thread only): counts the lines run in template code (jinja
+    compiles a template to Python whose frames are named "<template>") and ends the render past its budget."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.deadline = time.monotonic() + RENDER_SECONDS
+
+    def call(self, frame: Any, event: str, arg: Any) -> Any:
+        return self.line if frame.f_code.co_filename == "<template>" else None
+
+    def line(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            self.steps += 1
+            if self.steps > RENDER_STEPS or not self.steps & 1023 and time.monotonic() > self.deadline:
+                raise TemplateError(f"chat template ran past its budget ({RENDER_STEPS:,} steps or "
+                                    f"{RENDER_SECONDS:g} s)")
+        return self.line
+
 
 # Names a message's reasoning may come under; templates (Qwen3's, gpt-oss') read one or another.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -54,8 +86,21 @@ def _environment() -> jinja2.Environment:
     class _StrictSandbox(ImmutableSandboxedEnvironment):
         """The immutable sandbox, but an unsafe attribute raises at once instead of rendering as ""."""
 
+        intercepted_binops = frozenset({"*", "**"})
+
         def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:  # type: ignore[override]
             raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            # a string or list repeated, or a power, can take all memory or time in one line of template
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_REPEAT:
+                        raise SecurityError(f"a template may not build a sequence of {len(seq) * n:,} items")
+            elif isinstance(left, int) and isinstance(right, int) and right > 0 \
+                    and abs(left).bit_length() * right > MAX_POWER_BITS:
+                raise SecurityError("a template may not compute a power that large")
+            return super().call_binop(context, operator, left, right)
 
     class _SafeNamespace(Namespace):
         """`namespace()` that refuses underscore names (no route to CPython internals through it)."""
@@ -182,6 +227,8 @@ class ChatTemplate:
         from jinja2 import TemplateError as JinjaError  # imported already: the template was compiled
         from jinja2.exceptions import SecurityError
 
+        budget, before = _Budget(), sys.gettrace()
+        sys.settrace(budget.call)
         try:
             return self._template.render(
                 messages=chat, tools=tools, add_generation_prompt=bool(add_generation_prompt), **context
@@ -194,6 +241,8 @@ class ChatTemplate:
             raise TemplateError(f"chat template failed: {e}") from e
         except Exception as e:  # a template is code: any failure in it is the template's
             raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+        finally:
+            sys.settrace(before)
 
     def __repr__(self) -> str:
         return f"ChatTemplate({len(self.source)} chars)"
