@@ -343,3 +343,34 @@ def test_from_folder_reads_the_config_files(smollm2_pair: tuple[Tokenizer, Any],
     (tmp_path / "tokenizer.json").unlink()
     with pytest.raises(TokenizerError, match="tokenizer.json"):
         Tokenizer.from_folder(tmp_path)
+
+
+def test_a_long_text_encodes_with_the_gil_released(smollm2_pair: tuple[Tokenizer, Any]) -> None:
+    """Encoding a 4 MB chat held the GIL for seconds: a server's /health and every stream waited. A long text
+    goes through the Rust library's batch call, which releases it (the same ids as transformers'), so a thread
+    that wakes every 5 ms keeps waking."""
+    import threading
+    import time
+
+    tok, ref = smollm2_pair
+    text = "The quick brown fox, 12 times; jumps over\n the lazy dog. " * 20000  # 1.2 MB
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def beat() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    th = threading.Thread(target=beat)
+    th.start()
+    start = time.perf_counter()
+    ids = tok.encode(text, add_special_tokens=False)
+    took = time.perf_counter() - start
+    done.set()
+    th.join()
+    assert ids == ref.encode(text, add_special_tokens=False)
+    assert max(gaps) < max(0.5 * took, 0.1), (max(gaps), took)
