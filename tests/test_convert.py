@@ -328,3 +328,24 @@ def test_cli_convert_takes_a_known_model_name(smollm2_gguf, tmp_path, capsys) ->
     assert len(superslm.load(dst).net.layers) == 2
     assert cli_main(["convert", "no-such-model", str(tmp_path / "x"), "-q"]) == 2
     assert "not a known model name" in capsys.readouterr().err
+
+
+def test_a_killed_conversions_folder_goes_with_the_next_one_beside_it(tmp_path) -> None:
+    """A killed convert left its hidden partial folder until a rerun to the same destination; the next
+    conversion into the same folder, whatever its destination, now removes it (a live one's stays)."""
+    import subprocess
+
+    from superslm.formats import native
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid whose process is gone
+    stale = tmp_path / f".old-model.partial-{gone.pid}-0123abcd"
+    live = tmp_path / f".other.partial-{os.getpid()}-89abcdef"
+    unrelated = tmp_path / ".notes.partial-x"
+    for folder in (stale, live, unrelated):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+    with native.partial_folder(tmp_path / "new-model") as tmp:
+        (tmp / "x").write_text("1")
+    assert (tmp_path / "new-model" / "x").read_text() == "1"
+    assert not stale.exists() and live.exists() and unrelated.exists()

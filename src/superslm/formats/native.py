@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import uuid
@@ -42,6 +43,8 @@ MANIFEST = "manifest.json"
 #: key of the JSON header in the safetensors `__metadata__`
 HEADER_KEY = "superslm"
 _PARTIAL = ".partial-"
+#: ".NAME.partial-PID-HEX8", as partial_folder names them
+_PARTIAL_NAME = re.compile(r"^\..+\.partial-(\d+)-[0-9a-f]{8}$")
 
 
 def sha256_file(path: Path) -> str:
@@ -155,11 +158,12 @@ def _pid_alive(pid: int) -> bool:
 
 
 def stale_partials(dst: Path) -> list[Path]:
-    """Partial folders of `dst` left by conversions whose process is gone (killed, crashed)."""
+    """Partial folders beside `dst` (of any destination in its folder) left by conversions whose process is
+    gone (killed, crashed): a killed conversion's folder goes with the next one there, whatever its target."""
     out = []
-    for p in dst.parent.glob(f".{dst.name}{_PARTIAL}*"):
-        pid = p.name.rsplit(_PARTIAL, 1)[1].split("-", 1)[0]
-        if not pid.isdigit() or not _pid_alive(int(pid)):
+    for p in dst.parent.glob(f".*{_PARTIAL}*"):
+        m = _PARTIAL_NAME.match(p.name)
+        if m is not None and p.is_dir() and not _pid_alive(int(m.group(1))):
             out.append(p)
     return out
 
