@@ -155,3 +155,35 @@ def test_fill_bitmasks_batch(tok: Tokenizer, compiler: GrammarCompiler) -> None:
     for i, twin in enumerate(twins):
         expected = np.full(compiler.bitmask_words, -1, np.int32) if twin is None else mask_of(twin)
         assert np.array_equal(bitmask[i].numpy(), expected)
+
+
+def test_one_requests_lexer_error_does_not_end_the_next_ones(tok: Tokenizer) -> None:
+    """Matchers copied from a cached template share its lexer, and the lexer's state limit counts them all:
+    one request that explored a regex's states to the limit ended every later request of that grammar at its
+    first token. The grammar goes stale at such an error; the next compile (and any state started from the
+    stale grammar) builds a new template, so the same walk gets as far again."""
+    import random
+
+    import llguidance as llg
+
+    from superslm.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(tok, limits=llg.LLParserLimits(max_lexer_states=20_000, verbose_errors=False))
+    a, b = (tok.encode(c, add_special_tokens=False)[0] for c in "ab")
+    constraint = Constraint.regex("(a|b)*a(a|b){24}")  # a DFA of 2**25 states, built lazily
+
+    def walk(state: GrammarState) -> tuple[int, str | None]:
+        rng = random.Random(0)
+        for n in range(200_000):
+            if state.is_dead or not state.accept(rng.choice([a, b])):
+                return n, state.dead_reason
+        return n, None
+
+    first = compiler.compile(constraint)
+    n, why = walk(GrammarState(first))
+    assert why is not None and "states" in why and n > 100
+    held = GrammarState(first)  # from the grammar object a queued request holds: built afresh too
+    assert walk(held) == (n, why)
+    again = compiler.compile(constraint)
+    assert again is not first and not again.stale
+    assert walk(GrammarState(again)) == (n, why)

@@ -16,7 +16,7 @@ import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import llguidance as llg
 
@@ -82,10 +82,24 @@ class CompiledGrammar:
     compile_s: float
     """Seconds the compile took (0 reading from the cache is not recorded here)."""
     _template: llg.LLMatcher
+    #: set once a matcher of this grammar failed (llguidance's error, e.g. its lexer's state limit): the
+    #: copies share the template's lexer and its state count, so later matchers are built afresh
+    _stale: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def new_matcher(self) -> llg.LLMatcher:
-        """A fresh llguidance matcher at the grammar's start (a deep copy of the template)."""
+        """A fresh llguidance matcher at the grammar's start: a deep copy of the template, or a new build once
+        the template is stale (one request's lexer error must not end every later request of the grammar)."""
+        if self._stale.is_set():
+            return self.compiler._build(self.constraint.grammar())
         return self._template.deep_copy()
+
+    def mark_stale(self) -> None:
+        """A matcher of this grammar failed: the compiler's next `compile` of it builds a new template."""
+        self._stale.set()
+
+    @property
+    def stale(self) -> bool:
+        return self._stale.is_set()
 
 
 class GrammarCompiler:
@@ -129,6 +143,9 @@ class GrammarCompiler:
         key = constraint.key()
         with self._lock:
             hit = self._cache.get(key)
+            if hit is not None and hit.stale:
+                del self._cache[key]
+                hit = None
             if hit is not None:
                 self._cache.move_to_end(key)
                 self.hits += 1

@@ -186,6 +186,8 @@ class GrammarState:
             return True
         if not self._matcher.consume_token(token):
             self._dead = _short(self._matcher.get_error()) or f"token {token} is not allowed here"
+            if self._matcher.is_error():
+                self.grammar.mark_stale()
             return False
         self.tokens.append(token)
         self._mask = None
@@ -305,6 +307,7 @@ class GrammarState:
         if mask is None:
             assert self._matcher is not None
             self._dead = self._dead or _short(self._matcher.get_error()) or "grammar error"
+            self.grammar.mark_stale()  # its lexer, shared with the template, may be what failed
             mask = np.zeros(self._words, dtype=np.int32)
         elif not mask.any():
             self._dead = self._dead or "no token is allowed here"
