@@ -60,3 +60,38 @@ def test_errors_are_clear(args: list[str]) -> None:
     r = superslm(*args)
     assert r.returncode == 2
     assert "error:" in r.stderr.splitlines()[-1] and "Traceback" not in r.stderr
+
+
+def test_version_threads_and_the_readme_names() -> None:
+    r = superslm("--version")
+    assert r.returncode == 0 and r.stdout.strip().startswith("superslm ")
+    import torch
+
+    import superslm as lib
+
+    assert lib.DampedGreedy is lib.sampling.DampedGreedy  # the README's Sampling(damped=DampedGreedy())
+    before = torch.get_num_threads()
+    try:
+        assert lib.set_threads(1) == 1 and torch.get_num_threads() == 1
+        assert lib.set_threads() == len(os.sched_getaffinity(0))
+        for bad in (0, -2, 1.5, True):
+            with pytest.raises(lib.errors.InvalidArgument):
+                lib.set_threads(bad)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_threads_and_a_positional_model_on_every_command(tmp_path: Path) -> None:
+    """Each command takes --threads (the kernels' threads, as llama.cpp's -t), and serve takes its model as
+    the other commands do, without --model."""
+    from superslm.cli import build_parser
+
+    build_hf_model("llama", tmp_path)
+    parser = build_parser()
+    for argv in (["generate", "-p", "x"], ["chat"], ["serve"], ["info"], ["convert", "a", "b"]):
+        assert parser.parse_args([*argv, "--threads", "1"]).threads == 1, argv
+    assert parser.parse_args(["serve", str(tmp_path)]).model_pos == str(tmp_path)
+    r = superslm("generate", "--model", str(tmp_path), "-p", "hi", "--max-tokens", "2", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    bad = superslm("generate", "--model", str(tmp_path), "-p", "hi", "--threads", "0")
+    assert bad.returncode == 2 and "threads must be a positive integer" in bad.stderr

@@ -7,14 +7,15 @@
 """
 
 from superslm import errors
+from superslm.devices import set_threads
 from superslm.encoders import CrossEncoder, Encoder
 from superslm.engine import Completion, Engine, Progress, Request
 from superslm.model import Model, load
-from superslm.sampling import Sampling
+from superslm.sampling import DampedGreedy, Sampling
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Completion", "CrossEncoder", "Encoder", "Engine", "Model", "Progress", "Request", "Sampling", "errors", "load",
-    "__version__",
+    "Completion", "CrossEncoder", "DampedGreedy", "Encoder", "Engine", "Model", "Progress", "Request", "Sampling",
+    "errors", "load", "set_threads", "__version__",
 ]

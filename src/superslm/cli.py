@@ -16,6 +16,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="a GGUF file, a Hugging Face folder or a known name (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 on GPU)")
+    add_threads_arg(p)
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    """`--threads N`: the CPU kernels' threads (default: the cores this process may use)."""
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the kernels (default: the cores this process may use)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -118,6 +125,9 @@ def cmd_chat(ns: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="superslm", description=__doc__)
+    from superslm import __version__
+
+    p.add_argument("--version", action="version", version=f"superslm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     info = sub.add_parser("info", help="print a model's Arch, parameters, block types and template")
@@ -157,6 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(ns, "model_pos", None) and ns.model is None:
         ns.model = ns.model_pos
     try:
+        if ns.command != "bench" and hasattr(ns, "threads"):  # bench sets each peer's own threads
+            from superslm.devices import set_threads
+
+            set_threads(ns.threads)
         return int(ns.func(ns) or 0)
     except SuperSLMError as e:
         print(f"superslm: error: {e}", file=sys.stderr)

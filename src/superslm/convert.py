@@ -317,6 +317,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("convert", help="convert a HF folder or a GGUF file into a SuperSLM folder",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="a Hugging Face folder, a GGUF file, or a known model name (fetched once)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the kernels and calibration (default: the cores this process may use)")
     p.add_argument("dst", help="the folder to write (written atomically)")
     p.add_argument("--format", default="auto", choices=("auto", *BODY_FORMATS),
                    help="linears' format (default: gguf for a GGUF file, int4 otherwise)")

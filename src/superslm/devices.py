@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from superslm.errors import InvalidArgument
@@ -34,3 +36,22 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
     if dtype not in DTYPES:
         raise InvalidArgument(f"unknown dtype {dtype!r} (known: {sorted(DTYPES)})")
     return DTYPES[dtype]
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or taskset's share, not the machine's)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity call on this platform
+        return max(1, os.cpu_count() or 1)
+
+
+def set_threads(n: int | None = None) -> int:
+    """Threads for the CPU kernels (torch's and ours, which share its pool): `n`, or by default the cores this
+    process may use. Returns the number set."""
+    if n is None:
+        n = usable_cores()
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise InvalidArgument(f"threads must be a positive integer, got {n!r}")
+    torch.set_num_threads(n)
+    return n

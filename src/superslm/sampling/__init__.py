@@ -12,7 +12,7 @@ Public API:
 """
 
 from superslm.sampling.noise import draw_seed, gumbel_noise, stream_key
-from superslm.sampling.params import GREEDY_EPS, MAX_LOGPROBS, Sampling
+from superslm.sampling.params import GREEDY_EPS, MAX_LOGPROBS, DampedGreedy, Sampling
 from superslm.sampling.penalties import PenaltyState, build_penalty_tensors
 from superslm.sampling.sampler import SampleResult, SamplerState, TokenLogprobs, sample
 from superslm.sampling.shaping import (
@@ -29,6 +29,7 @@ from superslm.sampling.stops import StopChecker, StopResult
 __all__ = [
     "GREEDY_EPS",
     "MAX_LOGPROBS",
+    "DampedGreedy",
     "PenaltyState",
     "SampleResult",
     "SamplerState",

@@ -49,11 +49,14 @@ def add_parser(sub: Any) -> None:
     """Register the `serve` subcommand on the CLI's subparsers."""
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as --model")
     p.add_argument("--model", "-m", default=None,
                    help="a GGUF file, a Hugging Face folder, a sentence-transformers encoder or cross-encoder "
                         "folder, or a known name (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the kernels (default: the cores this process may use)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--api-key", default=os.environ.get("SUPERSLM_API_KEY"),
