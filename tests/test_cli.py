@@ -95,3 +95,41 @@ def test_threads_and_a_positional_model_on_every_command(tmp_path: Path) -> None
     assert r.returncode == 0, r.stderr
     bad = superslm("generate", "--model", str(tmp_path), "-p", "hi", "--threads", "0")
     assert bad.returncode == 2 and "threads must be a positive integer" in bad.stderr
+
+
+def test_chat_as_people_keep_it_open(tmp_path: Path) -> None:
+    """/reset says so; a conversation longer than the context drops its oldest turns instead of failing every
+    later message; a base model (no template) is refused at start, not at every message."""
+    build_hf_model("llama", tmp_path)
+    chat = ["chat", "--model", str(tmp_path), "--max-tokens", "6", "--context", "96"]
+    lines = "".join(f"message number {i} with some words in it\n" for i in range(12))
+    r = superslm(*chat, stdin=lines + "/reset\nagain\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert "error:" not in r.stderr and "(dropped the" in r.stderr and "(the conversation is cleared)" in r.stderr
+    assert r.stdout.count("\n") >= 13  # every message answered
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    base = superslm("chat", "--model", str(tmp_path), stdin="hello\n")
+    assert base.returncode == 2 and "no chat template" in base.stderr and "superslm generate" in base.stderr
+
+
+def test_ctrl_c_stops_a_reply_and_keeps_the_chat(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    build_hf_model("llama", tmp_path)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "superslm.cli", "chat", "--model", str(tmp_path), "--max-tokens",
+                             "100000", "--context", "4096"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(b"tell me everything\n")
+    proc.stdin.flush()
+    proc.stdout.read(1)  # the reply has started
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    out, err = proc.communicate(b"/reset\n/exit\n", timeout=300)  # the chat goes on after the stop
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert b"(stopped)" in err and b"(the conversation is cleared)" in err and b"Traceback" not in err

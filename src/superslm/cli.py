@@ -60,17 +60,28 @@ def cmd_info(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _stream(engine: Any, request: Any) -> str:
-    """Runs one request, writing its text to stdout as it comes; returns the whole text."""
+def _stream(engine: Any, request: Any, interruptible: bool = False) -> tuple[str, str]:
+    """Runs one request, writing its text to stdout as it comes; returns its whole text and how it ended.
+    `interruptible`: Ctrl-C cancels the request (its text so far is kept, the end is "cancelled")."""
     rid = engine.add(request)
-    out = []
-    while engine.busy():
-        for p in engine.advance():
-            if p.id == rid and p.text:
-                sys.stdout.write(p.text)
-                sys.stdout.flush()
-                out.append(p.text)
-    return "".join(out)
+    out, end = [], ""
+    try:
+        while engine.busy():
+            for p in engine.advance():
+                if p.id == rid:
+                    if p.text:
+                        sys.stdout.write(p.text)
+                        sys.stdout.flush()
+                        out.append(p.text)
+                    end = p.end or end
+    except KeyboardInterrupt:
+        if not interruptible:
+            raise
+        engine.cancel(rid)
+        while engine.busy():
+            engine.advance()
+        end = "cancelled"
+    return "".join(out), end
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -93,11 +104,20 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     from superslm.engine import Request
 
     model = superslm.load(ns.model, device=ns.device, dtype=ns.dtype)
+    if model.chat_template is None:
+        print(f"superslm: error: {model.name} has no chat template (a base model?): use `superslm generate -p TEXT`",
+              file=sys.stderr)
+        return 2
     engine = model.engine(slots=1, context=ns.context)
-    messages: list[dict[str, str]] = []
-    if ns.system:
-        messages.append({"role": "system", "content": ns.system})
-    print("superslm chat: type a message, or /exit (Ctrl-D) to leave, /reset to start over.", file=sys.stderr)
+    if sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+    system = [{"role": "system", "content": ns.system}] if ns.system else []
+    messages: list[dict[str, str]] = list(system)
+    print("superslm chat: type a message, or /exit (Ctrl-D) to leave, /reset to start over; Ctrl-C stops a reply.",
+          file=sys.stderr)
     while True:
         try:
             line = input("> ")
@@ -107,20 +127,42 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         if line.strip() in ("/exit", "/quit"):
             return 0
         if line.strip() == "/reset":
-            messages = messages[:1] if ns.system else []
+            messages = list(system)
+            print("(the conversation is cleared)", file=sys.stderr)
             continue
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
         try:
-            prompt = model.chat_tokens(messages)
-            reply = _stream(engine, Request(prompt=prompt, max_tokens=ns.max_tokens, sampling=_sampling(ns)))
+            prompt = _fitting_prompt(model, engine, messages, len(system))
+            reply, end = _stream(engine, Request(prompt=prompt, max_tokens=ns.max_tokens, sampling=_sampling(ns)),
+                                 interruptible=True)
         except SuperSLMError as e:
             messages.pop()
             print(f"\nerror: {e}", file=sys.stderr)
             continue
         sys.stdout.write("\n")
+        if end == "cancelled":
+            print("(stopped)", file=sys.stderr)
+        elif end == "length" and len(prompt) + len(model.tokenizer.encode(reply, False)) >= engine.context - 1:
+            print(f"(the reply reached the end of the {engine.context}-token context; older turns are dropped "
+                  "from the next prompt, or use --context)", file=sys.stderr)
         messages.append({"role": "assistant", "content": reply})
+
+
+def _fitting_prompt(model: Any, engine: Any, messages: list[dict[str, str]], keep: int) -> list[int]:
+    """The chat's prompt ids, the oldest turns after the first `keep` messages (the system one) dropped from
+    `messages` until it leaves room for an answer in the context; the user is told what was dropped."""
+    dropped = 0
+    while True:
+        prompt = model.chat_tokens(messages)
+        if len(prompt) < engine.context * 3 // 4 or len(messages) - keep <= 1:
+            break
+        del messages[keep : keep + 2]  # the oldest user message and its answer
+        dropped += 2
+    if dropped:
+        print(f"(dropped the {dropped} oldest messages to fit the {engine.context}-token context)", file=sys.stderr)
+    return prompt
 
 
 def build_parser() -> argparse.ArgumentParser:
