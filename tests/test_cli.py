@@ -121,7 +121,7 @@ def test_ctrl_c_stops_a_reply_and_keeps_the_chat(tmp_path: Path) -> None:
     build_hf_model("llama", tmp_path)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "superslm.cli", "chat", "--model", str(tmp_path), "--max-tokens",
-                             "100000", "--context", "4096"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             "100000", "--context", "512"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=env)
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(b"tell me everything\n")
@@ -133,3 +133,13 @@ def test_ctrl_c_stops_a_reply_and_keeps_the_chat(tmp_path: Path) -> None:
     out, err = proc.communicate(b"/reset\n/exit\n", timeout=300)  # the chat goes on after the stop
     assert proc.returncode == 0, err.decode()[-2000:]
     assert b"(stopped)" in err and b"(the conversation is cleared)" in err and b"Traceback" not in err
+
+
+def test_a_context_past_the_trained_positions_is_refused(tmp_path: Path) -> None:
+    """--context 100000 on an 8k model was accepted and ran for minutes of noise; the tiny model has 512."""
+    build_hf_model("llama", tmp_path)
+    for cmd in (["generate", "-p", "hi"], ["chat"]):
+        r = superslm(*cmd, "--model", str(tmp_path), "--context", "100000", stdin="hi\n")
+        assert r.returncode == 2 and "past the 512 positions" in r.stderr, r.stderr
+    ok = superslm("generate", "-p", "hi", "--model", str(tmp_path), "--context", "512", "--max-tokens", "2")
+    assert ok.returncode == 0, ok.stderr

@@ -89,7 +89,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from superslm.engine import Request
 
     model = superslm.load(ns.model, device=ns.device, dtype=ns.dtype)
-    engine = model.engine(slots=1, context=ns.context)
+    engine = model.engine(slots=1, context=model.checked_context(ns.context))
     if ns.chat:
         prompt: Any = model.chat_tokens([{"role": "user", "content": ns.prompt}])
     else:
@@ -108,7 +108,7 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         print(f"superslm: error: {model.name} has no chat template (a base model?): use `superslm generate -p TEXT`",
               file=sys.stderr)
         return 2
-    engine = model.engine(slots=1, context=ns.context)
+    engine = model.engine(slots=1, context=model.checked_context(ns.context))
     if sys.stdin.isatty():
         try:
             import readline  # noqa: F401  (line editing and history for input())

@@ -91,6 +91,15 @@ class Model:
             ids = [bos, *ids]
         return ids
 
+    def checked_context(self, context: int | None) -> int | None:
+        """A context asked for by a user (the CLI's --context), refused past the positions the model was
+        trained for, as vLLM refuses a longer max_model_len: the answers there are noise, and a 100,000-token
+        context on an 8k model ran for minutes. None: the engine's default."""
+        if context is not None and context > self.arch.context:
+            raise InvalidArgument(f"a context of {context} is past the {self.arch.context} positions {self.name} "
+                                  "was trained for")
+        return context
+
     def engine(self, slots: int = 8, context: int | None = None, **kwargs: Any) -> Engine:
         """An engine running up to `slots` sequences of at most `context` tokens (see Engine)."""
         from superslm.engine.engine import Engine

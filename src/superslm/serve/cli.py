@@ -82,6 +82,11 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def _context(model: Any, context: int | None) -> int | None:
+    checked = getattr(model, "checked_context", None)  # encoders have no generation context
+    return context if checked is None else checked(context)
+
+
 def default_names(model_name: str, model_arg: str | None) -> list[str]:
     """The model's own name, then --model as the user typed it (a path or a known name), as vLLM serves it."""
     from superslm.hub import DEFAULT_MODEL
@@ -108,7 +113,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     loader = {"encoder": Encoder.load, "cross-encoder": CrossEncoder.load}.get(kind, superslm.load)
     model = loader(ns.model, device=ns.device, dtype=ns.dtype)
     names = ns.served_model_name or default_names(model.name, ns.model)
-    app = create_app(model, slots=ns.slots, context=ns.context, served_model_name=names,
+    app = create_app(model, slots=ns.slots, context=_context(model, ns.context),
+                     served_model_name=names,
                      api_key=ns.api_key, max_waiting=ns.max_waiting, max_body_bytes=ns.max_body_bytes,
                      allowed_hosts=ns.allowed_hosts or (None if is_loopback(ns.host) else ["*"]),
                      cors_origins=ns.cors_origins)
