@@ -16,6 +16,7 @@ import logging
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -97,10 +98,16 @@ def extension() -> Any:
         except ImportError:
             pass
 
-        # the first use on a machine compiles (~30-60 s): say so rather than look hung
-        print("superslm: building the C++ decode kernels for this machine (once, under a minute)...",
-              file=sys.stderr, flush=True)
+        # the first use on a machine compiles (145 s on 2 cores of an AMD EPYC): say so rather than look hung;
+        # a second process waits on the first one's lock (torch's FileBaton) and says that instead
         build_dir.mkdir(parents=True, exist_ok=True)
+        if (build_dir / "lock").exists():
+            print("superslm: another process is building the C++ kernels for this machine; waiting for it...",
+                  file=sys.stderr, flush=True)
+        else:
+            print("superslm: building the C++ kernels for this machine (once; 1-3 minutes on 2 cores)...",
+                  file=sys.stderr, flush=True)
+        start = time.monotonic()
         _ext = load(
             name=name,
             sources=[str(p) for p in _SOURCES],
@@ -109,6 +116,7 @@ def extension() -> Any:
             build_directory=str(build_dir),
             verbose=False,
         )
+        print(f"superslm: C++ kernels ready ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
     except Exception as e:  # no compiler, no ninja, headers missing: the reference still runs
         log.warning("superslm: C++ decode layers unavailable (%s); using the torch path", str(e).splitlines()[0])
         _ext = None
