@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -143,3 +144,17 @@ def test_a_context_past_the_trained_positions_is_refused(tmp_path: Path) -> None
         assert r.returncode == 2 and "past the 512 positions" in r.stderr, r.stderr
     ok = superslm("generate", "-p", "hi", "--model", str(tmp_path), "--context", "512", "--max-tokens", "2")
     assert ok.returncode == 0, ok.stderr
+
+
+def test_generate_reads_its_prompt_from_stdin_or_a_file_and_prints_timings(tmp_path: Path) -> None:
+    build_hf_model("llama", tmp_path / "m")
+    base = ["generate", "--model", str(tmp_path / "m"), "--max-tokens", "4", "--temperature", "0"]
+    direct = superslm(*base, "-p", "Once upon a time")
+    piped = superslm(*base, "-p", "-", stdin="Once upon a time")
+    (tmp_path / "p.txt").write_text("Once upon a time")
+    filed = superslm(*base, "--prompt-file", str(tmp_path / "p.txt"), "--timings")
+    assert direct.returncode == piped.returncode == filed.returncode == 0, filed.stderr
+    assert direct.stdout == piped.stdout == filed.stdout and direct.stdout.strip()
+    assert re.search(r"prompt \d+ tokens in [\d.]+ s \([\d.]+ tok/s\); answer 4 tokens in", filed.stderr), filed.stderr
+    both = superslm(*base, "-p", "x", "--prompt-file", str(tmp_path / "p.txt"))
+    assert both.returncode == 2 and "not allowed with" in both.stderr

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from superslm.errors import SuperSLMError
@@ -60,15 +62,20 @@ def cmd_info(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _stream(engine: Any, request: Any, interruptible: bool = False) -> tuple[str, str]:
-    """Runs one request, writing its text to stdout as it comes; returns its whole text and how it ended.
-    `interruptible`: Ctrl-C cancels the request (its text so far is kept, the end is "cancelled")."""
+def _stream(engine: Any, request: Any, interruptible: bool = False,
+            first_token: Callable[[], None] | None = None) -> tuple[str, str, int]:
+    """Runs one request, writing its text to stdout as it comes; returns its whole text, how it ended and its
+    number of tokens. `interruptible`: Ctrl-C cancels the request (its text so far is kept, the end is
+    "cancelled"). `first_token` is called when the first token comes."""
     rid = engine.add(request)
-    out, end = [], ""
+    out, end, count = [], "", 0
     try:
         while engine.busy():
             for p in engine.advance():
                 if p.id == rid:
+                    if p.tokens and not count and first_token is not None:
+                        first_token()
+                    count += len(p.tokens)
                     if p.text:
                         sys.stdout.write(p.text)
                         sys.stdout.flush()
@@ -81,7 +88,7 @@ def _stream(engine: Any, request: Any, interruptible: bool = False) -> tuple[str
         while engine.busy():
             engine.advance()
         end = "cancelled"
-    return "".join(out), end
+    return "".join(out), end, count
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -90,12 +97,25 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
     model = superslm.load(ns.model, device=ns.device, dtype=ns.dtype)
     engine = model.engine(slots=1, context=model.checked_context(ns.context))
-    if ns.chat:
-        prompt: Any = model.chat_tokens([{"role": "user", "content": ns.prompt}])
+    if ns.prompt_file is not None:
+        text = Path(ns.prompt_file).read_text(encoding="utf-8")
     else:
-        prompt = ns.prompt
-    _stream(engine, Request(prompt=prompt, max_tokens=ns.max_tokens, sampling=_sampling(ns)))
+        text = sys.stdin.read() if ns.prompt == "-" else ns.prompt
+    if ns.chat:
+        prompt: Any = model.chat_tokens([{"role": "user", "content": text}])
+    else:
+        prompt = model.tokenizer.encode(text)
+    start = time.perf_counter()
+    times: list[float] = []
+    _, _, n = _stream(engine, Request(prompt=prompt, max_tokens=ns.max_tokens, sampling=_sampling(ns)),
+                      first_token=lambda: times.append(time.perf_counter()))
+    end = time.perf_counter()
     sys.stdout.write("\n")
+    if ns.timings and times:
+        first = times[0] - start
+        print(f"prompt {len(prompt)} tokens in {first:.3f} s ({len(prompt) / first:.1f} tok/s); answer {n} tokens "
+              f"in {end - start:.3f} s ({max(n - 1, 0) / max(end - times[0], 1e-9):.1f} tok/s after the first)",
+              file=sys.stderr)
     return 0
 
 
@@ -135,7 +155,7 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line})
         try:
             prompt = _fitting_prompt(model, engine, messages, len(system))
-            reply, end = _stream(engine, Request(prompt=prompt, max_tokens=ns.max_tokens, sampling=_sampling(ns)),
+            reply, end, _ = _stream(engine, Request(prompt=prompt, max_tokens=ns.max_tokens, sampling=_sampling(ns)),
                                  interruptible=True)
         except SuperSLMError as e:
             messages.pop()
@@ -181,7 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="continue a prompt, streaming the text to stdout")
     _model_args(gen)
     _sampling_args(gen)
-    gen.add_argument("--prompt", "-p", required=True)
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", "-p", help="the prompt; - reads it from standard input")
+    src.add_argument("--prompt-file", "-f", help="read the prompt from this file")
+    gen.add_argument("--timings", action="store_true",
+                     help="print the prompt's and the answer's tokens and speed to stderr at the end")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.set_defaults(func=cmd_generate)
 
