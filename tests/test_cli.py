@@ -127,8 +127,8 @@ def test_ctrl_c_stops_a_reply_and_keeps_the_chat(tmp_path: Path) -> None:
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(b"tell me everything\n")
     proc.stdin.flush()
-    proc.stdout.read(1)  # the reply has started
-    time.sleep(0.3)
+    proc.stdout.read(3)  # input()'s "> ", then the reply's first character: the reply has started
+    time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.5)
     out, err = proc.communicate(b"/reset\n/exit\n", timeout=300)  # the chat goes on after the stop

@@ -161,6 +161,10 @@ def cmd_chat(ns: argparse.Namespace) -> int:
             messages.pop()
             print(f"\nerror: {e}", file=sys.stderr)
             continue
+        except KeyboardInterrupt:  # before the reply started (the prompt was being built): no reply to keep
+            messages.pop()
+            print("\n(stopped)", file=sys.stderr)
+            continue
         sys.stdout.write("\n")
         if end == "cancelled":
             print("(stopped)", file=sys.stderr)
