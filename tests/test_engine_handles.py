@@ -125,3 +125,13 @@ def engine_page_bytes(model, page_size: int) -> int:
 
     a = model.arch
     return KVCache.page_bytes(len(model.net.layers), page_size, a.kv_heads, a.head_dim, model.dtype)
+
+
+def test_jump_forward_is_the_output_processors(tiny) -> None:  # noqa: F811
+    """Engine.jump_forward stays a setting callers flip (benchmarks/structured.py does): it is the output
+    processor's, not a copy of it."""
+    model, _ = tiny
+    engine = model.engine(slots=1, context=64, jump_forward=False)
+    assert engine.jump_forward is False and engine.output.jump_forward is False
+    engine.jump_forward = True
+    assert engine.output.jump_forward is True

@@ -258,6 +258,15 @@ class Engine(SequenceMixin, OverlapMixin, ContractsMixin):
         return out
 
     @property
+    def jump_forward(self) -> bool:
+        """Whether tokens a grammar forces are appended without sampling them (off: each is masked and sampled)."""
+        return self.output.jump_forward
+
+    @jump_forward.setter
+    def jump_forward(self, on: bool) -> None:
+        self.output.jump_forward = bool(on)
+
+    @property
     def graphs(self) -> DecodeGraphs | None:
         """The decode graphs (engine/graphs.py: buckets, `capture`, `capture_error`), None when off."""
         return self._graphs
