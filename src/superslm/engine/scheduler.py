@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from superslm.cache import PagePool
+from superslm.cache import ExtraKey, PagePool
 from superslm.engine.request import END_LENGTH, Sequence
 
 
@@ -40,7 +40,7 @@ class Scheduler:
     """Holds the waiting queue and the running set; `schedule()` applies the rule once."""
 
     def __init__(self, pool: PagePool, slots: int, rows: int, prefix_caching: bool = True,
-                 extra_key: Callable[[Sequence], str | None] | None = None, chunk: int | None = None,
+                 extra_key: Callable[[Sequence], ExtraKey] | None = None, chunk: int | None = None,
                  copy_page: Callable[[int, int, int], None] | None = None) -> None:
         self.pool, self.slots, self.rows = pool, slots, rows
         #: the most prompt tokens one sequence reads in a step
