@@ -61,3 +61,22 @@ def test_an_unpatched_copy_loads(smollm2_gguf: Path, tmp_path: Path) -> None:
     """The patching itself breaks nothing: the same copy with a field written back unchanged answers."""
     same = variant(smollm2_gguf, tmp_path / "same.gguf", {"llama.attention.head_count": 9})
     assert superslm.load(same).engine(slots=1, context=64).complete("The capital of France is", 4)
+
+
+def test_an_untied_embedding_is_checked_row_chunk_by_chunk() -> None:
+    """The embedding of an untied model runs from its blocks (never dense): its check reads a few thousand rows
+    at a time, and finds a NaN scale in the last chunk."""
+    import torch
+
+    from superslm.formats.blocks import Q8_0
+    from superslm.quant.gguf_map import GGUFEmbedding
+
+    rows, dim = 10, 64
+    rng = np.random.default_rng(0)
+    blocks = np.zeros((rows, dim // 32, 34), dtype=np.uint8)
+    blocks[:, :, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    blocks[:, :, 2:] = rng.integers(0, 256, size=(rows, dim // 32, 32), dtype=np.uint8)
+    table = GGUFEmbedding(blocks.reshape(-1), Q8_0, (rows, dim), torch.float32)
+    assert table.all_finite(rows=3)
+    blocks[9, 1, :2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
+    assert not GGUFEmbedding(blocks.reshape(-1), Q8_0, (rows, dim), torch.float32).all_finite(rows=3)

@@ -114,6 +114,16 @@ class GGUFEmbedding(torch.nn.Module):
             values = self.fix(values)
         return values.to(device=tokens.device, dtype=self.dtype)
 
+    def all_finite(self, rows: int = 4096) -> bool:
+        """Whether every value of the table is finite, read `rows` rows at a time (the table is never dense)."""
+        for a in range(0, self.vocab, rows):
+            raw = np.ascontiguousarray(self.rows[a : a + rows]).reshape(-1)
+            if not np.isfinite(self.block_type.dequantize(raw).sum(dtype=np.float64)):
+                return False
+            if self.release is not None:
+                self.release()
+        return True
+
     def extra_repr(self) -> str:
         return f"{self.block_type.name} [{self.vocab}, {self.dim}] read from the file per step"
 

@@ -147,13 +147,11 @@ def quantize_from_source(
         if part[3] is not None:
             raise UnsupportedModel(f"{source.recipe.family}: the GGUF embedding's rows are permuted")
         fix = source.recipe.fix_gguf
-        if "head" in names or head != "nearest":  # else the head checks the same blocks below
-            table = names["embed"].load()
-            if not bool(torch.isfinite(torch.sum(table, dtype=torch.float32))):
-                raise FormatError(f"{source.path}: the embedding holds NaN or infinite values")
-            del table
         net.embed_rows = GGUFEmbedding(part[0], part[1], part[2], net.dtype,
                                        lambda t: fix("embed", t, source.arch), source.gguf.release_pages)
+        # a tied head checks the same blocks below
+        if ("head" in names or head != "nearest") and not net.embed_rows.all_finite():
+            raise FormatError(f"{source.path}: the embedding holds NaN or infinite values")
     if getattr(net, "has_head", False) and head is not None:
         if head == "nearest":
             key = "head" if "head" in names else "embed"
