@@ -273,11 +273,16 @@ def materialize(
         t = stored.load().float()
         t = fix(short, t, src.arch)
         _check_shape(key, short, tuple(t.shape), src.arch, src.recipe)
-        if t.is_floating_point() and not bool(torch.isfinite(t.sum())):
-            # a NaN or inf weight makes every answer NaN (a sum is one pass: an inf of overflow needs |w| ~ 1e31)
+        if not all_finite(t):
             raise FormatError(f"{src.path}: tensor {stored.name} holds NaN or infinite values")
         out[key] = t.to(device=device, dtype=dtype).contiguous()
     return out
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """False where a float tensor holds NaN or inf, which makes every answer NaN: one float32 sum, a single
+    pass (an inf of overflow would need values near 1e31). Non-float tensors are finite."""
+    return not t.is_floating_point() or not t.numel() or bool(torch.isfinite(torch.sum(t, dtype=torch.float32)))
 
 
 def _check_shape(key: str, short: str, shape: tuple[int, ...], a: Arch, recipe: Recipe) -> None:

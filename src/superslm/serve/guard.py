@@ -27,10 +27,15 @@ Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
 
 
+def _localhost_name(name: str) -> bool:
+    """localhost and its subdomains, which resolve to loopback by RFC 6761: no page can rebind them."""
+    return name == "localhost" or name.endswith(".localhost")
+
+
 def is_loopback(host: str) -> bool:
     """Whether a bind address only listens on this machine (a name like localhost counts)."""
     host = host.strip("[]")
-    if host.lower() == "localhost" or host.lower().endswith(".localhost"):
+    if _localhost_name(host.lower()):
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -71,8 +76,8 @@ class HostRules:
             return False
         if name in self.hosts:
             return True
-        if (name == "localhost" or name.endswith(".localhost")) and "localhost" in self.hosts:
-            return True  # *.localhost resolves to loopback by RFC 6761: no page can rebind it
+        if _localhost_name(name) and "localhost" in self.hosts:
+            return True
         return any(h.startswith(".") and (name.endswith(h) or name == h[1:]) for h in self.hosts)
 
     def origin_ok(self, origin: str) -> bool:
