@@ -54,7 +54,18 @@ def compilable() -> list[str]:
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"(?=.{{1,253}}\Z){_LABEL}(\.{_LABEL})*")
 _DURATION = re.compile(r"P(?!\Z)(\d+Y)?(\d+M)?(\d+W)?(\d+D)?(T(?=\d)(\d+H)?(\d+M)?(\d+S)?)?")
-_TIME = re.compile(r"([01]\d|2[0-3]):[0-5]\d:([0-5]\d|60)(\.\d+)?([Zz]|[+-]([01]\d|2[0-3]):[0-5]\d)")
+_TIME = re.compile(r"([01]\d|2[0-3]):([0-5]\d):([0-5]\d|60)(\.\d+)?([Zz]|([+-])([01]\d|2[0-3]):([0-5]\d))")
+
+
+def valid_time(text: str) -> bool:
+    """RFC 3339's full-time: a leap second (:60) only where the time less its offset is 23:59 UTC."""
+    m = _TIME.fullmatch(text)
+    if m is None:
+        return False
+    if m[3] != "60":
+        return True
+    offset = 0 if m[5] in "Zz" else (1 if m[6] == "+" else -1) * (int(m[7]) * 60 + int(m[8]))
+    return (int(m[1]) * 60 + int(m[2]) - offset) % (24 * 60) == 23 * 60 + 59
 
 
 def _format_checker() -> jsonschema.FormatChecker:
@@ -67,11 +78,11 @@ def _format_checker() -> jsonschema.FormatChecker:
         if not isinstance(value, str):
             return True
         date, sep, clock = value.partition("T") if "T" in value else value.partition("t")
-        return bool(sep) and _valid_date(date) and bool(_TIME.fullmatch(clock))
+        return bool(sep) and _valid_date(date) and valid_time(clock)
 
     @extra.checks("time")
     def _time(value: object) -> bool:
-        return not isinstance(value, str) or bool(_TIME.fullmatch(value))
+        return not isinstance(value, str) or valid_time(value)
 
     @extra.checks("uri")
     def _uri(value: object) -> bool:

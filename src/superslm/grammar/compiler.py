@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import llguidance as llg
 
 from superslm.errors import GrammarError, InvalidArgument, TokenizerError
+from superslm.grammar.rewrite import merged_patterns
 from superslm.grammar.spec import Constraint
 from superslm.tokenizer import Tokenizer
 
@@ -82,6 +83,8 @@ class CompiledGrammar:
     compile_s: float
     """Seconds the compile took (0 reading from the cache is not recorded here)."""
     _template: llg.LLMatcher
+    #: the llguidance grammar the template was built from (a fresh build reads the same)
+    _grammar: str = ""
     #: set once a matcher of this grammar failed (llguidance's error, e.g. its lexer's state limit): the
     #: copies share the template's lexer and its state count, so later matchers are built afresh
     _stale: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -90,7 +93,7 @@ class CompiledGrammar:
         """A fresh llguidance matcher at the grammar's start: a deep copy of the template, or a new build once
         the template is stale (one request's lexer error must not end every later request of the grammar)."""
         if self._stale.is_set():
-            return self.compiler._build(self.constraint.grammar())
+            return self.compiler._build(self._grammar or self.constraint.grammar())
         return self._template.deep_copy()
 
     def mark_stale(self) -> None:
@@ -165,18 +168,26 @@ class GrammarCompiler:
             return constraint.key() in self._cache
 
     def _compile(self, constraint: Constraint) -> CompiledGrammar:
-        grammar = constraint.grammar()
         start = time.perf_counter()
+        grammar = constraint.grammar()
+        matcher = self._build_within(constraint, grammar, start)
+        error = matcher.get_error()
+        if error and constraint.is_json and merged_patterns(error):
+            grammar = constraint.grammar(canonical_keys=False)
+            matcher = self._build_within(constraint, grammar, start)
+            error = matcher.get_error()
+        if error:
+            raise GrammarError(f"invalid {constraint.kind}: {_first_lines(error)}")
+        return CompiledGrammar(constraint, self, time.perf_counter() - start, matcher, grammar)
+
+    def _build_within(self, constraint: Constraint, grammar: str, start: float) -> llg.LLMatcher:
+        """The matcher of `grammar`, built in a worker thread within what is left of `timeout_s`."""
         future = _pool().submit(self._build, grammar)
         try:
-            matcher = future.result(timeout=self.timeout_s)
+            return future.result(timeout=max(self.timeout_s - (time.perf_counter() - start), 0.01))
         except FutureTimeout:
             # the worker finishes on its own (its work is bounded by the fuel limits)
             raise GrammarError(f"{constraint.kind} did not compile within {self.timeout_s:g} s") from None
-        error = matcher.get_error()
-        if error:
-            raise GrammarError(f"invalid {constraint.kind}: {_first_lines(error)}")
-        return CompiledGrammar(constraint, self, time.perf_counter() - start, matcher)
 
     def _build(self, grammar: str) -> llg.LLMatcher:
         # log_level 0: errors are read back with get_error(), not printed to stderr

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from superslm.errors import GrammarError, InvalidArgument
+from superslm.grammar.rewrite import for_llguidance
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "lark", "choice"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "lark", "choice")
@@ -136,8 +137,10 @@ class Constraint:
         """True for json_schema and json_object (their output parses as JSON)."""
         return self.kind in ("json_schema", "json_object")
 
-    def grammar(self) -> str:
-        """This constraint as an llguidance grammar (its JSON text; no tokenizer involved).
+    def grammar(self, canonical_keys: bool = True) -> str:
+        """This constraint as an llguidance grammar (its JSON text; no tokenizer involved). A JSON schema
+        is rewritten first (grammar/rewrite.py: exact leap seconds and, with `canonical_keys`, additional
+        keys that cannot spell a declared name with escapes).
 
         Raises GrammarError where the value cannot even be turned into a grammar request (a schema
         llguidance's front end rejects outright); most errors surface when compiling.
@@ -157,7 +160,8 @@ class Constraint:
             # whitespace_flexible, as llguidance ranks a pattern above the flag)
             ours = {} if isinstance(own, dict) and own.keys() & _WS_KEYS else self.json_options()
             try:
-                return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=ours)  # type: ignore[arg-type]
+                text = json.dumps(for_llguidance(schema, canonical_keys))
+                return LLMatcher.grammar_from_json_schema(text, defaults=ours)  # type: ignore[arg-type]
             except ValueError as e:
                 raise GrammarError(f"invalid JSON schema: {e}") from e
         if self.kind == "regex":

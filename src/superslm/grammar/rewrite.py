@@ -1,0 +1,192 @@
+"""A JSON schema as SuperSLM hands it to llguidance: the same instances, two holes closed.
+
+- **Keys.** llguidance writes an object's additional keys as any raw JSON string other than the
+  declared names, so `{"\\u0061": "x"}` passed `{"properties": {"a": {"type": "number"}}}`: the key
+  decodes to "a" and its value escaped a's schema. Its pattern keys, though, are written in the one
+  canonical JSON form of their decoded text. So every object schema that declares names and admits
+  other keys is rewritten: those other keys become a pattern property whose pattern matches every
+  name except the declared ones (`additionalProperties` false), which admits the same objects. Not
+  rewritten: an object with pattern properties of its own, and a schema where llguidance's merging of
+  objects (allOf, `$ref` beside keywords) makes two such patterns overlap (compiled as it was).
+- **Times.** llguidance's `time` and `date-time` accept a leap second (`:60`) at any hour; RFC 3339
+  has one only at 23:59:60 UTC. Those formats are replaced by a pattern that allows `:60` only where
+  the time, less its offset, is 23:59.
+
+The rewrite only narrows what llguidance would write; the schema a caller gave is what the output is
+checked against.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from functools import lru_cache
+from typing import Any
+
+# keywords whose value is one subschema, a list of them, or a name -> subschema map
+_ONE = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else",
+        "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_LIST = ("anyOf", "allOf", "oneOf", "prefixItems")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def for_llguidance(schema: Any, keys: bool = True) -> Any:
+    """A copy of `schema` with exact leap seconds and, with `keys`, canonical additional keys (see the
+    module doc); `schema` itself is not changed. A schema that refers into an `additionalProperties` by
+    `$ref` keeps its objects as they are (the rewrite would move what the reference points at)."""
+    out = copy.deepcopy(schema)
+    _walk(out, keys and "additionalProperties" not in "".join(_refs(out)))
+    return out
+
+
+def merged_patterns(error: str) -> bool:
+    """Whether llguidance refused a rewritten schema because it merges objects (`allOf`, a `$ref` with
+    sibling keywords) whose pattern properties overlap: that schema is compiled without the key rewrite."""
+    return "are not disjoint" in error
+
+
+def _refs(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        own = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+        return own + [r for v in node.values() for r in _refs(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _refs(v)]
+    return []
+
+
+_OBJECT_KEYS = ("properties", "required", "additionalProperties", "patternProperties")
+_MERGED = ("allOf", "anyOf", "oneOf")
+
+
+def _walk(node: Any, keys: bool, merged: bool = False) -> None:
+    """Rewrite `node` and its subschemas in place; `merged`: llguidance intersects this node with its
+    parent (a branch of allOf, an option beside the parent's own object keywords), so its keys are
+    rewritten at the parent, where all of them are known."""
+    if not isinstance(node, dict):
+        return
+    own = any(k in node for k in _OBJECT_KEYS)
+    for k in _ONE:
+        if isinstance(node.get(k), dict):
+            _walk(node[k], keys)
+    for k in _LIST:
+        if isinstance(node.get(k), list):
+            into = k == "allOf" or (k in _MERGED and own)
+            for sub in node[k]:
+                _walk(sub, keys, merged=into)
+    if isinstance(node.get("items"), list):  # draft 4-7 tuple items
+        for sub in node["items"]:
+            _walk(sub, keys)
+    for k in _MAP:
+        if isinstance(node.get(k), dict):
+            for sub in node[k].values():
+                _walk(sub, keys)
+    if keys and not merged:
+        _canonical_keys(node)
+    fmt = node.get("format")
+    if fmt in ("time", "date-time"):  # both keywords apply to strings alone, whatever the type says
+        del node["format"]
+        exact = {"pattern": f"^(?:{_TIME if fmt == 'time' else _DATE_TIME})$"}
+        if "pattern" in node:
+            node.setdefault("allOf", []).append(exact)  # llguidance intersects the two patterns
+        else:
+            node.update(exact)
+
+
+def _open(node: dict[str, Any]) -> bool:
+    """Whether an object schema admits any other key with any value (no pattern keys, nothing refused)."""
+    return node.get("additionalProperties", True) in (True, {}) and "patternProperties" not in node
+
+
+def _names(node: dict[str, Any]) -> set[str] | None:
+    """The names `node` declares (properties and required), None where they are not plain data."""
+    props, required = node.get("properties", {}), node.get("required", [])
+    if not isinstance(props, dict) or not isinstance(required, list):
+        return None
+    return set(props) | {r for r in required if isinstance(r, str)}
+
+
+def _canonical_keys(node: dict[str, Any]) -> None:
+    """Other keys of an object that declares names as a pattern property excluding those names. A node
+    merged with branches (allOf, or anyOf/oneOf beside its own keywords) does so only when it and every
+    branch are open: then its pattern excludes every branch's names and no two patterns overlap."""
+    extra = node.get("additionalProperties", True)
+    names = _names(node)
+    # an object with pattern properties of its own keeps llguidance's rule: ours would overlap them, and
+    # llguidance refuses overlapping patterns (their complement is no regex we can write)
+    if extra is False or not isinstance(extra, (dict, bool)) or names is None or "patternProperties" in node:
+        return
+    branches = [b for k in _MERGED if isinstance(node.get(k), list) for b in node[k]]
+    # names the branches declare, which the node must declare too (as anything: it is open) once it
+    # refuses other keys
+    theirs: list[str] = []
+    if node.get("allOf") or (branches and any(k in node for k in _OBJECT_KEYS)):
+        if not _open(node) or not all(isinstance(b, dict) and _open(b) for b in branches):
+            return
+        for b in branches:
+            more = _names(b)
+            if more is None:
+                return
+            theirs += [n for n in [*b.get("properties", {}), *b.get("required", [])] if isinstance(n, str)]
+            names |= more
+    if not names:
+        return
+    schema = {} if extra is True else extra
+    # a required name without a schema of its own takes the additional one (llguidance reads it from
+    # `additionalProperties`, which is false from here on)
+    props = node.get("properties", {})
+    missing = {r: copy.deepcopy(schema) for r in [*node.get("required", []), *theirs]
+               if isinstance(r, str) and r not in props}
+    if missing:
+        node["properties"] = {**props, **missing}
+    node["patternProperties"] = {f"^(?:{not_in(frozenset(names))})$": schema}
+    node["additionalProperties"] = False
+
+
+def _char(c: str) -> str:
+    return c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):X}}}"
+
+
+@lru_cache(maxsize=256)
+def not_in(names: frozenset[str]) -> str:
+    """A regex (Rust syntax, unanchored) matching every string except the given ones: at each node of
+    the names' trie, end here (where no name ends), or take a character no name continues with and
+    then anything, or follow a child."""
+    trie: dict[str, Any] = {}
+    for name in names:
+        node = trie
+        for c in name:
+            node = node.setdefault(c, {})
+        node[""] = {}  # the end mark
+
+    def at(node: dict[str, Any]) -> str:
+        kids = sorted(k for k in node if k)
+        alts = [] if "" in node else [""]
+        alts.append(f"[^{''.join(_char(c) for c in kids)}](?s:.*)" if kids else "(?s:.+)")
+        alts.extend(_char(c) + f"(?:{at(node[c])})" for c in kids)
+        return "|".join(alts)
+
+    return at(trie)
+
+
+def _leap_seconds() -> str:
+    """Every HH:MM with a ±hh:mm offset (and Z) at which a time is 23:59 UTC."""
+    alts = ["23:59:60(?:\\.[0-9]+)?(?:[zZ]|[+-]00:00)"]
+    by_local: dict[str, list[str]] = {}
+    for sign in (1, -1):
+        for off in range(1, 24 * 60):
+            local = (23 * 60 + 59 + sign * off) % (24 * 60)
+            key = f"{local // 60:02d}:{local % 60:02d}"
+            by_local.setdefault(key, []).append(f"{'+' if sign > 0 else '-'}{off // 60:02d}:{off % 60:02d}")
+    for local, offsets in sorted(by_local.items()):
+        alts.append(f"{local}:60(?:\\.[0-9]+)?(?:{'|'.join(re.escape(o) for o in offsets)})")
+    return "|".join(alts)
+
+
+_OFFSET = "(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_TIME = f"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]+)?{_OFFSET}|{_leap_seconds()}"
+# years 0001-9999 (0000 is no year to Python's datetime), month lengths, 29 February in leap years
+_YEAR = "(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = (f"{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+         f"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29")
+_DATE_TIME = f"(?:{_DATE})[tT](?:{_TIME})"
