@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_bench_with_transformers_peer(smollm2_gguf: Path) -> None:
     r = subprocess.run(
@@ -54,3 +55,27 @@ def test_table_counts_a_converted_folder_as_the_file(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_bytes(b"\0" * 2**20)
     ours = {"prefill": 1.0, "decode": 1.0, "streams": 1.0, "load_s": 0.1, "rss_mb": 300.0, "kv_mb": 100.0}
     assert "= file 4 MB + KV 100 MB + 196 MB" in table(str(tmp_path), 2, {"superslm": ours})
+
+
+def _dies(*args: object) -> dict:
+    os._exit(3)  # as a peer's native code crashing would: no result, no exception
+
+
+def _sleeps(*args: object) -> dict:
+    time.sleep(120)
+    return {}
+
+
+def _answers(*args: object) -> dict:
+    return {"prefill": 1.0, "args": list(args)}
+
+
+def test_a_child_that_dies_or_hangs_is_an_error_row_not_a_wait() -> None:
+    from superslm.bench import run_engine
+
+    t = time.perf_counter()
+    assert run_engine("llama.cpp", "m", 1, bench=_dies) == {
+        "error": "the llama.cpp process ended without a result (exit code 3)"}
+    assert run_engine("x", 1, timeout_s=3, bench=_sleeps) == {"error": "the x process gave no result within 3 s"}
+    assert run_engine("y", "m", 2, bench=_answers) == {"prefill": 1.0, "args": ["m", 2]}
+    assert time.perf_counter() - t < 60

@@ -16,6 +16,7 @@ import argparse
 import multiprocessing as mp
 import os
 import platform
+import queue
 import resource
 import statistics
 import time
@@ -129,32 +130,51 @@ def bench_transformers(path: str, threads: int, prefill: int, decode: int, strea
 ENGINES = {"superslm": bench_superslm, "llama.cpp": bench_llama_cpp, "transformers": bench_transformers}
 
 
-def _child(name: str, args: tuple, out: Any) -> None:
+def _child(bench: Any, args: tuple, out: Any) -> None:
     try:
-        out.put(ENGINES[name](*args))
+        out.put(bench(*args))
     except BaseException as e:  # reported by the parent, which goes on with the other engines
         out.put({"error": f"{type(e).__name__}: {e}"})
 
 
-def run_engine(name: str, *args: Any) -> dict[str, Any]:
-    """One engine's figures, measured in a fresh process (spawned: no state shared with this one)."""
+def run_engine(name: str, *args: Any, timeout_s: float = 3600.0, bench: Any = None) -> dict[str, Any]:
+    """One engine's figures, measured in a fresh process (spawned: no state shared with this one) by
+    `bench` (a module-level function; default: the engine's in ENGINES). A child that dies without a
+    result (a crash in a peer's native code, the OOM killer) or outlives `timeout_s` is an error row,
+    never a wait for a result that cannot come."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(name, args, q))
+    proc = ctx.Process(target=_child, args=(bench or ENGINES[name], args, q))
     proc.start()
+    deadline = time.monotonic() + timeout_s
+    res: dict[str, Any] | None = None
     try:
-        res = q.get(timeout=3600)
+        while res is None:
+            try:
+                res = q.get(timeout=1.0)
+            except queue.Empty:
+                if not proc.is_alive():
+                    try:  # the result may have landed between the two looks
+                        res = q.get(timeout=1.0)
+                    except queue.Empty:
+                        res = {"error": f"the {name} process ended without a result (exit code {proc.exitcode})"}
+                elif time.monotonic() > deadline:
+                    res = {"error": f"the {name} process gave no result within {timeout_s:g} s"}
+                    proc.kill()
     finally:
-        proc.join(timeout=60)
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=30)
     return res
 
 
-def table(model: str, threads: int, rows: dict[str, dict[str, Any]]) -> str:
+def table(model: str, threads: int, rows: dict[str, dict[str, Any]], streams: int = 16) -> str:
     """The printed report: one line per engine, then the ratios against each peer."""
     nan = float("nan")
     lines = [f"model {Path(model).name}  threads {threads}  {platform.machine()}  {time.strftime('%Y-%m-%d %H:%M')}"
              f"  load average {os.getloadavg()[0]:.1f}",
-             f"{'engine':14} {'prefill tok/s':>14} {'decode tok/s':>13} {'16-stream tok/s':>16} {'load s':>7} "
+             f"{'engine':14} {'prefill tok/s':>14} {'decode tok/s':>13} {f'{streams}-stream tok/s':>16} {'load s':>7} "
              f"{'peak RSS MB':>12}"]
     for name, r in rows.items():
         if "error" in r:
@@ -168,7 +188,7 @@ def table(model: str, threads: int, rows: dict[str, dict[str, Any]]) -> str:
             continue
         q = ratios(ours, r)
         lines.append(f"vs {peer}: prefill {q['prefill']:.2f}x, decode {q['decode']:.2f}x, "
-                     f"16 streams vs its single stream {q['streams']:.2f}x")
+                     f"{streams} streams vs its single stream {q['streams']:.2f}x")
     if ours and "error" not in ours:
         path = Path(model)
         # a converted folder: its files (the weights are memory-mapped as a GGUF's are)
@@ -185,7 +205,7 @@ def ratios(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float]:
             "streams": ours["streams"] / peer["decode"]}
 
 
-def summary(rounds: list[dict[str, dict[str, Any]]]) -> str:
+def summary(rounds: list[dict[str, dict[str, Any]]], streams: int = 16) -> str:
     """Median (min-max) of each ratio over rounds whose engines all ran: on a shared machine one peer
     figure can move by 20% between runs, so claims rest on the median of alternating rounds."""
     lines = []
@@ -196,7 +216,7 @@ def summary(rounds: list[dict[str, dict[str, Any]]]) -> str:
         if not got:
             continue
         parts = []
-        labels = (("prefill", "prefill"), ("decode", "decode"), ("streams", "16 streams vs its single stream"))
+        labels = (("prefill", "prefill"), ("decode", "decode"), ("streams", f"{streams} streams vs its single stream"))
         for key, label in labels:
             v = [g[key] for g in got]
             parts.append(f"{label} {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f})")
@@ -232,8 +252,8 @@ def run(ns: argparse.Namespace) -> int:
     done = []
     for _ in range(rounds):
         rows = {name: run_engine(name, *args) for name in ["superslm", *dict.fromkeys(ns.peer)]}
-        print(table(path, ns.threads, rows), flush=True)
+        print(table(path, ns.threads, rows, ns.streams), flush=True)
         done.append(rows)
     if rounds > 1 and ns.peer:
-        print(summary(done))
+        print(summary(done, ns.streams))
     return 1 if any("error" in r for rows in done for r in rows.values()) else 0
