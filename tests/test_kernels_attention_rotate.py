@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("triton_interpret")
 from superslm.kernels import dispatch, fused  # noqa: E402
 from superslm.kernels.attention import AttnMetadata  # noqa: E402
 from superslm.kernels.hadamard import random_signs  # noqa: E402
-from tests.test_kernels_prepare_attention import operands  # noqa: E402
+from tests.test_kernels_prepare_attention import operands, with_spec  # noqa: E402
 
 pa = sys.modules["superslm.kernels.triton.paged_attention"]
 al = sys.modules["superslm.kernels.triton.attention_linear"]
@@ -50,9 +50,9 @@ def test_the_merge_rotates_o_input(dtype, variant, splits, padding, pad_to, bloc
     signs = random_signs(k, 11).to(DEV)
     kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
     n = meta.query_start[-1]
-    attn = tk.prepare_attention(*prep_in, kc1, vc1, meta, None, scale).reshape(n, -1)
+    attn = tk.prepare_attention(*with_spec(prep_in, None, scale), kc1, vc1, meta).reshape(n, -1)
     want = fused.linear_input(attn, signs, block, torch.bfloat16, tk.hadamard_rotate)
-    got = tk.attention_rotate(*prep_in, kc2, vc2, meta, None, scale, signs, block, torch.bfloat16)
+    got = tk.attention_rotate(*with_spec(prep_in, None, scale), kc2, vc2, meta, signs, block, torch.bfloat16)
     assert spy.launches == (splits > 1)
     assert got.shape == (n, k) and got.dtype == torch.bfloat16
     assert torch.equal(kc2, kc1) and torch.equal(vc2, vc1)
@@ -67,8 +67,8 @@ def test_the_merge_rotates_o_input(dtype, variant, splits, padding, pad_to, bloc
     cpu_in = (cpu_in[0][:m], *cpu_in[1:8], cpu_in[8][:m], cpu_in[9][:m])
     cpu_meta = AttnMetadata(meta.positions[:m].cpu(), meta.slot_mapping[:m].cpu(), meta.query_start[: s + 1],
                             meta.seq_lens[:s], meta.block_tables[:s], meta.page_size)  # fmt: skip
-    ref = fused.attention_rotate(*cpu_in, kc.clone().cpu(), vc.clone().cpu(), cpu_meta, None, scale, signs.cpu(),
-                                 block, torch.bfloat16)  # fmt: skip
+    ref = fused.attention_rotate(*with_spec(cpu_in, None, scale), kc.clone().cpu(), vc.clone().cpu(), cpu_meta,
+                                 signs.cpu(), block, torch.bfloat16)  # fmt: skip
     torch.testing.assert_close(got[:m].float().cpu(), ref.float(), atol=3e-2, rtol=3e-2)
 
 

@@ -14,7 +14,7 @@ tk = import_kernels()
 pytestmark = pytest.mark.usefixtures("triton_interpret")
 
 from superslm.kernels import dispatch, fused  # noqa: E402
-from superslm.kernels.attention import store_kv  # noqa: E402
+from superslm.kernels.attention import QKVSpec, store_kv  # noqa: E402
 from superslm.kernels.norm import rms_norm  # noqa: E402
 from superslm.kernels.rope import apply_rope  # noqa: E402
 
@@ -63,10 +63,10 @@ def test_prepare_qkv(n, heads, kv, d, rot, bias, norm, norm_float, dtype) -> Non
     case = qkv_case(n, heads, kv, d, rot, dtype, n * 7 + d, bias, norm)
     qkv, b, qn, kn, cos, sin, kc, vc, mapping = case
     kc2, vc2 = kc.cpu().clone(), vc.cpu().clone()
-    q = tk.prepare_qkv(qkv, b, heads, kv, qn, kn, 1e-6, norm_float, cos, sin, kc, vc, mapping)
+    q = tk.prepare_qkv(qkv, QKVSpec(heads, kv, b, qn, kn, 1e-6, norm_float), cos, sin, kc, vc, mapping)
     cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
-    ref = fused.prepare_qkv(qkv.cpu(), cpu(b), heads, kv, cpu(qn), cpu(kn), 1e-6, norm_float, cos.cpu(), sin.cpu(),
-                            kc2, vc2, mapping.cpu())  # fmt: skip
+    ref = fused.prepare_qkv(qkv.cpu(), QKVSpec(heads, kv, cpu(b), cpu(qn), cpu(kn), 1e-6, norm_float), cos.cpu(),
+                            sin.cpu(), kc2, vc2, mapping.cpu())  # fmt: skip
     close(q.cpu(), ref)
     close(kc.cpu(), kc2)
     close(vc.cpu(), vc2)
@@ -77,7 +77,7 @@ def test_prepare_qkv_reference_is_the_layer_steps() -> None:
     qkv, b, qn, kn, cos, sin, kc, vc, mapping = (t.cpu() if t is not None else None
                                                  for t in qkv_case(3, 4, 2, 16, 16, torch.bfloat16, 1, True, True))
     kc2, vc2 = kc.clone(), vc.clone()
-    q = fused.prepare_qkv(qkv, b, 4, 2, qn, kn, 1e-6, False, cos, sin, kc, vc, mapping)
+    q = fused.prepare_qkv(qkv, QKVSpec(4, 2, b, qn, kn, 1e-6, False), cos, sin, kc, vc, mapping)
     x = qkv + b
     q2, k2, v2 = x[:, :64].view(3, 4, 16), x[:, 64:96].view(3, 2, 16), x[:, 96:].view(3, 2, 16)
     q2, k2 = apply_rope(rms_norm(q2, qn, 1e-6), cos, sin), apply_rope(rms_norm(k2, kn, 1e-6), cos, sin)
@@ -90,16 +90,17 @@ def test_prepare_qkv_padding_rows_store_nothing() -> None:
     qkv, b, qn, kn, cos, sin, kc, vc, mapping = qkv_case(4, 4, 2, 16, 16, torch.float32, 3, False, False)
     mapping = torch.tensor([5, -1, 9], device=DEV)  # the fourth row is past the mapping
     kc_before, kc2, vc2 = kc.clone(), kc.clone(), vc.clone()
-    q = tk.prepare_qkv(qkv, None, 4, 2, None, None, 1e-6, False, cos, sin, kc, vc, mapping)
+    q = tk.prepare_qkv(qkv, QKVSpec(4, 2, None, None, None, 1e-6, False), cos, sin, kc, vc, mapping)
     assert q.shape == (4, 4, 16)
     changed = (kc != kc_before).flatten(1).any(1).nonzero().flatten().tolist()
     assert changed == [5, 9]
-    fused.prepare_qkv(qkv, None, 4, 2, None, None, 1e-6, False, cos, sin, kc2, vc2, mapping[mapping >= 0][:1])
-    fused.prepare_qkv(qkv[2:3], None, 4, 2, None, None, 1e-6, False, cos[2:3], sin[2:3], kc2, vc2, mapping[2:])
+    plain = QKVSpec(4, 2)
+    fused.prepare_qkv(qkv, plain, cos, sin, kc2, vc2, mapping[mapping >= 0][:1])
+    fused.prepare_qkv(qkv[2:3], plain, cos[2:3], sin[2:3], kc2, vc2, mapping[2:])
     close(kc, kc2)  # slot 9 holds row 2's key, not the padding row's
     close(vc, vc2)
     # no row at all to store
-    tk.prepare_qkv(qkv, None, 4, 2, None, None, 1e-6, False, cos, sin, kc, vc, mapping[:0])
+    tk.prepare_qkv(qkv, QKVSpec(4, 2, None, None, None, 1e-6, False), cos, sin, kc, vc, mapping[:0])
 
 
 def test_prepare_qkv_mixed_dtypes_take_the_reference() -> None:
@@ -107,13 +108,14 @@ def test_prepare_qkv_mixed_dtypes_take_the_reference() -> None:
     qkv, b, qn, kn, cos, sin, kc, vc, mapping = qkv_case(2, 4, 2, 16, 16, torch.bfloat16, 4, False, True)
     qn32, kn32 = qn.float(), kn.float()
     kc2, vc2 = kc.clone(), vc.clone()
-    q = tk.prepare_qkv(qkv, None, 4, 2, qn32, kn32, 1e-6, False, cos, sin, kc, vc, mapping)
-    ref = fused.prepare_qkv(qkv, None, 4, 2, qn32, kn32, 1e-6, False, cos, sin, kc2, vc2, mapping)
+    q = tk.prepare_qkv(qkv, QKVSpec(4, 2, None, qn32, kn32, 1e-6, False), cos, sin, kc, vc, mapping)
+    ref = fused.prepare_qkv(qkv, QKVSpec(4, 2, None, qn32, kn32, 1e-6, False), cos, sin, kc2, vc2, mapping)
     assert q.dtype == ref.dtype == torch.float32
     assert torch.equal(q, ref) and torch.equal(kc, kc2)
     # padding rows (slot -1, as graph steps pad) write nothing there either
     before = kc.clone()
-    tk.prepare_qkv(qkv, None, 4, 2, qn32, kn32, 1e-6, False, cos, sin, kc, vc, torch.tensor([-1, -1], device=DEV))
+    spec = QKVSpec(4, 2, None, qn32, kn32, 1e-6, False)
+    tk.prepare_qkv(qkv, spec, cos, sin, kc, vc, torch.tensor([-1, -1], device=DEV))
     assert torch.equal(kc, before)
 
 

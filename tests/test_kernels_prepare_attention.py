@@ -19,7 +19,7 @@ tk = import_kernels()
 pytestmark = pytest.mark.usefixtures("triton_interpret")
 
 from superslm.kernels import dispatch, fused  # noqa: E402
-from superslm.kernels.attention import AttnMetadata  # noqa: E402
+from superslm.kernels.attention import AttnMetadata, QKVSpec  # noqa: E402
 from tests.test_kernels_triton import make_step  # noqa: E402
 
 pa = sys.modules["superslm.kernels.triton.paged_attention"]
@@ -57,6 +57,13 @@ def operands(variant: str, dtype: torch.dtype, padding: bool, seed: int = 0):
     return meta, kc, vc, (qkv, bias, heads, kv_heads, qn, kn, 1e-6, wf, cos, sin), 1 / math.sqrt(head_dim)
 
 
+def with_spec(prep_in, window: int | None = None, scale: float = 1.0) -> tuple:  # type: ignore[no-untyped-def]
+    """operands' (qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin) as the kernels take
+    them: (qkv, QKVSpec, cos, sin)."""
+    qkv, bias, heads, kv_heads, qn, kn, eps, wf, cos, sin = tuple(prep_in)
+    return qkv, QKVSpec(heads, kv_heads, bias, qn, kn, eps, wf, window, scale), cos, sin
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("splits,window,padding", [(1, None, False), (3, None, True), (2, 7, False)])
@@ -65,7 +72,7 @@ def test_decode_attention_prepares_its_own_inputs(dtype, variant, splits, window
     qkv, bias, heads, kv_heads, qn, kn, eps, wf, cos, sin = prep_in
     args = tk.paged_args(meta, DEV)
     kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
-    q = tk.prepare_qkv(*prep_in, kc1, vc1, meta.slot_mapping)
+    q = tk.prepare_qkv(*with_spec(prep_in), kc1, vc1, meta.slot_mapping)
     want = tk.paged_attention_args(q, kc1, vc1, args, window, scale, num_splits=splits)
     prep = pa.Prep(bias, qn, kn, eps, wf, cos, sin, meta.slot_mapping)
     got = tk.paged_attention_args(qkv, kc2, vc2, args, window, scale, num_splits=splits, prep=prep)
@@ -85,7 +92,7 @@ def test_decode_attention_prepares_its_own_inputs(dtype, variant, splits, window
     s = len(meta.seq_lens) - padding
     cpu_meta = AttnMetadata(meta.positions[:m].cpu(), meta.slot_mapping[:m].cpu(), meta.query_start[: s + 1],
                             meta.seq_lens[:s], meta.block_tables[:s], meta.page_size)  # fmt: skip
-    ref = fused.prepare_attention(*cpu_in, kc3, vc3, cpu_meta, window, scale)
+    ref = fused.prepare_attention(*with_spec(cpu_in, window, scale), kc3, vc3, cpu_meta)
     got = got[:m]
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     # the q/k norms' sums in another order: the stored keys within a rounding
@@ -106,13 +113,13 @@ def test_steps_with_prompt_rows_prepare_first(monkeypatch: pytest.MonkeyPatch) -
     angle = torch.rand(4, 64, generator=g)
     prep_in = (qkv, None, 4, 2, None, None, 1e-6, False, angle.cos().to(DEV), angle.sin().to(DEV))
     kc1, vc1 = kc.clone(), vc.clone()
-    got = tk.prepare_attention(*prep_in, kc1, vc1, meta, None, 0.125)
+    got = tk.prepare_attention(*with_spec(prep_in, None, 0.125), kc1, vc1, meta)
     assert called == [1]
     kc2, vc2 = kc.clone().cpu(), vc.clone().cpu()
     cpu_meta = AttnMetadata(meta.positions.cpu(), meta.slot_mapping.cpu(), meta.query_start, meta.seq_lens,
                             meta.block_tables, meta.page_size)  # fmt: skip
-    ref = fused.prepare_attention(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in prep_in), kc2, vc2,
-                                  cpu_meta, None, 0.125)  # fmt: skip
+    cpu_in = (t.cpu() if isinstance(t, torch.Tensor) else t for t in prep_in)
+    ref = fused.prepare_attention(*with_spec(cpu_in, None, 0.125), kc2, vc2, cpu_meta)
     torch.testing.assert_close(got.cpu(), ref, atol=2e-5, rtol=2e-5)
     assert torch.equal(kc1.cpu(), kc2)
 
@@ -137,9 +144,9 @@ def test_a_model_prepares_inside_its_decode_attention(family, dtype, graphs, tmp
     monkeypatch.setattr(pa, "prepare_qkv", lambda *a: calls.append(1) or real(*a))
     fused_fn = tk.prepare_attention
 
-    def apart(qkv, bias, heads, kv_heads, qn, kn, eps, nf, cos, sin, kc, vc, meta, window, scale):  # type: ignore[no-untyped-def]
-        q = pa.prepare_qkv(qkv, bias, heads, kv_heads, qn, kn, eps, nf, cos, sin, kc, vc, meta.slot_mapping)
-        return tk.paged_attention(q, kc, vc, meta, window, scale)
+    def apart(qkv, spec, cos, sin, kc, vc, meta):  # type: ignore[no-untyped-def]
+        q = pa.prepare_qkv(qkv, spec, cos, sin, kc, vc, meta.slot_mapping)
+        return tk.paged_attention(q, kc, vc, meta, spec.window, spec.scale)
 
     prompt = [5, 17, 99, 3, 250, 41, 7]
     out = {}
@@ -187,16 +194,16 @@ def test_the_o_projection_merges_the_key_splits(dtype, variant, splits, padding,
     n = meta.query_start[-1]
     eye = torch.eye(heads * head_dim, dtype=dtype, device=DEV)
     kc1, vc1 = kc.clone(), vc.clone()
-    attn = tk.prepare_attention(*prep_in, kc1, vc1, meta, None, scale).reshape(n, -1)
+    attn = tk.prepare_attention(*with_spec(prep_in, None, scale), kc1, vc1, meta).reshape(n, -1)
     kc2, vc2 = kc.clone(), vc.clone()
-    got = tk.attention_linear(*prep_in, kc2, vc2, meta, None, scale, eye)
+    got = tk.attention_linear(*with_spec(prep_in, None, scale), kc2, vc2, meta, eye)
     assert torch.equal(got, attn) and torch.equal(kc2, kc1) and torch.equal(vc2, vc1)
     # a float32 norm weight beside bf16 activations: prepare_qkv's kernel first, then the attention and matmul
-    fits = pa.prep_for(*prep_in, kc, vc, meta, tk.paged_args(meta, DEV)) is not None
+    fits = pa.prep_for(*with_spec(prep_in), kc, vc, meta, tk.paged_args(meta, DEV)) is not None
     assert fits == (variant != "gemma3" or dtype == torch.float32)
     assert len(launched) == (splits > 1 and fits)
     w = (torch.randn(48, heads * head_dim, generator=torch.Generator().manual_seed(3)) / head_dim).to(DEV, dtype)
-    got = tk.attention_linear(*prep_in, kc.clone(), vc.clone(), meta, None, scale, w)
+    got = tk.attention_linear(*with_spec(prep_in, None, scale), kc.clone(), vc.clone(), meta, w)
     want = torch.nn.functional.linear(attn, w)
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(got, want, **tol)
@@ -245,10 +252,10 @@ def test_rows_without_a_slot_store_nothing(dtype) -> None:
     slots[1] = -1
     meta = AttnMetadata(meta.positions, slots, meta.query_start, meta.seq_lens, meta.block_tables, meta.page_size)
     args = tk.paged_args(meta, DEV)
-    assert pa.prep_for(*prep_in, kc, vc, meta, args) is not None
+    assert pa.prep_for(*with_spec(prep_in), kc, vc, meta, args) is not None
     kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
-    want = tk.paged_attention_args(tk.prepare_qkv(*prep_in, kc1, vc1, slots), kc1, vc1, args, None, scale)
-    got = tk.prepare_attention(*prep_in, kc2, vc2, meta, None, scale)
+    want = tk.paged_attention_args(tk.prepare_qkv(*with_spec(prep_in), kc1, vc1, slots), kc1, vc1, args, None, scale)
+    got = tk.prepare_attention(*with_spec(prep_in, None, scale), kc2, vc2, meta)
     assert torch.equal(kc2, kc1) and torch.equal(vc2, vc1)
     changed = (kc2 != kc).any(-1).any(-1).nonzero().flatten().tolist()
     assert sorted(changed) == sorted(s for s in slots.tolist() if s >= 0)
@@ -256,7 +263,7 @@ def test_rows_without_a_slot_store_nothing(dtype) -> None:
         assert torch.equal(got, want)
     short = AttnMetadata(meta.positions, slots[:3], meta.query_start, meta.seq_lens, meta.block_tables,
                          meta.page_size)  # fmt: skip
-    assert pa.prep_for(*prep_in, kc, vc, short, tk.paged_args(short, DEV)) is None
+    assert pa.prep_for(*with_spec(prep_in), kc, vc, short, tk.paged_args(short, DEV)) is None
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the interpreter runs programs one after another: no race to find")
@@ -267,7 +274,7 @@ def test_the_store_and_its_read_back_do_not_race_on_a_gpu() -> None:
     qkv, bias, heads, kv_heads, qn, kn, eps, wf, cos, sin = prep_in
     args = tk.paged_args(meta, DEV)
     kc1, vc1 = kc.clone(), vc.clone()
-    q = tk.prepare_qkv(*prep_in, kc1, vc1, meta.slot_mapping)
+    q = tk.prepare_qkv(*with_spec(prep_in), kc1, vc1, meta.slot_mapping)
     prep = pa.Prep(bias, qn, kn, eps, wf, cos, sin, meta.slot_mapping)
     for _ in range(50):
         kc2, vc2 = kc.clone(), vc.clone()

@@ -17,6 +17,32 @@ import torch.nn.functional as F
 _MISSING = object()
 
 
+@dataclass(frozen=True, eq=False)
+class QKVSpec:
+    """How one layer's attention reads its fused qkv rows [N, (heads + 2 kv_heads) D]: the bias added to them,
+    q's and k's per-head RMS norms (Qwen3, Gemma 3: weights [D], `eps` and `norm_float` as kernels.norm.rms_norm
+    takes them), the sliding `window` (None: every earlier key) and the score `scale`. The kernels that prepare
+    q, k and v and attend (kernels.fused and their Triton twins) take it in one argument."""
+
+    heads: int
+    kv_heads: int
+    bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    eps: float = 1e-6
+    norm_float: bool = False
+    window: int | None = None
+    scale: float = 1.0
+
+    @property
+    def norm(self) -> bool:
+        """Whether q and k go through their RMS norms (both weights given)."""
+        return self.q_norm is not None and self.k_norm is not None
+
+    def head_dim(self, qkv: torch.Tensor) -> int:
+        return qkv.shape[1] // (self.heads + 2 * self.kv_heads)
+
+
 @dataclass
 class AttnMetadata:
     """Per-step attention layout; built once per step by the engine and shared by every layer."""

@@ -25,7 +25,7 @@ from superslm.kernels import attention_invariant as _attention_invariant
 from superslm.kernels import fused as _fused
 from superslm.kernels import norm as _norm
 from superslm.kernels import rope as _rope
-from superslm.kernels.attention import AttnMetadata
+from superslm.kernels.attention import AttnMetadata, QKVSpec
 from superslm.kernels.row_blocks import by_row_blocks
 
 ENV = "SUPERSLM_KERNELS"
@@ -196,13 +196,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def prepare_qkv(
     qkv: torch.Tensor,
-    bias: torch.Tensor | None,
-    heads: int,
-    kv_heads: int,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    norm_float: bool,
+    spec: QKVSpec,
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_cache: torch.Tensor,
@@ -212,83 +206,55 @@ def prepare_qkv(
     """kernels.fused.prepare_qkv on the chosen backend: bias, q/k norms, RoPE and the KV store in one pass."""
     t = triton_kernels(qkv.device)
     fn = t.prepare_qkv if t else _fused.prepare_qkv
-    return fn(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache, slot_mapping)
+    return fn(qkv, spec, cos, sin, k_cache, v_cache, slot_mapping)
 
 
 def prepare_attention(
     qkv: torch.Tensor,
-    bias: torch.Tensor | None,
-    heads: int,
-    kv_heads: int,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    norm_float: bool,
+    spec: QKVSpec,
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttnMetadata,
-    window: int | None,
-    scale: float,
 ) -> torch.Tensor:
     """kernels.fused.prepare_attention on the chosen backend (deterministic mode: `prepare_qkv`, then
     `paged_attention_invariant`)."""
     if meta.deterministic:
-        q = prepare_qkv(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache,
-                        meta.slot_mapping)  # fmt: skip
-        return paged_attention_invariant(q, k_cache, v_cache, meta, window, scale)
+        q = prepare_qkv(qkv, spec, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention_invariant(q, k_cache, v_cache, meta, spec.window, spec.scale)
     t = triton_kernels(qkv.device)
     fn = t.prepare_attention if t else _fused.prepare_attention
-    return fn(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache, meta, window,
-              scale)  # fmt: skip
+    return fn(qkv, spec, cos, sin, k_cache, v_cache, meta)
 
 
 def attention_linear(
     qkv: torch.Tensor,
-    bias: torch.Tensor | None,
-    heads: int,
-    kv_heads: int,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    norm_float: bool,
+    spec: QKVSpec,
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttnMetadata,
-    window: int | None,
-    scale: float,
     w: torch.Tensor,
 ) -> torch.Tensor:
     """kernels.fused.attention_linear on the chosen backend (deterministic mode: `prepare_attention`'s, then
     torch's matmul)."""
     t = None if meta.deterministic else triton_kernels(qkv.device)
     if t is None:
-        o = prepare_attention(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache,
-                              v_cache, meta, window, scale)  # fmt: skip
+        o = prepare_attention(qkv, spec, cos, sin, k_cache, v_cache, meta)
         return torch.nn.functional.linear(o.reshape(o.shape[0], -1), w)
-    return t.attention_linear(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache,
-                              v_cache, meta, window, scale, w)  # fmt: skip
+    return t.attention_linear(qkv, spec, cos, sin, k_cache, v_cache, meta, w)
 
 
 def attention_rotate(
     qkv: torch.Tensor,
-    bias: torch.Tensor | None,
-    heads: int,
-    kv_heads: int,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    norm_float: bool,
+    spec: QKVSpec,
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttnMetadata,
-    window: int | None,
-    scale: float,
     signs: torch.Tensor,
     block: int,
     dtype: torch.dtype,
@@ -297,11 +263,9 @@ def attention_rotate(
     rotation)."""
     t = None if meta.deterministic else triton_kernels(qkv.device)
     if t is None:
-        o = prepare_attention(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache,
-                              v_cache, meta, window, scale)  # fmt: skip
+        o = prepare_attention(qkv, spec, cos, sin, k_cache, v_cache, meta)
         return _fused.linear_input(o.reshape(o.shape[0], -1), signs, block, dtype, hadamard_rotate)
-    return t.attention_rotate(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache,
-                              v_cache, meta, window, scale, signs, block, dtype)  # fmt: skip
+    return t.attention_rotate(qkv, spec, cos, sin, k_cache, v_cache, meta, signs, block, dtype)
 
 
 def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from superslm.errors import InvalidArgument
-from superslm.kernels.attention import AttnMetadata, paged_attention, store_kv
+from superslm.kernels.attention import AttnMetadata, QKVSpec, paged_attention, store_kv
 from superslm.kernels.norm import rms_norm
 from superslm.kernels.rope import apply_rope
 
@@ -53,35 +53,22 @@ def split_qkv(qkv: torch.Tensor, heads: int, kv_heads: int,
 
 def rotate_qkv(
     qkv: torch.Tensor,
-    bias: torch.Tensor | None,
-    heads: int,
-    kv_heads: int,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    norm_float: bool,
+    spec: QKVSpec,
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`prepare_qkv` up to the KV store: (q [N, heads, D], k, v [N, kv_heads, D])."""
-    if bias is not None:
-        qkv = qkv + bias
-    head_dim = qkv.shape[1] // (heads + 2 * kv_heads)
-    q, k, v = split_qkv(qkv, heads, kv_heads, head_dim)
-    if q_norm is not None and k_norm is not None:
-        q, k = rms_norm(q, q_norm, eps, norm_float), rms_norm(k, k_norm, eps, norm_float)
+    if spec.bias is not None:
+        qkv = qkv + spec.bias
+    q, k, v = split_qkv(qkv, spec.heads, spec.kv_heads, spec.head_dim(qkv))
+    if spec.q_norm is not None and spec.k_norm is not None:
+        q, k = rms_norm(q, spec.q_norm, spec.eps, spec.norm_float), rms_norm(k, spec.k_norm, spec.eps, spec.norm_float)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def prepare_qkv(
     qkv: torch.Tensor,
-    bias: torch.Tensor | None,
-    heads: int,
-    kv_heads: int,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    norm_float: bool,
+    spec: QKVSpec,
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_cache: torch.Tensor,
@@ -90,11 +77,11 @@ def prepare_qkv(
 ) -> torch.Tensor:
     """The attention's inputs from the fused qkv matmul's output qkv [N, (heads + 2 kv_heads) D].
 
-    qkv + bias (when given); q and k each through their per-head RMS norm (when q_norm/k_norm [D] are
-    given: Qwen3, Gemma-3) and RoPE (cos, sin [N, rotary_dim]); the first slot_mapping.shape[0] rows'
+    qkv + spec.bias (when given); q and k each through their per-head RMS norm (when spec has q_norm and
+    k_norm [D]: Qwen3, Gemma-3) and RoPE (cos, sin [N, rotary_dim]); the first slot_mapping.shape[0] rows'
     k and v written to k_cache/v_cache [slots, kv_heads, D] at slot_mapping. Returns q [N, heads, D].
     """
-    q, k, v = rotate_qkv(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin)
+    q, k, v = rotate_qkv(qkv, spec, cos, sin)
     rows = slot_mapping.shape[0]  # rows past this are padding (deterministic mode)
     store_kv(k_cache, v_cache, k[:rows], v[:rows], slot_mapping)
     return q
@@ -102,75 +89,48 @@ def prepare_qkv(
 
 def prepare_attention(
     qkv: torch.Tensor,
-    bias: torch.Tensor | None,
-    heads: int,
-    kv_heads: int,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    norm_float: bool,
+    spec: QKVSpec,
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttnMetadata,
-    window: int | None,
-    scale: float,
 ) -> torch.Tensor:
     """`prepare_qkv` (its slot_mapping: meta's), then paged attention over the cache it wrote: [N, heads, D]."""
-    q = prepare_qkv(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache,
-                    meta.slot_mapping)  # fmt: skip
-    return paged_attention(q, k_cache, v_cache, meta, window, scale)
+    q = prepare_qkv(qkv, spec, cos, sin, k_cache, v_cache, meta.slot_mapping)
+    return paged_attention(q, k_cache, v_cache, meta, spec.window, spec.scale)
 
 
 def attention_linear(
     qkv: torch.Tensor,
-    bias: torch.Tensor | None,
-    heads: int,
-    kv_heads: int,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    norm_float: bool,
+    spec: QKVSpec,
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttnMetadata,
-    window: int | None,
-    scale: float,
     w: torch.Tensor,
 ) -> torch.Tensor:
     """`prepare_attention`, then the dense o projection w [out, heads D] (no bias): [N, out]."""
-    o = prepare_attention(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache,
-                          meta, window, scale)  # fmt: skip
+    o = prepare_attention(qkv, spec, cos, sin, k_cache, v_cache, meta)
     return F.linear(o.reshape(o.shape[0], -1), w)
 
 
 def attention_rotate(
     qkv: torch.Tensor,
-    bias: torch.Tensor | None,
-    heads: int,
-    kv_heads: int,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    norm_float: bool,
+    spec: QKVSpec,
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttnMetadata,
-    window: int | None,
-    scale: float,
     signs: torch.Tensor,
     block: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """`prepare_attention`, then a rotated o projection's cast, padding and input rotation (`linear_input`):
     [N, len(signs)] in `dtype`, what LinearFormat.forward_rotated takes."""
-    o = prepare_attention(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache,
-                          meta, window, scale)  # fmt: skip
+    o = prepare_attention(qkv, spec, cos, sin, k_cache, v_cache, meta)
     return linear_input(o.reshape(o.shape[0], -1), signs, block, dtype)
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from superslm.kernels import cpu_decode
-from superslm.kernels.attention import AttnMetadata
+from superslm.kernels.attention import AttnMetadata, QKVSpec
 from superslm.kernels.cpu_decode import decode_layers, row_key_slots
 from superslm.kernels.dispatch import (
     add_rms_norm,
@@ -113,9 +113,8 @@ class Layer(nn.Module):
         else:
             qkv, h, bias = self._qkv(src, residual, lora, meta.deterministic)
         q_norm, k_norm = (self.q_norm, self.k_norm) if a.qk_norm else (None, None)
-        cos, sin = cos_sin
-        prep = (qkv, bias, a.heads, a.kv_heads, q_norm, k_norm, a.norm_eps, a.norm_float, cos, sin, k_cache, v_cache,
-                meta, self.window, a.attn_scale)  # fmt: skip
+        spec = QKVSpec(a.heads, a.kv_heads, bias, q_norm, k_norm, a.norm_eps, a.norm_float, self.window, a.attn_scale)
+        prep = (qkv, spec, *cos_sin, k_cache, v_cache, meta)
         rot = _fused_rotation(self.o, qkv, lora)
         if rot is not None:  # the merge of the attention's key splits rotates o's input (int4/int8)
             o = _linear(self.o, attention_rotate(*prep, *rot), meta.deterministic, qkv.dtype)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from superslm.kernels import fused as ref
-from superslm.kernels.attention import AttnMetadata
+from superslm.kernels.attention import AttnMetadata, QKVSpec
 from superslm.kernels.triton._util import FLOATS, gemv_block_n, interpreted, next_pow2, round_to
 from superslm.kernels.triton.hadamard import h_scale, hadamard_config, hadamard_rotate, rotated_input
 from superslm.kernels.triton.norm_rotate import rotation_ok
@@ -75,36 +75,26 @@ def merge_gemv_config(n_out: int, head_dim: int, interp: bool) -> dict[str, int]
 
 def attention_linear(
     qkv: torch.Tensor,
-    bias: torch.Tensor | None,
-    heads: int,
-    kv_heads: int,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    norm_float: bool,
+    spec: QKVSpec,
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttnMetadata,
-    window: int | None,
-    scale: float,
     w: torch.Tensor,
 ) -> torch.Tensor:
     """Same signature and meaning as kernels.fused.attention_linear. A decode step whose attention splits its keys:
     the attention kernel (preparing q, k, v itself) and `_merge_gemv_kernel`; otherwise prepare_attention and
     torch's matmul."""
-    n = qkv.shape[0]
+    n, heads = qkv.shape[0], spec.heads
     head_dim = k_cache.shape[-1]
     args = paged_args(meta, qkv.device)
-    prep = prep_for(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache, meta,
-                    args)  # fmt: skip
+    prep = prep_for(qkv, spec, cos, sin, k_cache, v_cache, meta, args)
     dense_w = w.dim() == 2 and w.shape[1] == heads * head_dim and w.dtype == qkv.dtype and w.stride(-1) == 1
     if prep is None or not dense_w or args.num_rows != n:
-        o = prepare_attention(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache,
-                              meta, window, scale)  # fmt: skip
+        o = prepare_attention(qkv, spec, cos, sin, k_cache, v_cache, meta)
         return F.linear(o.reshape(n, heads * o.shape[-1]), w)
-    out, partials = attend(qkv, k_cache, v_cache, args, window, scale, prep=prep)
+    out, partials = attend(qkv, k_cache, v_cache, args, spec.window, spec.scale, prep=prep)
     if partials is None:  # one split: the attention wrote its output
         return F.linear(out.reshape(n, heads * head_dim), w)
     part, ml = partials
@@ -160,37 +150,27 @@ def merge_rotate_config(rows: int, block: int, interp: bool) -> dict[str, int]:
 
 def attention_rotate(
     qkv: torch.Tensor,
-    bias: torch.Tensor | None,
-    heads: int,
-    kv_heads: int,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    norm_float: bool,
+    spec: QKVSpec,
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttnMetadata,
-    window: int | None,
-    scale: float,
     signs: torch.Tensor,
     block: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """Same signature and meaning as kernels.fused.attention_rotate. A decode step whose attention splits its keys:
     the attention kernel and `_merge_rotate_kernel`; otherwise the attention, then the Hadamard kernel."""
-    n = qkv.shape[0]
+    n, heads = qkv.shape[0], spec.heads
     head_dim = k_cache.shape[-1]
     width, k = heads * head_dim, signs.shape[0]
     args = paged_args(meta, qkv.device)
-    prep = prep_for(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache, meta,
-                    args)  # fmt: skip
+    prep = prep_for(qkv, spec, cos, sin, k_cache, v_cache, meta, args)
     if prep is None or not rotation_ok(width, signs, block) or dtype not in FLOATS:
-        o = prepare_attention(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache,
-                              meta, window, scale)  # fmt: skip
+        o = prepare_attention(qkv, spec, cos, sin, k_cache, v_cache, meta)
         return ref.linear_input(o.reshape(n, width), signs, block, dtype, hadamard_rotate)
-    out, partials = attend(qkv, k_cache, v_cache, args, window, scale, prep=prep)
+    out, partials = attend(qkv, k_cache, v_cache, args, spec.window, spec.scale, prep=prep)
     if partials is None:  # one split: the attention wrote its output
         return ref.linear_input(out.reshape(n, width), signs, block, dtype, hadamard_rotate)
     part, ml = partials

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from superslm.kernels import fused as ref
+from superslm.kernels.attention import QKVSpec
 from superslm.kernels.triton._util import next_pow2, round_to
 from superslm.kernels.triton.store_kv import store_kv
 
@@ -93,13 +94,7 @@ def _fits(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, head_
 
 def prepare_qkv(
     qkv: torch.Tensor,
-    bias: torch.Tensor | None,
-    heads: int,
-    kv_heads: int,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    norm_float: bool,
+    spec: QKVSpec,
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_cache: torch.Tensor,
@@ -108,13 +103,14 @@ def prepare_qkv(
 ) -> torch.Tensor:
     """Same signature and meaning as kernels.fused.prepare_qkv, one program per row."""
     n = qkv.shape[0]
-    head_dim = qkv.shape[1] // (heads + 2 * kv_heads)
-    norm = q_norm is not None and k_norm is not None
+    bias, heads, kv_heads, q_norm, k_norm = spec.bias, spec.heads, spec.kv_heads, spec.q_norm, spec.k_norm
+    head_dim = spec.head_dim(qkv)
+    norm = spec.norm
     rot = cos.shape[-1]
     if not _fits(qkv, k_cache, v_cache, head_dim, bias, q_norm if norm else None, k_norm if norm else None, cos,
                  sin) or rot % 2 or rot > head_dim:
         # the reference's steps, then this backend's store, which skips the negative slots of padding rows
-        q, k, v = ref.rotate_qkv(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin)
+        q, k, v = ref.rotate_qkv(qkv, spec, cos, sin)
         rows = slot_mapping.shape[0]
         store_kv(k_cache, v_cache, k[:rows], v[:rows], slot_mapping)
         return q
@@ -128,8 +124,8 @@ def prepare_qkv(
         qkv, bias if bias is not None else qkv, q_norm if norm else qkv, k_norm if norm else qkv, cos, sin,
         k_cache, v_cache, slots, q,
         qkv.stride(0), cos.stride(0), k_cache.stride(0), v_cache.stride(0), heads, kv_heads, head_dim, rot, rows,
-        float(eps),
-        HAS_BIAS=bias is not None, NORM=norm, WEIGHT_IN_FLOAT=norm_float,
+        float(spec.eps),
+        HAS_BIAS=bias is not None, NORM=norm, WEIGHT_IN_FLOAT=spec.norm_float,
         BLOCK_HQ=next_pow2(heads), BLOCK_HK=next_pow2(kv_heads), BLOCK_D=next_pow2(head_dim),
         enable_fp_fusion=False,  # the reference's roundings, step by step
     )  # fmt: skip

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from superslm.errors import InvalidArgument
-from superslm.kernels.attention import AttnMetadata
+from superslm.kernels.attention import AttnMetadata, QKVSpec
 from superslm.kernels.triton._util import interpreted, next_pow2, round_to
 from superslm.kernels.triton.fused import _fits, _heads, prepare_qkv
 from superslm.kernels.triton.paged_args import PagedArgs, paged_args
@@ -358,43 +358,27 @@ def paged_attention_invariant(
 
 def prepare_attention(
     qkv: torch.Tensor,
-    bias: torch.Tensor | None,
-    heads: int,
-    kv_heads: int,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    norm_float: bool,
+    spec: QKVSpec,
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttnMetadata,
-    window: int | None,
-    scale: float,
 ) -> torch.Tensor:
     """Same signature and meaning as kernels.fused.prepare_attention. A decode step runs one launch (and the
     merge of its key splits): the attention kernel prepares q, k and v itself; other steps, and operands the
     kernel does not take, run prepare_qkv's kernel first."""
     args = paged_args(meta, qkv.device)
-    prep = prep_for(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache, meta,
-                    args)  # fmt: skip
+    prep = prep_for(qkv, spec, cos, sin, k_cache, v_cache, meta, args)
     if prep is None:
-        q = prepare_qkv(qkv, bias, heads, kv_heads, q_norm, k_norm, eps, norm_float, cos, sin, k_cache, v_cache,
-                        meta.slot_mapping)  # fmt: skip
-        return paged_attention_args(q, k_cache, v_cache, args, window, scale)
-    return paged_attention_args(qkv, k_cache, v_cache, args, window, scale, prep=prep)
+        q = prepare_qkv(qkv, spec, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention_args(q, k_cache, v_cache, args, spec.window, spec.scale)
+    return paged_attention_args(qkv, k_cache, v_cache, args, spec.window, spec.scale, prep=prep)
 
 
 def prep_for(
     qkv: torch.Tensor,
-    bias: torch.Tensor | None,
-    heads: int,
-    kv_heads: int,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    norm_float: bool,
+    spec: QKVSpec,
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_cache: torch.Tensor,
@@ -404,8 +388,9 @@ def prep_for(
 ) -> Prep | None:
     """The `prep` of a decode step whose attention kernel can prepare its own q, k and v (prepare_qkv's operands
     in the kernel's one-dtype, dense-head layout), else None."""
-    head_dim = qkv.shape[1] // (heads + 2 * kv_heads)
-    norm = q_norm is not None and k_norm is not None
+    heads, kv_heads, bias, q_norm, k_norm = spec.heads, spec.kv_heads, spec.bias, spec.q_norm, spec.k_norm
+    head_dim = spec.head_dim(qkv)
+    norm = spec.norm
     rot = cos.shape[-1]
     # every row a sequence's own decode row, every row with a slot: then the program reading a row's position
     # stores exactly what prepare_qkv would (rows past slot_mapping, e.g. deterministic padding, go apart)
@@ -418,4 +403,4 @@ def prep_for(
     )  # fmt: skip
     if not fits:
         return None
-    return Prep(bias, q_norm, k_norm, eps, norm_float, cos.contiguous(), sin.contiguous(), meta.slot_mapping)
+    return Prep(bias, q_norm, k_norm, spec.eps, spec.norm_float, cos.contiguous(), sin.contiguous(), meta.slot_mapping)
