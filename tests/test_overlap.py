@@ -46,16 +46,16 @@ class Launches(list):
 def launches(monkeypatch: pytest.MonkeyPatch) -> Launches:
     seen = Launches()
     seen.waiting = []
-    real = overlap_mod.OverlapMixin._launch_ahead
+    real = overlap_mod.GraphSteps._launch_ahead
 
     def spy(self, step) -> None:  # noqa: ANN001
-        before = self._in_flight
+        before = self.in_flight
         real(self, step)
-        if self._in_flight is not None and self._in_flight is not before:
-            seen.append(len(self._in_flight.work.chunks))
+        if self.in_flight is not None and self.in_flight is not before:
+            seen.append(len(self.in_flight.work.chunks))
             seen.waiting.append(len(self.scheduler.waiting))
 
-    monkeypatch.setattr(overlap_mod.OverlapMixin, "_launch_ahead", spy)
+    monkeypatch.setattr(overlap_mod.GraphSteps, "_launch_ahead", spy)
     return seen
 
 
@@ -80,7 +80,7 @@ def test_greedy_equals_steps_one_at_a_time(tiny, kernels, launches) -> None:
     assert got[0].tokens == hf_greedy(hf, ps[0], 9)
     assert launches and max(launches) == 3  # steps went ahead, also for the whole batch
     # every page is back (prefix caching keeps full prompt pages, but nothing is held by a sequence)
-    assert not on.busy() and on._in_flight is None
+    assert not on.busy() and on.runner.in_flight is False
     assert on.pool.num_used == 0
 
 
@@ -116,7 +116,7 @@ def test_stops_end_where_they_would(tiny, kernels, launches) -> None:
     # a lone request that stops: the step launched after its last leaves nothing in flight
     lone = engine(model, True, prefix_caching=False)
     (c,) = lone.generate([reqs[0]])
-    assert c.end == "stop" and not lone.busy() and lone._in_flight is None
+    assert c.end == "stop" and not lone.busy() and lone.runner.in_flight is False
     steps = lone.steps
     assert lone.advance() == [] and lone.steps == steps
     # nothing is reported for a sequence after its end (its row of the step in flight is dropped)
@@ -171,9 +171,9 @@ def test_save_restore_with_a_step_in_flight(tiny, kernels, launches) -> None:
     seen: list[int] = []
     while len(seen) < 4:
         seen += [t for q in on.advance() for t in q.tokens]
-    assert on._in_flight is not None  # the next step is running
+    assert on.runner.in_flight  # the next step is running
     blob = on.save(rid)  # accepts it first: its token comes with the next advance
-    assert on._in_flight is None
+    assert on.runner.in_flight is False
     settled = [t for q in on.output.pending for t in q.tokens]  # what the next advance reports first
     assert len(settled) == 1
     other = engine(model, True)
@@ -212,9 +212,9 @@ def test_defaults_and_refusals(tiny, kernels) -> None:
     e.add(Request(prompts(1, seed=3)[0], 6, Sampling(ignore_eos=True)))
     e.advance()
     e.advance()
-    assert e._in_flight is not None
+    assert e.runner.in_flight
     e.advance(layer_budget=1)
-    assert e._in_flight is None
+    assert e.runner.in_flight is False
 
 
 def test_a_restored_request_is_scheduled_at_once(tiny, kernels, launches) -> None:
@@ -232,7 +232,7 @@ def test_a_restored_request_is_scheduled_at_once(tiny, kernels, launches) -> Non
         on.add(Request(p, 20, Sampling(ignore_eos=True)))
     for _ in range(4):
         on.advance()
-    assert on._in_flight is not None
+    assert on.runner.in_flight
     back = on.restore(blob)
     got = [t for _ in range(3) for q in on.advance() if q.id == back for t in q.tokens]
     assert got  # within three advances (the step in flight, then a scheduled step)

@@ -54,8 +54,7 @@ class ContractsMixin:
         return seq
 
     def _in_step(self: Engine, seq: Sequence) -> bool:
-        flight = self._in_flight.work if self._in_flight is not None else None
-        return any(s is seq for w in (self._work, flight) if w is not None for s, _ in w.chunks)
+        return self.runner.in_step(seq)
 
     def stats(self: Engine, request_id: int) -> dict[str, Any]:
         """Where a live request stands: tokens, layers run, tokens forced by its grammar, KV pages
@@ -90,9 +89,9 @@ class ContractsMixin:
     def save(self: Engine, request_id: int) -> bytes:
         """The whole state of a live request as a versioned blob (see engine/persist.py)."""
         seq = self._live(request_id)
-        if self._in_flight is not None:
-            with torch.inference_mode():
-                self._settle(self.output.pending)  # a step launched ahead is accepted (its Progress: next advance)
+        if self.runner.in_flight:
+            with torch.inference_mode():  # a step launched ahead is accepted (its Progress: next advance)
+                self.runner.settle(self.output.pending)
             if seq.end:
                 raise UnknownRequest(f"request {request_id} ended in its last step; its Progress says how")
         if self._in_step(seq):

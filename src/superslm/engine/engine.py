@@ -21,10 +21,10 @@ from superslm.cache.kv import KVCache
 from superslm.engine.contracts import ContractsMixin, Prefix
 from superslm.engine.manual import ManualSlots
 from superslm.engine.output import OutputProcessor
-from superslm.engine.overlap import InFlight, OverlapMixin
+from superslm.engine.overlap import GraphSteps
 from superslm.engine.request import END_CANCELLED, END_LENGTH, Progress, Request, Sequence
-from superslm.engine.runner import StepWork, build_step, run_layers, step_logits
-from superslm.engine.scheduler import Scheduler
+from superslm.engine.runner import ModelRunner
+from superslm.engine.scheduler import AsyncScheduler, Scheduler
 from superslm.engine.sequences import SequenceMixin
 from superslm.errors import (
     ContextLengthExceeded,
@@ -60,7 +60,7 @@ def _available_memory(device: torch.device) -> int:
     return available_memory()
 
 
-class Engine(SequenceMixin, OverlapMixin, ContractsMixin):
+class Engine(SequenceMixin, ContractsMixin):
     """Runs up to `slots` sequences of at most `context` tokens, in steps of at most `rows` rows.
 
     `kv_budget` sizes the KV pool: bytes (an int), a fraction of the free memory (a float in (0, 1]),
@@ -78,7 +78,8 @@ class Engine(SequenceMixin, OverlapMixin, ContractsMixin):
     `graphs`: decode steps replay CUDA graphs captured per bucketed batch size (engine/graphs.py); on by
     default on a CUDA device with the Triton kernels, outside deterministic mode; False turns them off.
     `overlap`: with graphs, launch the next decode step before the host accepts this one where nothing it
-    learns could change it (engine/overlap.py); by default where the graphs are captured (a CUDA device).
+    learns could change it (engine/overlap.py, decided by an AsyncScheduler); by default where the graphs are
+    captured (a CUDA device).
     """
 
     def __init__(
@@ -128,22 +129,21 @@ class Engine(SequenceMixin, OverlapMixin, ContractsMixin):
             raise InvalidArgument(f"kv_budget holds no KV page ({page_bytes} bytes each)")
         self.kv = KVCache(layers, pages, page_size, a.kv_heads, a.head_dim, dtype, device)
         self.pool = PagePool(pages, page_size)
-        self.scheduler = Scheduler(self.pool, slots, rows, prefix_caching, chunk=chunk, copy_page=self._copy_page)
-        self.vocab = a.vocab
-        self.output = OutputProcessor(self.net, self.scheduler, frozenset(model.stop_ids), a.vocab, bool(jump_forward))
-        self._next_id = 0
-        self._work: StepWork | None = None
-        self._rng = random.Random()
-        self.steps = 0
-        self._manual: ManualSlots | None = None
         self.deterministic = bool(deterministic)
         self._graphs = self._decode_graphs(graphs)
         if overlap and self._graphs is None:
             raise InvalidArgument("overlap=True launches decode steps ahead from the decode graphs, which are off")
         self.overlap = bool(self._graphs is not None and (self._graphs.capture if overlap is None else overlap))
-        self._in_flight: InFlight | None = None
-        self._host_tokens: list[torch.Tensor] | None = None  # overlap.py: pinned token copies, two in turn
-        self._host_turn = 0
+        # the one owner of pages and of what runs next; launching steps ahead is its variant's decision
+        kind = AsyncScheduler if self.overlap else Scheduler
+        self.scheduler = kind(self.pool, slots, rows, prefix_caching, chunk=chunk, copy_page=self._copy_page)
+        self.vocab = a.vocab
+        self.output = OutputProcessor(self.net, self.scheduler, frozenset(model.stop_ids), a.vocab, bool(jump_forward))
+        steps = None if self._graphs is None else GraphSteps(self._graphs, self.scheduler, self.output)
+        self.runner = ModelRunner(self.net, self.kv, page_size, self.deterministic, steps)
+        self._next_id = 0
+        self._rng = random.Random()
+        self._manual: ManualSlots | None = None
 
     def _decode_graphs(self, graphs: bool | None) -> DecodeGraphs | None:
         """Decode steps from static buffers (CUDA graphs on a GPU: engine/graphs.py) where they can run:
@@ -217,7 +217,7 @@ class Engine(SequenceMixin, OverlapMixin, ContractsMixin):
 
     def busy(self) -> bool:
         """True while any request is queued, running or has Progress not yet returned."""
-        return bool(self.output.seqs or self.output.pending or self._work is not None or self._in_flight is not None)
+        return bool(self.output.seqs or self.output.pending or self.runner.busy())
 
     # --- stepping ---------------------------------------------------------------------------------
 
@@ -229,33 +229,32 @@ class Engine(SequenceMixin, OverlapMixin, ContractsMixin):
         if layer_budget is not None and (not isinstance(layer_budget, int) or layer_budget < 1):
             raise InvalidArgument(f"layer_budget must be a positive integer, got {layer_budget!r}")
         out, self.output.pending = self.output.pending, []
-        if self._in_flight is not None:
-            # the step launched ahead last call: accept it (launching the one after it, unless budgeted)
-            with torch.inference_mode():
-                self._settle(out, go_on=layer_budget is None)
-            return out
-        if self._work is None:
-            sched = self.scheduler.schedule()
-            for seq in sched.too_long:
-                self.output.finish(seq, END_LENGTH, into=out)
-            if not sched.chunks:
-                return out
-            if self._graphs is not None and layer_budget is None and self._graphs.usable(sched.chunks):
-                with torch.inference_mode():
-                    self._graph_step(sched.chunks, out)
-                return out
-            self._work = build_step(sched.chunks, self.page_size, self.net.device, self.deterministic)
         with torch.inference_mode():
-            done = run_layers(self.net, self.kv, self._work, layer_budget)
-            if not done:
+            if self.runner.in_flight:
+                # the step launched ahead last call: accept it (launching the one after it, unless budgeted)
+                self.runner.settle(out, go_on=layer_budget is None)
                 return out
-            work, self._work = self._work, None
+            chunks = None  # None: the step stopped between layers goes on
+            if self.runner.work is None:
+                sched = self.scheduler.schedule()  # schedule
+                for seq in sched.too_long:
+                    self.output.finish(seq, END_LENGTH, into=out)
+                if not sched.chunks:
+                    return out
+                chunks = sched.chunks
+            work = self.runner.run(chunks, layer_budget, out)  # execute (a graph step samples and reports itself)
+            if work is None:
+                return out
             self.output.prompt_logprobs(work)
-            tokens = self.output.greedy_tokens(work)
-            logits = step_logits(self.net, work) if tokens is None else None
-        self.steps += 1
-        out.extend(self.output.accept(work, logits, tokens))
+            tokens = self.output.greedy_tokens(work)  # sample: greedy rows certified by the head, or all logits
+            logits = self.runner.logits(work) if tokens is None else None
+        out.extend(self.output.accept(work, logits, tokens))  # update
         return out
+
+    @property
+    def steps(self) -> int:
+        """Steps run to the end so far."""
+        return self.runner.steps
 
     @property
     def jump_forward(self) -> bool:
@@ -288,7 +287,8 @@ class Engine(SequenceMixin, OverlapMixin, ContractsMixin):
         """Low level: append each token row to its slot (0..slots-1, caller-owned sequences sharing
         the KV pool with requests) and return the logits of the wanted rows, in row order."""
         with torch.inference_mode():
-            self._settle(self.output.pending)  # a step in flight is accepted first: its Progress comes with advance
+            # a step in flight is accepted first: its Progress comes with advance
+            self.runner.settle(self.output.pending)
         return self._manual_slots().step(tokens, slots, wanted)
 
     def reset(self, slot: int) -> None:

@@ -1,5 +1,6 @@
-"""The next decode step launched before the host waits for this one (issue 9: the host prepares step N+1
-while step N runs). A mixin of Engine (it uses its fields).
+"""Decode steps from the graphs, sampled on the device, and the next one launched before the host waits for
+this one: the host prepares step N+1 while step N runs. `GraphSteps` does it for the Engine; the
+`AsyncScheduler` (engine/scheduler.py) decides when the step after one in flight is known already.
 
 On a GPU a decode step's host work (copying the tokens back, detokenizing, stop checks, the next step's rows)
 runs while the device idles, unless the device already has the next step: so when every sequence of a graph
@@ -24,12 +25,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from superslm.engine.output import OutputProcessor
 from superslm.engine.request import Progress, Sequence
 from superslm.engine.runner import StepWork
+from superslm.engine.scheduler import AsyncScheduler, Scheduler
 from superslm.sampling import sample
 
 if TYPE_CHECKING:
-    from superslm.engine.engine import Engine
+    from superslm.engine.graphs import DecodeGraphs
 
 
 @dataclass
@@ -59,91 +62,92 @@ def _device_sampled(seq: Sequence) -> bool:
             and len(seq.output) >= p.min_tokens and not seq.bad_words and seq.allowed is None)
 
 
-class OverlapMixin:
-    """Engine's step-ahead decode: `_graph_step` runs a graph step, `_settle` accepts the one in flight."""
+class GraphSteps:
+    """An engine's decode steps on its graphs: `step` runs one and accepts it, first launching the step after
+    it where the scheduler (an AsyncScheduler) says that step is decided; `settle` accepts the step in flight.
+    Each returns how many steps it accepted."""
 
-    def _stage(self: Engine, work: StepWork, tokens: torch.Tensor) -> InFlight:
+    def __init__(self, graphs: DecodeGraphs, scheduler: Scheduler, output: OutputProcessor) -> None:
+        self.graphs, self.scheduler, self.output = graphs, scheduler, output
+        #: steps launched ahead: only with a scheduler that decides them
+        self.overlap = isinstance(scheduler, AsyncScheduler)
+        self.in_flight: InFlight | None = None
+        self._host: list[torch.Tensor] | None = None  # pinned token copies, two taken in turn
+        self._turn = 0
+
+    def usable(self, chunks: list[tuple[Sequence, int]]) -> bool:
+        return self.graphs.usable(chunks)
+
+    def _stage(self, work: StepWork, tokens: torch.Tensor) -> InFlight:
         """`tokens` of `work` copied to the host behind the work queued so far, in one of two pinned buffers
         taken in turn (the other may still be read by the host or written by a queued copy)."""
         n = tokens.shape[0]
         if tokens.device.type != "cuda":
             return InFlight(work, tokens, tokens, None)
-        if self._host_tokens is None:
-            top = self._graphs.buckets[-1]  # type: ignore[union-attr]
-            self._host_tokens = [torch.empty(top, dtype=torch.long, pin_memory=True) for _ in range(2)]
-        host = self._host_tokens[self._host_turn][:n]
-        self._host_turn ^= 1
+        if self._host is None:
+            top = self.graphs.buckets[-1]
+            self._host = [torch.empty(top, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        host = self._host[self._turn][:n]
+        self._turn ^= 1
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
         return InFlight(work, tokens, host, ready)
 
-    def _graph_step(self: Engine, chunks: list[tuple[Sequence, int]], out: list[Progress]) -> None:
+    def step(self, chunks: list[tuple[Sequence, int]], out: list[Progress]) -> int:
         """Run the scheduled all-decode `chunks` from the graphs; launch the step after it where it can;
         accept this one into `out`."""
-        work, logits = self._graphs.run(chunks)  # type: ignore[union-attr]
-        self.steps += 1
+        work, logits = self.graphs.run(chunks)
         if not all(_device_sampled(s) for s, _ in chunks):
             out.extend(self.output.accept(work, logits))
-            return
+            return 1
         step = self._stage(work, sample(logits, [s.sampler for s, _ in chunks]).tokens)
         self._launch_ahead(step)
         out.extend(self.output.accept(work, None, step.host_tokens()))
-        self._drop_idle_flight()
+        self._drop_idle()
+        return 1
 
-    def _launch_ahead(self: Engine, step: InFlight) -> None:
+    def _launch_ahead(self, step: InFlight) -> None:
         """Launch the step after `step` (whose tokens are on the device, not yet accepted) for the same
-        sequences, where nothing the host will learn from `step` could change that step."""
-        sched = self.scheduler
+        sequences, where the scheduler has decided it (every sequence here samples on the device: `step`
+        launches nothing otherwise, and a step ahead keeps its sequences)."""
         chunks = step.work.chunks
-        if not self.overlap or len(sched.running) != len(chunks):
-            return  # a sequence outside this step (a prompt, a restored one) is scheduled after it
-        if sched.waiting and len(sched.running) < self.slots:
-            return  # a waiting request is admitted by the next schedule, after this step is accepted
-        # every sequence here samples on the device (`_graph_step` launches no step otherwise, and a step
-        # ahead keeps its sequences)
-        for seq, _ in chunks:
-            if seq.end or seq.prefill_hidden is None:
-                return
-            if len(seq.output) + 2 > seq.max_tokens:
-                return  # this step's token may be its last: the step after would be thrown away
-        # the pages of the token after this step's (free pages only, all or none)
-        if not sched.grow_ahead([seq for seq, _ in chunks], 2):
+        if not self.overlap or not self.scheduler.schedule_ahead(chunks):  # type: ignore[attr-defined]
             return
-        if not self._graphs.usable(chunks):  # type: ignore[union-attr]
+        if not self.graphs.usable(chunks):
             return  # the grown tables past the graphs' width: the next schedule runs the built path
-        nxt, logits = self._graphs.run(chunks, ahead=step.tokens)  # type: ignore[union-attr]
+        nxt, logits = self.graphs.run(chunks, ahead=step.tokens)
         # the noise of each sequence's next output position, as its state will be once this token is in
         # (greedy rows draw no noise: their state as it is; a copy costs ~3 us a row)
         states = [s.sampler if s.sampler.params.greedy else dataclasses.replace(s.sampler, step=s.sampler.step + 1)
                   for s, _ in chunks]  # fmt: skip
-        self._in_flight = self._stage(nxt, sample(logits, states).tokens)
+        self.in_flight = self._stage(nxt, sample(logits, states).tokens)
 
-    def _drop_idle_flight(self: Engine) -> None:
+    def _drop_idle(self) -> None:
         """Forget a step in flight that no live sequence is in (the step before it ended them all)."""
-        flight = self._in_flight
+        flight = self.in_flight
         if flight is not None and not any(seq.id in self.output.seqs for seq, _ in flight.work.chunks):
-            self._in_flight = None
+            self.in_flight = None
 
-    def _settle(self: Engine, out: list[Progress], go_on: bool = False) -> None:
+    def settle(self, out: list[Progress], go_on: bool = False) -> int:
         """Accept the step in flight into `out` (sequences it no longer serves drop their rows); with
-        `go_on`, first launch the step after it where `_launch_ahead` can."""
-        flight, self._in_flight = self._in_flight, None
+        `go_on`, first launch the step after it where the scheduler decides it."""
+        flight, self.in_flight = self.in_flight, None
         if flight is None:
-            return
+            return 0
         work = flight.work
         keep = [i for i, (seq, _) in enumerate(work.chunks) if seq.id in self.output.seqs]
         if not keep:
-            return
-        self.steps += 1
+            return 0
         if len(keep) == len(work.chunks):
             if go_on:
                 self._launch_ahead(flight)
             out.extend(self.output.accept(work, None, flight.host_tokens()))
-            self._drop_idle_flight()
-            return
+            self._drop_idle()
+            return 1
         chosen = flight.host_tokens().tolist()
         tokens = torch.tensor([chosen[i] for i in keep], dtype=torch.long)
         work = StepWork([work.chunks[i] for i in keep], work.tokens, work.meta, list(range(len(keep))), None,
                         work.next_layer)  # fmt: skip
         out.extend(self.output.accept(work, None, tokens))
+        return 1

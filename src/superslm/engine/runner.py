@@ -1,12 +1,14 @@
 """One step's forward pass: flat rows from the scheduled chunks, through the layers, to logits.
 
 The work of a step is an object (`StepWork`) so it can stop between layers and continue later:
-`Engine.advance(layer_budget=N)` runs at most N layers of it per call.
+`Engine.advance(layer_budget=N)` runs at most N layers of it per call. `ModelRunner` is the one place that
+picks a step's path: the decode graphs or the layers run eagerly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +17,10 @@ from superslm.engine.request import Sequence
 from superslm.kernels import cpu_decode
 from superslm.kernels.attention import AttnMetadata
 from superslm.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from superslm.engine.overlap import GraphSteps
+    from superslm.engine.request import Progress
 
 
 @dataclass
@@ -104,3 +110,55 @@ def step_logits(net: Transformer, work: StepWork) -> torch.Tensor:
         return torch.empty(0, net.arch.vocab)
     idx = torch.tensor(rows, dtype=torch.long, device=work.h.device)
     return net.logits(work.h.index_select(0, idx), work.meta.deterministic)
+
+
+class ModelRunner:
+    """Runs each scheduled step through the net. A decode step the graphs can take runs there (`GraphSteps`:
+    sampled on the device, accepted at once, the step after it maybe launched ahead); any other step runs its
+    layers eagerly, at most `layer_budget` of them a call (`work` holds it until its last layer), and is handed
+    back for the engine to sample. `steps` counts the steps run to the end."""
+
+    def __init__(self, net: Transformer, kv: KVCache, page_size: int, deterministic: bool,
+                 graphs: GraphSteps | None = None) -> None:  # fmt: skip
+        self.net, self.kv, self.page_size, self.deterministic = net, kv, page_size, deterministic
+        self.graphs = graphs
+        self.work: StepWork | None = None
+        self.steps = 0
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a step launched ahead waits to be accepted (`settle`)."""
+        return self.graphs is not None and self.graphs.in_flight is not None
+
+    def busy(self) -> bool:
+        return self.work is not None or self.in_flight
+
+    def in_step(self, seq: Sequence) -> bool:
+        """Whether seq has rows in a step not yet accepted (stopped between layers, or in flight)."""
+        flight = self.graphs.in_flight.work if self.graphs is not None and self.graphs.in_flight else None
+        return any(s is seq for w in (self.work, flight) if w is not None for s, _ in w.chunks)
+
+    def run(self, chunks: list[tuple[Sequence, int]] | None, layer_budget: int | None,
+            out: list[Progress]) -> StepWork | None:  # fmt: skip
+        """Run the scheduled `chunks` (None: go on with the step stopped between layers). Returns the finished
+        eager step, whose tokens the caller samples; None when a graph step was accepted into `out` or layers
+        are left."""
+        if chunks is not None:
+            if self.graphs is not None and layer_budget is None and self.graphs.usable(chunks):
+                self.steps += self.graphs.step(chunks, out)
+                return None
+            self.work = build_step(chunks, self.page_size, self.net.device, self.deterministic)
+        assert self.work is not None, "no step to go on with"
+        if not run_layers(self.net, self.kv, self.work, layer_budget):
+            return None
+        work, self.work = self.work, None
+        self.steps += 1
+        return work
+
+    def settle(self, out: list[Progress], go_on: bool = False) -> None:
+        """Accept the step in flight into `out` (with `go_on`, launch the one after it first where decided)."""
+        if self.graphs is not None:
+            self.steps += self.graphs.settle(out, go_on)
+
+    def logits(self, work: StepWork) -> torch.Tensor:
+        return step_logits(self.net, work)

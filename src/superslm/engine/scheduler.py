@@ -231,3 +231,24 @@ class Scheduler:
             seq.end = END_LENGTH
             step.too_long.append(seq)
         return step
+
+
+class AsyncScheduler(Scheduler):
+    """The scheduler of an engine that launches decode steps ahead (engine/overlap.py): the step after one
+    still on the device is scheduled before its tokens reach the host, where nothing they could tell would
+    change it. `schedule_ahead` is that decision; every other state change is the base class's."""
+
+    def schedule_ahead(self, chunks: list[tuple[Sequence, int]]) -> bool:
+        """Whether the next decode step of exactly these sequences (the step whose tokens are in flight) is
+        decided already, and if so grant its pages (free ones only: all or none)."""
+        if len(self.running) != len(chunks):
+            return False  # a sequence outside this step (a prompt, a restored one) is scheduled after it
+        if self.waiting and len(self.running) < self.slots:
+            return False  # a waiting request is admitted by the next schedule, after this step is accepted
+        for seq, _ in chunks:
+            if seq.end or seq.prefill_hidden is None:
+                return False
+            if len(seq.output) + 2 > seq.max_tokens:
+                return False  # this step's token may be its last: the step after would be thrown away
+        # the pages of the token after this step's
+        return self.grow_ahead([seq for seq, _ in chunks], 2)
