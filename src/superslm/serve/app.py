@@ -35,6 +35,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from superslm.encoders import CrossEncoder, Encoder
 from superslm.errors import InternalError, ModelNotFound, SuperSLMError, UnsupportedModel
 from superslm.serve import embeddings, generate
+from superslm.serve.connections import ShutdownCut
 from superslm.serve.guard import BrowserGuard, HostRules
 from superslm.serve.loop import EngineLoop
 from superslm.serve.metrics import Metrics
@@ -227,8 +228,10 @@ def create_app(
 
         app.add_middleware(CORSMiddleware, allow_origins=cors, allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type"])
-    # outermost (added last): a refused Host or Origin reaches no route and no CORS answer
+    # a refused Host or Origin reaches no route and no CORS answer
     app.add_middleware(BrowserGuard, rules=HostRules(hosts, cors), error=error_json)
+    # outermost (added last): a request the end of a drain cuts still gets an API error
+    app.add_middleware(ShutdownCut, draining=lambda: state.draining, error=error_payload)
     _errors(app)
     auth = Depends(_auth(state))
 

@@ -71,7 +71,15 @@ def add_parser(sub: Any) -> None:
                    help="sequences admitted beyond the slots before requests get 503")
     p.add_argument("--max-body-bytes", type=_count(1), default=4 << 20, help="larger request bodies get 413")
     p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds a SIGTERM waits for requests in flight before cancelling them")
+                   help="seconds a SIGTERM waits for requests in flight before cancelling them (default: 30)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a client has to send a request's headers before its connection closes "
+                        "(default: 10)")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle connection stays open between requests (default: 5)")
+    p.add_argument("--max-connections", type=_count(1), default=None,
+                   help="connections served at once; more get 503 (default: 512, or fewer where the "
+                        "open-file limit is lower)")
     p.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
                    help="the Host names the server answers to, against DNS rebinding (`*` any, `.example.com` "
                         "with subdomains; default: loopback names when --host is loopback, else any)")
@@ -101,6 +109,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         import uvicorn
 
         from superslm.serve.app import create_app
+        from superslm.serve.connections import uvicorn_options
         from superslm.serve.guard import is_loopback
     except ImportError as e:
         print(f"superslm serve needs the server extra ({e.name} is missing): pip install 'superslm[serve]'",
@@ -139,6 +148,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                     signal.signal(s, handler)
 
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, lifespan="on",
-                            timeout_graceful_shutdown=ns.drain_timeout)
+                            timeout_graceful_shutdown=ns.drain_timeout,
+                            **uvicorn_options(ns.header_timeout, ns.keep_alive_timeout, ns.max_connections))
     DrainingServer(config).run()
     return 0
