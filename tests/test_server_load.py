@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -181,10 +182,16 @@ def test_sigterm_drains(tmp_path) -> None:
         t0 = time.monotonic()
         assert proc.wait(60) == 0
         exit_after_last = time.monotonic() - t0
+        log = proc.stdout.read().decode()  # type: ignore[union-attr]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    # the start-up line says what runs and where (before uvicorn's own lines, at any --log-level)
+    pages = -(-512 // 16) * 2
+    assert re.search(rf"superslm serve: {re.escape(folder.name)}, {re.escape(str(folder))} on cpu \(float32\), "
+                     rf"context 512, slots 2, KV {pages} pages of 16 tokens \(\d+ MB\), threads \d+, "
+                     rf"http://127.0.0.1:{port}/v1", log), log
     assert sorted(results) == list(range(6))
     assert exit_after_last < 10
     for lines in results.values():  # each stream ran to its end

@@ -17,7 +17,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="a GGUF file, a Hugging Face folder or a known name (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--dtype", default=None,
+                   help="float32 or bfloat16 (default: a GGUF on the CPU runs its quantized blocks with bf16 "
+                        "activations; dense weights are fp32 on the CPU, bf16 on a GPU; either value dequantizes a "
+                        "GGUF to dense weights of that type)")
     add_threads_arg(p)
 
 

@@ -54,7 +54,10 @@ def add_parser(sub: Any) -> None:
                    help="a GGUF file, a Hugging Face folder, a sentence-transformers encoder or cross-encoder "
                         "folder, or a known name (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--dtype", default=None,
+                   help="float32 or bfloat16 (default: a GGUF on the CPU runs its quantized blocks with bf16 "
+                        "activations; dense weights are fp32 on the CPU, bf16 on a GPU; either value dequantizes a "
+                        "GGUF to dense weights of that type)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the kernels (default: the cores this process may use)")
     p.add_argument("--host", default="127.0.0.1")
@@ -95,6 +98,24 @@ def _context(model: Any, context: int | None) -> int | None:
     return context if checked is None else checked(context)
 
 
+def startup_line(state: Any, host: str, port: int) -> str:
+    """What `serve` says before it listens: the model, its names, the engine's context, slots and KV pages (an
+    encoder's longest input), the threads and the URL."""
+    import torch
+
+    names = ", ".join(state.served_names)
+    shown = f"[{host}]" if ":" in host else host
+    where = f"http://{shown}:{port}/v1"
+    if state.engine is None:
+        return (f"superslm serve: {state.kind} {names}, inputs up to {state.max_len} tokens, "
+                f"threads {torch.get_num_threads()}, {where}")
+    e = state.engine
+    kv_mb = 2 * e.kv.k.numel() * e.kv.k.element_size() / 2**20
+    return (f"superslm serve: {names} on {e.model.device} ({str(e.model.dtype).removeprefix('torch.')}), "
+            f"context {e.context}, slots {e.slots}, KV {e.pool.num_pages} pages of {e.page_size} tokens "
+            f"({kv_mb:.0f} MB), threads {torch.get_num_threads()}, {where}")
+
+
 def default_names(model_name: str, model_arg: str | None) -> list[str]:
     """The model's own name, then --model as the user typed it (a path or a known name), as vLLM serves it."""
     from superslm.hub import DEFAULT_MODEL
@@ -128,6 +149,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                      allowed_hosts=ns.allowed_hosts or (None if is_loopback(ns.host) else ["*"]),
                      cors_origins=ns.cors_origins)
     state = app.state.server
+    print(startup_line(state, ns.host, ns.port), file=sys.stderr, flush=True)
 
     class DrainingServer(uvicorn.Server):
         """uvicorn's Server that refuses new requests as soon as the signal comes, and exits 0."""
