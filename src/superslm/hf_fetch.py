@@ -21,7 +21,6 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from superslm import hub
 from superslm.errors import FetchError, InvalidArgument
@@ -174,8 +173,3 @@ def fetch_converted(
     if model.revision != commit:
         _write_ref(ref, commit)
     return dst
-
-
-def is_hf_name(name: Any) -> bool:
-    """Whether `name` is an `hf:` model name."""
-    return isinstance(name, str) and name.startswith(PREFIX)

@@ -15,7 +15,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -208,7 +207,3 @@ def group_rows(adapters: Sequence[Adapter | None], device: torch.device) -> list
         if a is not None:
             order.setdefault(id(a), (a, []))[1].append(i)
     return [(a, torch.tensor(rows, dtype=torch.long, device=device)) for a, rows in order.values()]
-
-
-def adapter_info(adapter: Any) -> dict[str, Any]:
-    return {"name": adapter.name, "rank": adapter.rank, "scale": adapter.scale, "linears": len(adapter.weights)}

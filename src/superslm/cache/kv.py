@@ -32,17 +32,3 @@ class KVCache:
     def page_bytes(layers: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Bytes one page takes across all layers, keys and values."""
         return 2 * layers * page_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-    def read_pages(self, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the K/V of some pages: [layers, len(pages) * page_size, kv_heads, head_dim]."""
-        slots = self._slots(pages)
-        return self.k[:, slots].clone(), self.v[:, slots].clone()
-
-    def write_pages(self, pages: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        slots = self._slots(pages)
-        self.k[:, slots] = k.to(self.k.dtype)
-        self.v[:, slots] = v.to(self.v.dtype)
-
-    def _slots(self, pages: list[int]) -> torch.Tensor:
-        p = torch.tensor(pages, dtype=torch.long, device=self.k.device)
-        return (p[:, None] * self.page_size + torch.arange(self.page_size, device=p.device)).reshape(-1)

@@ -1,6 +1,6 @@
 """Decode steps replayed from CUDA graphs: one graph per bucketed batch size, its inputs in static buffers.
 
-On a GPU a small model's decode step is bound by kernel launches, not by the chip (issue 9): a captured
+On a GPU a small model's decode step is bound by kernel launches, not by the chip: a captured
 graph replays every launch of the step at once. A graph replays the same kernels on the same addresses
 with the same launch sizes, so
 - what a step reads lives in buffers made once (tokens, positions, slot_mapping, block_table, seq_lens),

@@ -68,7 +68,7 @@ def build_plan(net: Any) -> Any:
         for n in ("attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm"):
             tensors.append(getattr(layer, n, None))
         window = a.windows[i]
-        ints += [-1 if window is None else int(window), net._rope_key(i)]
+        ints += [-1 if window is None else int(window), net.rope_key(i)]
         plan.add_layer(tensors, ints)
         for j, t, n in parts:
             plan.add_part(i, j, t, n)
@@ -143,7 +143,7 @@ def decode_layers_reference(
         v = qkv[:, qs + ks :].view(n, a.kv_heads, a.head_dim)
         if a.qk_norm:
             q, k = layer.norm(q, "q_norm"), layer.norm(k, "k_norm")
-        cos, sin = tables[net._rope_key(i)]
+        cos, sin = tables[net.rope_key(i)]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache[i].index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache[i].index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -230,11 +230,6 @@ def row_key_slots(meta: Any, device: torch.device) -> tuple[torch.Tensor, torch.
     counts = torch.tensor([b - a for a, b in zip(meta.query_start, meta.query_start[1:])], device=device)
     rows = torch.repeat_interleave(torch.arange(len(meta.seq_lens), device=device), counts)
     return per_seq, rows, (meta.positions[: rows.shape[0]] + 1).contiguous()
-
-
-def int8_gemv_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [1, K] @ (codes * scale)^T -> [1, N] bf16: torch's int8 kernel (what `int8_gemv` computes)."""
-    return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), codes, scale)
 
 
 def _int8_fits(module: torch.nn.Module) -> bool:
@@ -354,4 +349,3 @@ def usable(net: Any, h: torch.Tensor, k_cache: torch.Tensor) -> bool:
     if cext.torch_kernels_forced():
         return False
     return plan_for(net) is not None
-

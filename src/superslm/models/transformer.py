@@ -266,7 +266,7 @@ class Transformer(nn.Module):
             self.head = DenseLinear(head)  # type: ignore[arg-type]
         self._inv_freq: dict[int, tuple[torch.Tensor, float]] = {}
         self._long_inv_freq: dict[int, torch.Tensor] = {}
-        self._kinds = sorted({self._rope_key(i) for i in range(n)})
+        self._kinds = sorted({self.rope_key(i) for i in range(n)})
         #: embeddings computed from tokens another way (quant.gguf_map.GGUFEmbedding reads the file's blocks)
         self.embed_rows: nn.Module | None = None
         #: run all-decode steps through the C++ plan where it is built (kernels/cpu_decode.py)
@@ -285,9 +285,10 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed_weight.device
 
-    def _rope_key(self, layer: int) -> int:
-        # 0: the global rope, 1: the local (sliding-window) rope where the family has one, 2: none (NoPE layers:
-        # identity tables, cos 1 and sin 0, leave q and k exactly as they are on every path)
+    def rope_key(self, layer: int) -> int:
+        """Which rope table a layer reads: 0 the global rope, 1 the local (sliding-window) rope where the family
+        has one, 2 none (NoPE layers: identity tables, cos 1 and sin 0, leave q and k exactly as they are on
+        every path). The C++ decode plan reads it too."""
         if not self.arch.rope_layers[layer]:
             return 2
         return int(self.arch.windows[layer] is not None and self.arch.rope_local is not None)
@@ -374,7 +375,7 @@ class Transformer(nn.Module):
         tables = self._rope_tables(positions)
         y = None
         for i in range(start, end):
-            h, y = self.layers[i](h, meta, tables[self._rope_key(i)], k_cache[i], v_cache[i], y)
+            h, y = self.layers[i](h, meta, tables[self.rope_key(i)], k_cache[i], v_cache[i], y)
         return h if y is None else h + y
 
     def _plan_step(self, h: torch.Tensor, meta: AttnMetadata, k_cache: torch.Tensor) -> bool:
