@@ -3,11 +3,13 @@ error echoes its input back, and the server keeps serving afterwards."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
 import openai
 import pytest
+import torch
 
 import superslm
 from superslm.errors import InvalidArgument
@@ -305,3 +307,35 @@ def test_found_in_review_no_hang_no_500_no_silent_grammar(server) -> None:
     r = post(server, "/v1/chat/completions", {**CHAT, "guided_regex": "[^\\s\\S]"})
     assert_error(r, 400)
     still_serving(server)
+
+
+def _strict_json(text: str) -> object:
+    def refuse(name: str) -> None:
+        raise AssertionError(f"bare {name} in a JSON body")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_nan_logits_end_the_request_with_error_and_valid_json() -> None:
+    """Activations that overflow at run time (weights poisoned after the load checks): a request with logprobs
+    ends "error" with no NaN in its body or stream, and the server goes on serving."""
+    from superslm.serve import create_app
+    from superslm.serve.output import _num
+
+    broken = superslm.load(tiny_folder("llama")[0])
+    with torch.no_grad():
+        broken.net.norm_weight.fill_(float("nan"))  # the final norm: every logit NaN
+    app = create_app(broken, slots=2, context=CONTEXT, served_model_name="tiny")
+    with LiveServer(app) as s:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "logprobs": 2}
+        r = httpx.post(f"{s.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200
+        out = _strict_json(r.text)
+        assert out["choices"][0]["finish_reason"] == "error"
+        with httpx.stream("POST", f"{s.url}/v1/chat/completions", timeout=30,
+                          json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                "logprobs": True, "top_logprobs": 2, "stream": True}) as r:
+            frames = [_strict_json(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+        assert frames[-1]["choices"][0]["finish_reason"] == "error"
+        assert metrics(s.url)['superslm_sequences_finished_total{reason="not_finite"}'] == 2
+    assert _num(float("-inf")) == -9999.0 and _num(-1.5) == -1.5 and _num(float("nan")) == -9999.0

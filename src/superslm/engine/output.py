@@ -4,10 +4,20 @@ the Progress not yet reported; the scheduler frees a finished one's pages."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from superslm.engine.masks import apply_row, banned_tokens
-from superslm.engine.request import END_CANCELLED, END_GRAMMAR, END_LENGTH, END_STOP, Progress, Sequence
+from superslm.engine.request import (
+    END_CANCELLED,
+    END_GRAMMAR,
+    END_LENGTH,
+    END_NOT_FINITE,
+    END_STOP,
+    Progress,
+    Sequence,
+)
 from superslm.engine.runner import StepWork, step_greedy
 from superslm.engine.scheduler import Scheduler
 from superslm.models.transformer import Transformer
@@ -145,6 +155,9 @@ class OutputProcessor:
         if seq.grammar is not None and seq.grammar.is_dead:
             # its mask allowed nothing (an llguidance error, or a dead end): the sampled token is noise
             return self.finish(seq, END_GRAMMAR, progress=p)
+        if lp is not None and math.isnan(lp.logprob):
+            # NaN logits (overflowed activations) sample noise; its logprobs would be no number at all
+            return self.finish(seq, END_NOT_FINITE, progress=p)
         seq.sampler.append_token(token)
         if seq.prompt_logprobs is not None:  # the prompt is read: its logprobs go out once, with its first token
             p.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None

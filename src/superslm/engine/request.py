@@ -10,8 +10,9 @@ from typing import Any
 
 from superslm.sampling import Sampling
 
-#: why a request ended
+#: why a request ended ("not_finite": its logits were NaN, the model's activations overflowed: no token to trust)
 END_STOP, END_LENGTH, END_CANCELLED, END_GRAMMAR = "stop", "length", "cancelled", "grammar"
+END_NOT_FINITE = "not_finite"
 
 
 @dataclass

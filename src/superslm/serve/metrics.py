@@ -21,7 +21,7 @@ ENCODER_ENDPOINTS = ("embeddings", "rerank")
 #: request outcomes: finished and answered; the client went away; 4xx; 503 (queue full, draining); 5xx
 OUTCOMES = ("success", "cancelled", "invalid", "rejected", "error")
 #: why a sequence (one choice) ended
-REASONS = ("stop", "length", "cancelled", "grammar")
+REASONS = ("stop", "length", "cancelled", "grammar", "not_finite")
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)

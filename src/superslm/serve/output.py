@@ -22,7 +22,14 @@ from superslm.serve.toolcalls import ToolStream
 from superslm.tokenizer import Tokenizer
 
 # a dead grammar is a failed request, vLLM's "error" (the metrics count it under reason="grammar")
-FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "grammar": "error"}
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "grammar": "error", "not_finite": "error"}
+#: what a logprob of -inf (a token the model gives no chance, forced by a grammar) is written as: JSON has no
+#: infinity, and OpenAI and vLLM write -9999.0 for it
+NO_CHANCE = -9999.0
+
+
+def _num(v: float) -> float:
+    return v if v > NO_CHANCE else NO_CHANCE
 
 
 @dataclass
@@ -175,10 +182,11 @@ class Job:
             if lp is None:
                 out.append(None)
                 continue
-            entry = {str(lp.token): {"logprob": lp.logprob, "rank": lp.rank,
+            entry = {str(lp.token): {"logprob": _num(lp.logprob), "rank": lp.rank,
                                      "decoded_token": self.tokenizer.decode([lp.token])}}
             for r, (tid, v) in enumerate(lp.top, 1):
-                entry.setdefault(str(tid), {"logprob": v, "rank": r, "decoded_token": self.tokenizer.decode([tid])})
+                entry.setdefault(str(tid), {"logprob": _num(v), "rank": r,
+                                            "decoded_token": self.tokenizer.decode([tid])})
             out.append(entry)
         return out
 
@@ -194,8 +202,9 @@ class Job:
                 top = []
                 for tid, v in lp.top:
                     t, r = self._token(tid)
-                    top.append({"token": t, "logprob": v, "bytes": list(r)})
-                content.append({"token": text, "logprob": lp.logprob, "bytes": list(raw), "top_logprobs": top})
+                    top.append({"token": t, "logprob": _num(v), "bytes": list(r)})
+                content.append({"token": text, "logprob": _num(lp.logprob), "bytes": list(raw),
+                                "top_logprobs": top})
             return {"content": content}
         tokens: list[str] = []
         values: list[float | None] = []
@@ -206,8 +215,8 @@ class Job:
             entries = [*zip(prompt[0], prompt[1], strict=True), *entries]
         for token, lp in entries:
             tokens.append(self._legacy_token(token))
-            values.append(None if lp is None else lp.logprob)
-            tops.append(None if lp is None else {self._legacy_token(tid): v for tid, v in lp.top})
+            values.append(None if lp is None else _num(lp.logprob))
+            tops.append(None if lp is None else {self._legacy_token(tid): _num(v) for tid, v in lp.top})
             # where the token's text starts: a token inside a character gets that character's offset
             offsets.append(min(c.offset, shown))
             c.offset += len(c.utf8.decode(self.tokenizer.token_bytes(token)))
