@@ -6,8 +6,9 @@
   canonical JSON form of their decoded text. So every object schema that declares names and admits
   other keys is rewritten: those other keys become a pattern property whose pattern matches every
   name except the declared ones (`additionalProperties` false), which admits the same objects. Not
-  rewritten: an object with pattern properties of its own, and a schema where llguidance's merging of
-  objects (allOf, `$ref` beside keywords) makes two such patterns overlap (compiled as it was).
+  rewritten: an object with pattern properties of its own that admits other keys too, and a schema where
+  llguidance's merging of objects (allOf, `$ref` beside keywords) makes two such patterns overlap
+  (compiled as it was).
 - **Times.** llguidance's `time` and `date-time` accept a leap second (`:60`) at any hour; RFC 3339
   has one only at 23:59:60 UTC. Those formats are replaced by a pattern that allows `:60` only where
   the time, less its offset, is 23:59.
