@@ -130,19 +130,19 @@ def test_which_steps_take_the_plan(folders) -> None:
     net.fast_decode = True
     mixed = AttnMetadata(torch.tensor([3, 5, 6]), meta.slot_mapping.new_tensor([0, 1, 2]), (0, 1, 3),
                          (4, 7), meta.block_tables, PS)
-    assert not net._plan_step(torch.zeros(3, net.arch.dim), mixed, kv.k)
-    assert net._plan_step(torch.zeros(2, net.arch.dim), meta, kv.k)
+    assert not net.plan_step(torch.zeros(3, net.arch.dim), mixed, kv.k)
+    assert net.plan_step(torch.zeros(2, net.arch.dim), meta, kv.k)
     det = AttnMetadata(mixed.positions, mixed.slot_mapping, (0, 1, 3), (4, 7), meta.block_tables, PS,
                        deterministic=True)
-    assert net._plan_step(torch.zeros(3, net.arch.dim), det, kv.k)
+    assert net.plan_step(torch.zeros(3, net.arch.dim), det, kv.k)
     src = open_source(folders["mistral"])  # sliding window 6
     net = Transformer(src.arch, materialize(src, torch.float32))
     kv, meta, toks = _prefilled(net, [3, 5])
     net.fast_decode = True
     short = AttnMetadata(torch.arange(5), torch.arange(5), (0, 5), (5,), ((0, 1),), PS)
     cut = AttnMetadata(torch.arange(10), torch.arange(10), (0, 10), (10,), ((0, 1, 2),), PS)
-    assert not net._plan_step(torch.zeros(5, net.arch.dim), short, kv.k)
-    assert net._plan_step(torch.zeros(10, net.arch.dim), cut, kv.k)
+    assert not net.plan_step(torch.zeros(5, net.arch.dim), short, kv.k)
+    assert net.plan_step(torch.zeros(10, net.arch.dim), cut, kv.k)
 
 
 def test_plan_follows_module_swaps(folders) -> None:
@@ -359,7 +359,7 @@ def test_window_cut_prompt_in_the_plan_equals_the_generic_path(folders) -> None:
         table = (3, 0, 7, 2, 9, 1)
         meta = AttnMetadata(torch.arange(n), torch.tensor(slot_mapping(table, 0, n, PS)), (0, n), (n,), (table,), PS)
         net.fast_decode = fast
-        assert net._plan_step(net.embed(toks), meta, kv.k) == fast
+        assert net.plan_step(net.embed(toks), meta, kv.k) == fast
         with torch.no_grad():
             outs.append(net.run_layers(net.embed(toks), meta, kv.k, kv.v))
     assert (outs[1] - outs[0]).abs().max().item() <= 1e-4 * outs[0].abs().max().item()

@@ -34,6 +34,8 @@ class StepWork:
     sample_rows: list[int]
     h: torch.Tensor | None = None
     next_layer: int = 0
+    #: whether the C++ plan runs the step's layers (chosen once, at its first layer: `Transformer.plan_step`)
+    plan: bool = False
 
 
 def build_step(
@@ -82,9 +84,10 @@ def run_layers(net: Transformer, kv: KVCache, work: StepWork, budget: int | None
     """Run up to `budget` layers of the step (all when None); True once every layer has run."""
     if work.h is None:
         work.h = net.embed(work.tokens)
+        work.plan = net.plan_step(work.h, work.meta, kv.k)  # the step's executor, chosen once for all its layers
     total = len(net.layers)
     end = total if budget is None else min(total, work.next_layer + budget)
-    work.h = net.run_layers(work.h, work.meta, kv.k, kv.v, work.next_layer, end)
+    work.h = net.run_layers(work.h, work.meta, kv.k, kv.v, work.next_layer, end, plan=work.plan)
     for seq, _ in work.chunks:
         seq.layers_run += end - work.next_layer
     work.next_layer = end
@@ -113,10 +116,11 @@ def step_logits(net: Transformer, work: StepWork) -> torch.Tensor:
 
 
 class ModelRunner:
-    """Runs each scheduled step through the net. A decode step the graphs can take runs there (`GraphSteps`:
-    sampled on the device, accepted at once, the step after it maybe launched ahead); any other step runs its
-    layers eagerly, at most `layer_budget` of them a call (`work` holds it until its last layer), and is handed
-    back for the engine to sample. `steps` counts the steps run to the end."""
+    """Runs each scheduled step through the net, the one place that picks its executor. A decode step the graphs
+    can take runs there (`GraphSteps`: sampled on the device, accepted at once, the step after it maybe launched
+    ahead); any other step runs its layers eagerly, in the C++ plan or layer by layer (`Transformer.plan_step`,
+    chosen once per step), at most `layer_budget` of them a call (`work` holds it until its last layer), and is
+    handed back for the engine to sample. `steps` counts the steps run to the end."""
 
     def __init__(self, net: Transformer, kv: KVCache, page_size: int, deterministic: bool,
                  graphs: GraphSteps | None = None) -> None:  # fmt: skip

@@ -358,11 +358,13 @@ class Transformer(nn.Module):
         v_cache: torch.Tensor,
         start: int = 0,
         end: int | None = None,
+        plan: bool | None = None,
     ) -> torch.Tensor:
-        """Layers start..end-1 on the residual stream h [N, dim]; k_cache/v_cache are [layers, slots, kv, D]."""
+        """Layers start..end-1 on the residual stream h [N, dim]; k_cache/v_cache are [layers, slots, kv, D].
+        `plan`: whether the C++ plan runs them, as the caller chose for the step (`plan_step`; None: chosen here)."""
         end = len(self.layers) if end is None else end
         positions = meta.positions
-        if self._plan_step(h, meta, k_cache):
+        if self.plan_step(h, meta, k_cache) if plan is None else plan:
             # all layers in one C++ call (kernels/cpu_decode.py): all-decode steps, or every step in
             # deterministic mode, where its per-row arithmetic makes each row batch-invariant
             tabs = self.rope_table_list(positions)
@@ -378,7 +380,7 @@ class Transformer(nn.Module):
             h, y = self.layers[i](h, meta, tables[self.rope_key(i)], k_cache[i], v_cache[i], y)
         return h if y is None else h + y
 
-    def _plan_step(self, h: torch.Tensor, meta: AttnMetadata, k_cache: torch.Tensor) -> bool:
+    def plan_step(self, h: torch.Tensor, meta: AttnMetadata, k_cache: torch.Tensor) -> bool:
         """Whether this step runs through the C++ plan (LoRA deltas included): on the CPU; every step in
         deterministic mode, else all-decode steps and prompt chunks where it is faster (`_plan_pays`)."""
         if h.device.type != "cpu" or not self.fast_decode:
