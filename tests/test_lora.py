@@ -184,3 +184,23 @@ def test_a_salt_cannot_read_an_adapters_cached_pages(setup) -> None:
     again = model.adapter(base / "a1")
     assert e.generate([Request(p, 2, s, adapter=again)])[0].cached == 32  # two full pages of 16
     assert e.generate([Request(p, 2, s, adapter=model.adapter(base / "a2"))])[0].cached == 0
+
+
+def test_an_adapter_of_fused_modules_matches_peft(tmp_path) -> None:
+    """Phi-3 stores q/k/v and gate/up fused, so PEFT adapts `qkv_proj` and `gate_up_proj` as one module each:
+    the adapter's A and B are then the fused linears' own (not blocks of parts), and the answer is PEFT's."""
+    hf = build_hf_model("phi3", tmp_path / "base")
+    pm = make_adapter(hf, tmp_path / "fused", 3, rslora=False,
+                      targets=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    model = superslm.load(tmp_path / "base")
+    adapter = model.adapter(tmp_path / "fused")
+    assert {fused for _, fused in adapter.weights} == {"qkv", "o", "gate_up", "down"}
+    prompt = prompts(1, seed=61, lo=8, hi=20)[0]
+    s = Sampling(logprobs=1, ignore_eos=True)
+    done = model.engine(slots=2, context=64).generate([Request(prompt, 6, s, adapter=adapter)])[0]
+    check(done, prompt, lambda ids: pm(torch.tensor([ids])).logits[0])
+    # the merged view of one part of a fused module is its rows of scale * B A
+    a, b = adapter.weights[(0, "qkv")]
+    q = model.arch.heads * model.arch.head_dim
+    torch.testing.assert_close(adapter.delta(0, "k"), (b.float() @ a.float())[q : q + model.arch.kv_heads
+                                                                                * model.arch.head_dim])

@@ -33,7 +33,8 @@ class Adapter:
     name: str
     rank: int
     scale: float
-    #: (layer, "qkv" | "o" | "gate_up" | "down") -> (A [k*r, in], B [out, k*r])
+    #: (layer, "qkv" | "o" | "gate_up" | "down") -> (A [k*r, in], B [out, k*r]): the k parts' stacked A and
+    #: block-diagonal B, or a fused module's own A [r, in] and B [out, r]
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     model_fingerprint: str
     #: the merged-weight view for tests and `convert --lora`: canonical name -> delta [out, in]
@@ -88,14 +89,19 @@ class Adapter:
 
 
 def _part_shapes(arch: Arch) -> dict[str, tuple[int, int]]:
+    """[out, in] of every linear an adapter may target: the canonical parts, and the fused qkv and gate_up that
+    checkpoints such as Phi-3 store (and PEFT then adapts) as one module."""
     q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
     return {"q": (q, arch.dim), "k": (kv, arch.dim), "v": (kv, arch.dim), "o": (arch.dim, q),
-            "gate": (arch.ffn, arch.dim), "up": (arch.ffn, arch.dim), "down": (arch.dim, arch.ffn)}
+            "gate": (arch.ffn, arch.dim), "up": (arch.ffn, arch.dim), "down": (arch.dim, arch.ffn),
+            "qkv": (q + 2 * kv, arch.dim), "gate_up": (2 * arch.ffn, arch.dim)}
 
 
 def load_peft(folder: str | Path, arch: Arch, hf_layer_names: dict[str, str], fingerprint: str,
               dtype: torch.dtype, device: torch.device) -> Adapter:
-    """Map a PEFT LoRA folder onto a model of `arch`; refuses what does not fit (AdapterMismatch)."""
+    """Map a PEFT LoRA folder onto a model of `arch`; refuses what does not fit (AdapterMismatch). Its targets are
+    the checkpoint's modules: the seven projections, or the fused qkv_proj / gate_up_proj where the checkpoint
+    stores them fused (Phi-3), adapted as one."""
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -144,6 +150,14 @@ def load_peft(folder: str | Path, arch: Arch, hf_layer_names: dict[str, str], fi
     for layer in range(arch.layers):
         for fused, names in FUSED.items():
             present = [p for p in names if (layer, p) in parts]
+            whole = parts.get((layer, fused)) if len(names) > 1 else None
+            if whole is not None:
+                # the checkpoint's fused module adapted as one: its A and B are the fused linear's as they are
+                if present or "A" not in whole or "B" not in whole:
+                    raise AdapterMismatch(f"layer {layer} {fused}: lora_A and lora_B of the fused module only")
+                adapter.weights[(layer, fused)] = (whole["A"].to(device, dtype), (whole["B"] * scale).to(device, dtype))
+                adapter._sizes[(layer, fused)] = [shapes[p][0] for p in names]
+                continue
             if not present:
                 continue
             a_list, b_blocks = [], []
