@@ -1,4 +1,4 @@
-"""The `superslm` command: info, generate, chat, serve, embed, convert, bench."""
+"""The `superslm` command: info, generate, chat, serve, embed, convert, bench, list, pull, rm."""
 
 from __future__ import annotations
 
@@ -224,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # other layers' subcommands; each module imports its heavy dependencies only when run
     from superslm.bench import add_parser as add_bench
+    from superslm.cache_cli import add_parsers as add_cache
     from superslm.convert import add_parser as add_convert
     from superslm.embed_cli import add_parser as add_embed
     from superslm.serve.cli import add_parser as add_serve
@@ -232,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_embed(sub)
     add_convert(sub)
     add_bench(sub)
+    add_cache(sub)
     return p
 
 
