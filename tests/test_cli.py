@@ -121,9 +121,11 @@ def test_ctrl_c_stops_a_reply_and_keeps_the_chat(tmp_path: Path) -> None:
 
     build_hf_model("llama", tmp_path)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # a context far past the tiny model's 512 positions: the reply cannot end before the signal comes (at 512 a
+    # loaded machine saw it end first)
     proc = subprocess.Popen([sys.executable, "-m", "superslm.cli", "chat", "--model", str(tmp_path), "--max-tokens",
-                             "100000", "--context", "512"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env)
+                             "100000", "--context", "50000", "--allow-long-context"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)  # fmt: skip
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(b"tell me everything\n")
     proc.stdin.flush()
@@ -158,3 +160,127 @@ def test_generate_reads_its_prompt_from_stdin_or_a_file_and_prints_timings(tmp_p
     assert re.search(r"prompt \d+ tokens in [\d.]+ s \([\d.]+ tok/s\); answer 4 tokens in", filed.stderr), filed.stderr
     both = superslm(*base, "-p", "x", "--prompt-file", str(tmp_path / "p.txt"))
     assert both.returncode == 2 and "not allowed with" in both.stderr
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_commands_save_load_system_stats(tmp_path: Path) -> None:
+    build_hf_model("llama", tmp_path / "m")
+    saved = tmp_path / "talk.json"
+    script = (f"/system Answer briefly.\n/system\nhello there\n/stats\n/save {saved}\n/reset\n/stats\n"
+              f"/load {saved}\n/stats\n/load {tmp_path / 'missing.json'}\n/frobnicate\n/help\n/exit\n")
+    r = superslm("chat", "--model", str(tmp_path / "m"), "-n", "3", "-c", "128", "-t", "1", stdin=script)
+    assert r.returncode == 0, r.stderr
+    err = r.stderr
+    assert "(system message set)" in err and "(system: Answer briefly.)" in err
+    stats = re.findall(r"\(conversation: (\d+) messages, (\d+) of 128 context tokens; (.*)\)", err)
+    assert [s[0] for s in stats] == ["3", "1", "3"], err  # system + user + reply; after /reset the system alone
+    assert "last reply: prompt" in stats[0][2] and "tok/s" in stats[0][2]
+    assert stats[0][1] == stats[2][1] and int(stats[1][1]) < int(stats[0][1])
+    data = json.loads(saved.read_text())
+    assert [m["role"] for m in data["messages"]] == ["system", "user", "assistant"]
+    assert data["messages"][1]["content"] == "hello there"
+    assert "cannot read a conversation" in err and "(unknown command /frobnicate" in err and "/save FILE" in err
+    assert not list(tmp_path.glob(".*.partial"))  # written whole, no leftover
+
+
+def test_a_chat_template_file_and_a_long_context_when_asked(tmp_path: Path) -> None:
+    build_hf_model("llama", tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "t.jinja").write_text(CHATML)
+    base = superslm("chat", "--model", str(tmp_path / "m"), stdin="hello\n")
+    assert base.returncode == 2 and "--chat-template" in base.stderr
+    r = superslm("chat", "--model", str(tmp_path / "m"), "--chat-template", str(tmp_path / "t.jinja"), "-n", "2",
+                 stdin="hello\n/exit\n")
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    g = superslm("generate", "--model", str(tmp_path / "m"), "--chat-template", str(tmp_path / "t.jinja"), "--chat",
+                 "-p", "hi", "-n", "2", "-c", "1024", "--allow-long-context", "--verbose")
+    assert g.returncode == 0, g.stderr
+    assert "warning: a context of 1024 is past the 512 positions" in g.stderr
+    assert re.search(r"loaded \S+ in [\d.]+ s", g.stderr) and "tok/s after the first" in g.stderr
+    (tmp_path / "bad.jinja").write_text("{% for %}")
+    bad = superslm("chat", "--model", str(tmp_path / "m"), "--chat-template", str(tmp_path / "bad.jinja"))
+    assert bad.returncode == 2 and "superslm: error:" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_every_option_has_help_and_says_its_default() -> None:
+    import argparse
+
+    from superslm.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        for a in parser._actions:
+            if isinstance(a, argparse._HelpAction):
+                continue
+            assert a.help, f"superslm {name} {a.option_strings or a.dest} has no help"
+            if a.default not in (None, False, [], argparse.SUPPRESS) and not a.required:
+                assert "default" in a.help, f"superslm {name} {a.option_strings}: its default {a.default!r} unsaid"
+    serve = sub.choices["serve"].parse_args(["--max-model-len", "300", "--max-num-seqs", "3", "-t", "1"])
+    assert (serve.context, serve.slots, serve.threads) == (300, 3, 1)  # vLLM's names
+
+
+def test_chat_in_a_terminal_recalls_history_and_survives_ctrl_c(tmp_path: Path) -> None:
+    """In a pseudo-terminal, as a person runs it: Ctrl-C (the terminal's, a SIGINT) stops a reply and the chat goes
+    on; the up arrow recalls the last line (readline); the conversation saved after has both turns."""
+    import pty
+    import select
+    import time
+
+    build_hf_model("llama", tmp_path / "m")
+    saved = tmp_path / "talk.json"
+    # a context far past the tiny model's 512 positions: its replies run long enough to be stopped
+    argv = [sys.executable, "-m", "superslm.cli", "chat", "--model", str(tmp_path / "m"), "-n", "100000", "-c",
+            "50000", "--allow-long-context", "-t", "1"]
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the chat, on the terminal
+        os.execve(sys.executable, argv, dict(os.environ, PYTHONUNBUFFERED="1", TERM="xterm"))
+    seen = bytearray()
+
+    def until(token: bytes, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while token not in seen:
+            assert time.monotonic() < deadline, f"no {token!r} in {bytes(seen[-2000:])!r}"
+            if select.select([fd], [], [], 0.5)[0]:
+                try:
+                    seen.extend(os.read(fd, 4096))
+                except OSError:  # the child closed the terminal
+                    raise AssertionError(f"the chat ended before {token!r}: {bytes(seen[-2000:])!r}") from None
+        del seen[: seen.index(token) + len(token)]
+
+    try:
+        until(b"> ")
+        os.write(fd, b"tell me everything\r")
+        until(b"tell me everything\r\n")  # the terminal's echo; the reply streams after it
+        deadline = time.monotonic() + 60
+        while len(seen) < 3 and time.monotonic() < deadline:  # its first characters: the reply runs
+            if select.select([fd], [], [], 0.2)[0]:
+                seen.extend(os.read(fd, 4096))
+        os.write(fd, b"\x03")  # Ctrl-C
+        until(b"(stopped)\r\n> ")  # then the prompt (a "> " inside a reply is no prompt)
+        os.write(fd, b"\x1b[A\r")  # the up arrow: the last line again
+        until(b"tell me everything")
+        time.sleep(0.3)
+        os.write(fd, b"\x03")
+        until(b"(stopped)\r\n> ")
+        time.sleep(0.5)  # readline has the terminal
+        os.write(fd, b"\x03")  # Ctrl-C at the prompt: the chat stays
+        until(b"Ctrl-D or /exit leaves")
+        os.write(fd, f"/save {saved}\r".encode())
+        until(b"(saved 4 messages")
+        os.write(fd, b"/exit\r")
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    finally:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+        os.close(fd)
+    messages = json.loads(saved.read_text())["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert messages[0]["content"] == messages[2]["content"] == "tell me everything"

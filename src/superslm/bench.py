@@ -228,13 +228,15 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="prefill, decode and 16-stream speed, load time and peak RSS (with peers)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file, folder or known name (default: the default model)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--prefill", type=int, default=512)
-    p.add_argument("--decode", type=int, default=128)
-    p.add_argument("--streams", type=int, default=16)
-    p.add_argument("--peer", action="append", default=[], choices=["llama.cpp", "transformers"])
+    p.add_argument("--threads", "-t", type=int, default=2, help="threads of every engine (default: 2)")
+    p.add_argument("--prefill", type=int, default=512,
+                   help="tokens of the prompt whose prefill is timed (default: 512)")
+    p.add_argument("--decode", type=int, default=128, help="tokens decoded at batch 1 (default: 128)")
+    p.add_argument("--streams", type=int, default=16, help="concurrent streams of --decode tokens (default: 16)")
+    p.add_argument("--peer", action="append", default=[], choices=["llama.cpp", "transformers"],
+                   help="an engine to run beside SuperSLM, in the same run (repeatable; default: none)")
     p.add_argument("--rounds", type=int, default=1,
-                   help="run the engines in turn this many times and end with the median ratios")
+                   help="run the engines in turn this many times and end with the median ratios (default: 1)")
     p.set_defaults(func=run)
 
 

@@ -13,9 +13,11 @@ from typing import Any
 from superslm.errors import SuperSLMError
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def _model_args(p: argparse.ArgumentParser, template: bool = False) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="a GGUF file, a Hugging Face folder or a known name (default: SmolLM2-135M-Instruct)")
+    if template:
+        add_template_arg(p)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None,
                    help="float32 or bfloat16 (default: a GGUF on the CPU runs its quantized blocks with bf16 "
@@ -25,19 +27,43 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    """`--threads N`: the CPU kernels' threads (default: the cores this process may use)."""
-    p.add_argument("--threads", type=int, default=None,
+    """`--threads N` (`-t`): the CPU kernels' threads (default: the cores this process may use)."""
+    p.add_argument("--threads", "-t", type=int, default=None,
                    help="CPU threads for the kernels (default: the cores this process may use)")
 
 
+def add_template_arg(p: argparse.ArgumentParser) -> None:
+    """`--chat-template FILE`: a Jinja chat template instead of the model's (a base model has none)."""
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file to use instead of the model's own (a base model has none)")
+
+
+def add_context_args(p: argparse.ArgumentParser, *aliases: str) -> None:
+    """`--context N` (`-c`, and `aliases`) and `--allow-long-context`."""
+    p.add_argument("--context", "-c", *aliases, type=int, default=None, dest="context",
+                   help="tokens per sequence, prompt and answer (default: the model's, at most 4096)")
+    p.add_argument("--allow-long-context", action="store_true",
+                   help="allow a context past the positions the model was trained for (with a warning)")
+
+
+def apply_template(model: Any, path: str | None) -> None:
+    """The --chat-template file, if given, as the model's chat template."""
+    if path is not None:
+        model.use_chat_template(Path(path).read_text(encoding="utf-8"))
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", "-n", type=int, default=256, help="tokens to generate at most (default: 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--context", type=int, default=None, help="context length of the engine")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens whose "
+                   "probabilities add up to this (default: 1, off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0, off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this times the most likely one (default: 0, off)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling noise (default: a fresh one)")
+    add_context_args(p)
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="print the load time and each answer's prefill and decode speed to stderr")
 
 
 def _sampling(ns: argparse.Namespace) -> Any:
@@ -94,14 +120,34 @@ def _stream(engine: Any, request: Any, interruptible: bool = False,
     return "".join(out), end, count
 
 
-def cmd_generate(ns: argparse.Namespace) -> int:
+def _load(ns: argparse.Namespace) -> Any:
+    """The model --model names, with --chat-template applied; --verbose prints the load time."""
     import superslm
+
+    t = time.perf_counter()
+    model = superslm.load(ns.model, device=ns.device, dtype=ns.dtype)
+    apply_template(model, getattr(ns, "chat_template", None))
+    if getattr(ns, "verbose", False):
+        print(f"loaded {model.name} in {time.perf_counter() - t:.2f} s ({model.device}, "
+              f"{str(model.dtype).removeprefix('torch.')}, {model.arch.layers} layers)", file=sys.stderr)
+    return model
+
+
+def _timings(prompt_tokens: int, start: float, first: float | None, end: float, n: int) -> str:
+    if first is None:
+        return f"prompt {prompt_tokens} tokens; no answer token"
+    return (f"prompt {prompt_tokens} tokens in {first - start:.3f} s ({prompt_tokens / max(first - start, 1e-9):.1f} "
+            f"tok/s); answer {n} tokens in {end - start:.3f} s ({max(n - 1, 0) / max(end - first, 1e-9):.1f} tok/s "
+            "after the first)")
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
     from superslm.engine import Request
 
-    model = superslm.load(ns.model, device=ns.device, dtype=ns.dtype)
-    engine = model.engine(slots=1, context=model.checked_context(ns.context))
+    model = _load(ns)
+    engine = model.engine(slots=1, context=model.checked_context(ns.context, ns.allow_long_context))
     if ns.prompt_file is not None:
-        text = Path(ns.prompt_file).read_text(encoding="utf-8")
+        text = sys.stdin.read() if ns.prompt_file == "-" else Path(ns.prompt_file).read_text(encoding="utf-8")
     else:
         text = sys.stdin.read() if ns.prompt == "-" else ns.prompt
     if ns.chat:
@@ -114,52 +160,116 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                       first_token=lambda: times.append(time.perf_counter()))
     end = time.perf_counter()
     sys.stdout.write("\n")
-    if ns.timings and times:
-        first = times[0] - start
-        print(f"prompt {len(prompt)} tokens in {first:.3f} s ({len(prompt) / first:.1f} tok/s); answer {n} tokens "
-              f"in {end - start:.3f} s ({max(n - 1, 0) / max(end - times[0], 1e-9):.1f} tok/s after the first)",
-              file=sys.stderr)
+    if ns.timings or ns.verbose:
+        print(_timings(len(prompt), start, times[0] if times else None, end, n), file=sys.stderr)
     return 0
 
 
+CHAT_HELP = """commands: /system [TEXT] (show or set the system message), /reset (start over), /save FILE,
+/load FILE (the conversation as JSON), /stats (tokens and speed), /help, /exit (or Ctrl-D); Ctrl-C stops a reply"""
+
+
+def _read_chat(path: str) -> list[dict[str, str]]:
+    """A conversation saved by /save: {"messages": [{"role", "content"}, ...]} (InvalidArgument otherwise)."""
+    from superslm.errors import InvalidArgument
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise InvalidArgument(f"cannot read a conversation from {path}: {e}") from e
+    messages = data.get("messages") if isinstance(data, dict) else None
+    ok = isinstance(messages, list) and all(
+        isinstance(m, dict) and set(m) == {"role", "content"} and m["role"] in ("system", "user", "assistant")
+        and isinstance(m["content"], str) for m in messages)  # fmt: skip
+    if not ok:
+        raise InvalidArgument(f'{path} is no saved conversation: it needs {{"messages": [{{"role", "content"}}]}}')
+    return messages  # type: ignore[return-value]
+
+
+def _write_chat(path: str, messages: list[dict[str, str]]) -> None:
+    """The conversation as JSON, written whole or not at all (a temporary file renamed over the target)."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.partial")
+    tmp.write_text(json.dumps({"messages": messages}, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(target)
+
+
 def cmd_chat(ns: argparse.Namespace) -> int:
-    import superslm
     from superslm.engine import Request
 
-    model = superslm.load(ns.model, device=ns.device, dtype=ns.dtype)
+    model = _load(ns)
     if model.chat_template is None:
-        print(f"superslm: error: {model.name} has no chat template (a base model?): use `superslm generate -p TEXT`",
-              file=sys.stderr)
+        print(f"superslm: error: {model.name} has no chat template (a base model?): give one with --chat-template "
+              "FILE, or use `superslm generate -p TEXT`", file=sys.stderr)
         return 2
-    engine = model.engine(slots=1, context=model.checked_context(ns.context))
+    engine = model.engine(slots=1, context=model.checked_context(ns.context, ns.allow_long_context))
     if sys.stdin.isatty():
         try:
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:
             pass
-    system = [{"role": "system", "content": ns.system}] if ns.system else []
-    messages: list[dict[str, str]] = list(system)
-    print("superslm chat: type a message, or /exit (Ctrl-D) to leave, /reset to start over; Ctrl-C stops a reply.",
+    messages: list[dict[str, str]] = [{"role": "system", "content": ns.system}] if ns.system else []
+    last = ""
+    print("superslm chat: type a message; /help lists the commands; Ctrl-C stops a reply, Ctrl-D leaves.",
           file=sys.stderr)
     while True:
         try:
             line = input("> ")
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
             print(file=sys.stderr)
             return 0
-        if line.strip() in ("/exit", "/quit"):
+        except KeyboardInterrupt:  # at the prompt: the line is dropped, the chat stays (as Ollama's)
+            print("\n(Ctrl-D or /exit leaves)", file=sys.stderr)
+            continue
+        word, _, arg = line.strip().partition(" ")
+        if word in ("/exit", "/quit"):
             return 0
-        if line.strip() == "/reset":
-            messages = list(system)
+        if word == "/help":
+            print(CHAT_HELP, file=sys.stderr)
+            continue
+        if word == "/reset":
+            messages = [m for m in messages if m["role"] == "system"]
             print("(the conversation is cleared)", file=sys.stderr)
+            continue
+        if word == "/system":
+            if arg.strip():
+                messages = [{"role": "system", "content": arg.strip()}] + [m for m in messages if m["role"] != "system"]
+                print("(system message set)", file=sys.stderr)
+            else:
+                current = next((m["content"] for m in messages if m["role"] == "system"), None)
+                print(f"(system: {current})" if current else "(no system message)", file=sys.stderr)
+            continue
+        if word in ("/save", "/load"):
+            if not arg.strip():
+                print(f"({word} needs a file name)", file=sys.stderr)
+                continue
+            try:
+                if word == "/save":
+                    _write_chat(arg.strip(), messages)
+                    print(f"(saved {len(messages)} messages to {arg.strip()})", file=sys.stderr)
+                else:
+                    messages = _read_chat(arg.strip())
+                    print(f"(loaded {len(messages)} messages from {arg.strip()})", file=sys.stderr)
+            except (SuperSLMError, OSError) as e:
+                print(f"error: {e}", file=sys.stderr)
+            continue
+        if word == "/stats":
+            used = len(model.chat_tokens(messages)) if messages else 0
+            print(f"(conversation: {len(messages)} messages, {used} of {engine.context} context tokens; "
+                  f"{last or 'no reply yet'})", file=sys.stderr)
+            continue
+        if word.startswith("/"):
+            print(f"(unknown command {word}; /help lists them)", file=sys.stderr)
             continue
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
+        keep = sum(1 for m in messages if m["role"] == "system")
         try:
-            prompt = _fitting_prompt(model, engine, messages, len(system))
-            reply, end, _ = _stream(engine, Request(prompt=prompt, max_tokens=ns.max_tokens, sampling=_sampling(ns)),
-                                 interruptible=True)
+            prompt = _fitting_prompt(model, engine, messages, keep)
+            start, times = time.perf_counter(), []
+            reply, end, n = _stream(engine, Request(prompt=prompt, max_tokens=ns.max_tokens, sampling=_sampling(ns)),
+                                    interruptible=True, first_token=lambda t=times: t.append(time.perf_counter()))
         except SuperSLMError as e:
             messages.pop()
             print(f"\nerror: {e}", file=sys.stderr)
@@ -169,6 +279,9 @@ def cmd_chat(ns: argparse.Namespace) -> int:
             print("\n(stopped)", file=sys.stderr)
             continue
         sys.stdout.write("\n")
+        last = "last reply: " + _timings(len(prompt), start, times[0] if times else None, time.perf_counter(), n)
+        if ns.verbose:
+            print(f"({last})", file=sys.stderr)
         if end == "cancelled":
             print("(stopped)", file=sys.stderr)
         elif end == "length" and len(prompt) + len(model.tokenizer.encode(reply, False)) >= engine.context - 1:
@@ -202,24 +315,26 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="print a model's Arch, parameters, block types and template")
     info.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as --model")
     _model_args(info)
-    info.add_argument("--json", action="store_true")
+    info.add_argument("--json", action="store_true", help="print it as JSON")
     info.set_defaults(func=cmd_info)
 
     gen = sub.add_parser("generate", help="continue a prompt, streaming the text to stdout")
-    _model_args(gen)
+    _model_args(gen, template=True)
     _sampling_args(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", "-p", help="the prompt; - reads it from standard input")
-    src.add_argument("--prompt-file", "-f", help="read the prompt from this file")
+    src.add_argument("--prompt-file", "-f", help="read the prompt from this file (- : standard input)")
     gen.add_argument("--timings", action="store_true",
-                     help="print the prompt's and the answer's tokens and speed to stderr at the end")
+                     help="print the prompt's and the answer's tokens and speed to stderr at the end (--verbose "
+                          "adds the load time)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="an interactive chat that keeps the conversation")
-    _model_args(chat)
+    chat = sub.add_parser("chat", help="an interactive chat that keeps the conversation",
+                          description="An interactive chat. " + CHAT_HELP)
+    _model_args(chat, template=True)
     _sampling_args(chat)
-    chat.add_argument("--system", default=None, help="a system message")
+    chat.add_argument("--system", default=None, help="a system message (default: none; /system sets one later)")
     chat.set_defaults(func=cmd_chat)
 
     # other layers' subcommands; each module imports its heavy dependencies only when run

@@ -322,7 +322,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("dst", help="the folder to write (written atomically)")
     p.add_argument("--format", default="auto", choices=("auto", *BODY_FORMATS),
                    help="linears' format (default: gguf for a GGUF file, int4 otherwise)")
-    p.add_argument("--group", type=int, default=128, choices=(32, 64, 128, 256), help="int4 group size")
+    p.add_argument("--group", type=int, default=128, choices=(32, 64, 128, 256), help="int4 group size (default: 128)")
     p.add_argument("--head", default=None, choices=HEAD_FORMATS, help="the output head's format")
     p.add_argument("--no-rotate", action="store_true", help="no Hadamard rotation of int4/int8 weights")
     p.add_argument("--seed", type=int, default=0, help="seed of the rotation's random signs")
@@ -332,7 +332,8 @@ def add_parser(sub: Any) -> None:
                    help="ship a JSON schema under NAME (repeatable)")
     p.add_argument("--calibrate", nargs="?", const=True, default=None, metavar="TEXT_FILE",
                    help="int4 by GPTQ on calibration text (default text: Python's reference docs)")
-    p.add_argument("--calibration-tokens", type=int, default=2048, metavar="N", help="calibration tokens")
+    p.add_argument("--calibration-tokens", type=int, default=2048, metavar="N",
+                   help="calibration tokens (default: 2048)")
     p.add_argument("--tune-steps", type=int, default=0, metavar="N",
                    help="with --calibrate: tune int4 scales end to end for N sequences of 512 tokens")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")

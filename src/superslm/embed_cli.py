@@ -25,14 +25,14 @@ def add_parser(sub: Any) -> None:
     """Register the `embed` subcommand on the CLI's subparsers."""
     p = sub.add_parser("embed", help="sentence vectors or cross-encoder scores for texts",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("texts", nargs="*", metavar="TEXT")
+    p.add_argument("texts", nargs="*", metavar="TEXT", help="the texts (or use --file)")
     p.add_argument("--model", "-m", default="all-minilm-l6-v2",
                    help="a sentence-transformers or cross-encoder folder, a decoder model, or a known name "
                         "(default: all-minilm-l6-v2)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="float32 (the default) or bfloat16")
     p.add_argument("--file", "-f", default=None, help="read texts from this file, one per line ('-': stdin)")
-    p.add_argument("--batch", type=int, default=32, help="texts per forward pass")
+    p.add_argument("--batch", type=int, default=32, help="texts per forward pass (default: 32)")
     p.add_argument("--no-truncate", action="store_true", help="refuse texts longer than max_seq_length")
     # None, not "last": an encoder folder then refuses --pooling given at all (see _check_options)
     p.add_argument("--pooling", default=None, help="decoder models: last or mean (default: last)")

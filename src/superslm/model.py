@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,14 +92,27 @@ class Model:
             ids = [bos, *ids]
         return ids
 
-    def checked_context(self, context: int | None) -> int | None:
+    def checked_context(self, context: int | None, allow_long: bool = False) -> int | None:
         """A context asked for by a user (the CLI's --context), refused past the positions the model was
-        trained for, as vLLM refuses a longer max_model_len: the answers there are noise, and a 100,000-token
-        context on an 8k model ran for minutes. None: the engine's default."""
+        trained for (its config's, rope scaling included), as vLLM refuses a longer max_model_len: the answers
+        there are noise, and a 100,000-token context on an 8k model ran for minutes. `allow_long` (the CLI's
+        --allow-long-context) lets it through with a warning on stderr. None: the engine's default."""
         if context is not None and context > self.arch.context:
-            raise InvalidArgument(f"a context of {context} is past the {self.arch.context} positions {self.name} "
-                                  "was trained for")
+            if not allow_long:
+                raise InvalidArgument(f"a context of {context} is past the {self.arch.context} positions {self.name} "
+                                      "was trained for (--allow-long-context runs it anyway)")
+            print(f"superslm: warning: a context of {context} is past the {self.arch.context} positions {self.name} "
+                  "was trained for: answers past them are likely noise", file=sys.stderr)
         return context
+
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with `template` (Jinja, as a tokenizer_config's chat_template) instead of the model's own:
+        a base model has none. Raises TemplateError where it does not compile."""
+        from superslm.tokenizer import ChatTemplate
+
+        compiled = ChatTemplate(template, self.tokenizer.bos_token or "", self.tokenizer.eos_token or "")
+        self.tokenizer.chat_template = template
+        self._template = compiled
 
     def engine(self, slots: int = 8, context: int | None = None, **kwargs: Any) -> Engine:
         """An engine running up to `slots` sequences of at most `context` tokens (see Engine)."""

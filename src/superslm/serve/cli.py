@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -58,21 +59,27 @@ def add_parser(sub: Any) -> None:
                    help="float32 or bfloat16 (default: a GGUF on the CPU runs its quantized blocks with bf16 "
                         "activations; dense weights are fp32 on the CPU, bf16 on a GPU; either value dequantizes a "
                         "GGUF to dense weights of that type)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", "-t", type=int, default=None,
                    help="CPU threads for the kernels (default: the cores this process may use)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file to use instead of the model's own (a base model has none)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=8000, help="the port to listen on (default: 8000)")
     p.add_argument("--api-key", default=os.environ.get("SUPERSLM_API_KEY"),
                    help="require `Authorization: Bearer KEY` on every route but /health "
                         "(default: $SUPERSLM_API_KEY; none: no key needed)")
-    p.add_argument("--slots", type=int, default=8, help="sequences the engine runs at once")
-    p.add_argument("--context", type=int, default=None,
+    p.add_argument("--slots", "--max-num-seqs", type=int, default=8, dest="slots",
+                   help="sequences the engine runs at once (default: 8)")
+    p.add_argument("--context", "-c", "--max-model-len", type=int, default=None, dest="context",
                    help="tokens per sequence, prompt and answer (default: the model's, at most 4096)")
+    p.add_argument("--allow-long-context", action="store_true",
+                   help="allow a context past the positions the model was trained for (with a warning)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the name(s) clients pass as `model` (default: the model's name and --model as given)")
     p.add_argument("--max-waiting", type=_count(0), default=256,
-                   help="sequences admitted beyond the slots before requests get 503")
-    p.add_argument("--max-body-bytes", type=_count(1), default=4 << 20, help="larger request bodies get 413")
+                   help="sequences admitted beyond the slots before requests get 503 (default: 256)")
+    p.add_argument("--max-body-bytes", type=_count(1), default=4 << 20,
+                   help="larger request bodies get 413 (default: 4 MiB)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds a SIGTERM waits for requests in flight before cancelling them (default: 30)")
     p.add_argument("--header-timeout", type=float, default=10.0,
@@ -89,13 +96,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cors-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="web pages (e.g. https://app.example) that may call the server from a browser "
                         "(default: none; requests with another Origin get 403)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default: info)")
     p.set_defaults(func=cmd_serve)
 
 
-def _context(model: Any, context: int | None) -> int | None:
+def _context(model: Any, context: int | None, allow_long: bool = False) -> int | None:
     checked = getattr(model, "checked_context", None)  # encoders have no generation context
-    return context if checked is None else checked(context)
+    return context if checked is None else checked(context, allow_long)
 
 
 def startup_line(state: Any, host: str, port: int) -> str:
@@ -142,8 +150,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     kind = "decoder" if ns.model is None else model_kind(ns.model)
     loader = {"encoder": Encoder.load, "cross-encoder": CrossEncoder.load}.get(kind, superslm.load)
     model = loader(ns.model, device=ns.device, dtype=ns.dtype)
+    if ns.chat_template is not None:
+        if not hasattr(model, "use_chat_template"):
+            print("superslm: error: --chat-template is for language models, not encoders", file=sys.stderr)
+            return 2
+        model.use_chat_template(Path(ns.chat_template).read_text(encoding="utf-8"))
     names = ns.served_model_name or default_names(model.name, ns.model)
-    app = create_app(model, slots=ns.slots, context=_context(model, ns.context),
+    app = create_app(model, slots=ns.slots, context=_context(model, ns.context, ns.allow_long_context),
                      served_model_name=names,
                      api_key=ns.api_key, max_waiting=ns.max_waiting, max_body_bytes=ns.max_body_bytes,
                      allowed_hosts=ns.allowed_hosts or (None if is_loopback(ns.host) else ["*"]),
