@@ -39,12 +39,11 @@ def _rss_mb() -> float:
 
 def bench_superslm(path: str, threads: int, prefill: int, decode: int, streams: int) -> dict[str, float]:
     """SuperSLM's figures (its default load of the model)."""
-    import torch
 
     import superslm
     from superslm import Request, Sampling
 
-    torch.set_num_threads(threads)
+    superslm.set_threads(threads)
     t = time.perf_counter()
     model = superslm.load(path, device="cpu")
     load_s = time.perf_counter() - t

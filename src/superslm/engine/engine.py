@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -80,6 +81,9 @@ class Engine(SequenceMixin, ContractsMixin):
     `overlap`: with graphs, launch the next decode step before the host accepts this one where nothing it
     learns could change it (engine/overlap.py, decided by an AsyncScheduler); by default where the graphs are
     captured (a CUDA device).
+    `adaptive_threads` (CPU): each step uses the threads `superslm.set_threads` asked for, fewer while other
+    processes keep cores busy (devices.ThreadPolicy; results do not change with the count); default on, off with
+    False or SUPERSLM_ADAPTIVE_THREADS=0.
     """
 
     def __init__(
@@ -96,6 +100,7 @@ class Engine(SequenceMixin, ContractsMixin):
         jump_forward: bool = True,
         graphs: bool | None = None,
         overlap: bool | None = None,
+        adaptive_threads: bool | None = None,
     ) -> None:
         a = model.arch
         context = min(a.context, 4096) if context is None else context
@@ -140,7 +145,9 @@ class Engine(SequenceMixin, ContractsMixin):
         self.vocab = a.vocab
         self.output = OutputProcessor(self.net, self.scheduler, frozenset(model.stop_ids), a.vocab, bool(jump_forward))
         steps = None if self._graphs is None else GraphSteps(self._graphs, self.scheduler, self.output)
-        self.runner = ModelRunner(self.net, self.kv, page_size, self.deterministic, steps)
+        if adaptive_threads is None:
+            adaptive_threads = os.environ.get("SUPERSLM_ADAPTIVE_THREADS", "1") != "0"
+        self.runner = ModelRunner(self.net, self.kv, page_size, self.deterministic, steps, bool(adaptive_threads))
         self._next_id = 0
         self._rng = random.Random()
         self._manual: ManualSlots | None = None

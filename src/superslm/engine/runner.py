@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from superslm.cache.kv import KVCache, slot_mapping
+from superslm.devices import ThreadPolicy
 from superslm.engine.request import Sequence
 from superslm.kernels import cpu_decode
 from superslm.kernels.attention import AttnMetadata
@@ -123,11 +124,13 @@ class ModelRunner:
     handed back for the engine to sample. `steps` counts the steps run to the end."""
 
     def __init__(self, net: Transformer, kv: KVCache, page_size: int, deterministic: bool,
-                 graphs: GraphSteps | None = None) -> None:  # fmt: skip
+                 graphs: GraphSteps | None = None, adaptive_threads: bool = True) -> None:  # fmt: skip
         self.net, self.kv, self.page_size, self.deterministic = net, kv, page_size, deterministic
         self.graphs = graphs
         self.work: StepWork | None = None
         self.steps = 0
+        #: the CPU threads of each step, fewer while other processes keep cores busy (None: torch's as set)
+        self.threads = ThreadPolicy() if adaptive_threads and net.device.type == "cpu" else None
 
     @property
     def in_flight(self) -> bool:
@@ -151,6 +154,8 @@ class ModelRunner:
             if self.graphs is not None and layer_budget is None and self.graphs.usable(chunks):
                 self.steps += self.graphs.step(chunks, out)
                 return None
+            if self.threads is not None:
+                self.threads.choose()
             self.work = build_step(chunks, self.page_size, self.net.device, self.deterministic)
         assert self.work is not None, "no step to go on with"
         if not run_layers(self.net, self.kv, self.work, layer_budget):
