@@ -1,4 +1,4 @@
-"""GPU benchmark (issue 9): SuperSLM beside transformers on the same random-weight model, in one run.
+"""GPU benchmark: SuperSLM beside transformers on the same random-weight model, in one run.
 
     python benchmarks/gpu.py [--models qwen2.5-0.5b,qwen2.5-1.5b,qwen3-0.6b] [--workloads decode1,batch64,
         batch256,nano] [--device cuda] [--dtype bf16] [--quick] [--no-int4] [--no-peer]
@@ -56,7 +56,7 @@ from gpu_models import (  # noqa: E402  (the script's sibling: models and worklo
     write_folder,
 )
 
-#: acceptance targets of issue 9: (model, precision, workload, tok/s, which rate); nano on every model run
+#: the GPU targets: (model, precision, workload, tok/s, which rate); nano on every model run
 TARGETS = [("qwen2.5-0.5b", "bf16", "decode1", 1500.0, "decode"), ("qwen2.5-0.5b", "int4", "decode1", 2500.0, "decode"),
            (None, "bf16", "nano", 40000.0, "e2e")]
 TIME_TARGET_S = 300.0
@@ -328,7 +328,7 @@ def report(results: list[dict[str, Any]], copy_bps: float, tiny: bool, quick: bo
               "(--peer-steps; 0 runs every step)")
     note = ": tiny configs, the targets do not apply" if tiny else (
         " (--quick: shortened workloads; the targets are for the full ones)" if quick else "")
-    print("\nacceptance (issue 9)" + note)
+    print("\nGPU targets" + note)
     for model, prec, key, need, which in [] if tiny else TARGETS:
         for r in results:
             if r["workload"] == key and r["precision"] == prec and model in (None, r["model"]):

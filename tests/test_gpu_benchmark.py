@@ -53,7 +53,7 @@ def test_tiny_run_prints_both_engines(gpu_bench, capsys):
     # markdown rows for docs/benchmarks.md, one per result
     md = [line for line in out.splitlines() if line.startswith("| qwen")]
     assert len(md) == len(results)
-    assert "acceptance (issue 9): tiny configs" in out
+    assert "GPU targets: tiny configs" in out
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-0.6b"])
