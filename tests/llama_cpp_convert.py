@@ -55,11 +55,11 @@ def converter() -> Path:
     return root
 
 
-def convert(folder: Path, out: Path, outtype: str = "f32") -> Path:
-    """llama.cpp's GGUF of a HF folder, written to `out`."""
+def convert(folder: Path, out: Path, outtype: str = "f32", extra: tuple[str, ...] = ()) -> Path:
+    """llama.cpp's GGUF of a HF folder, written to `out` (`extra`: more converter options, e.g. --no-mtp)."""
     root = converter()
     code = _RUN.format(gguf=str(root / "gguf-py"), root=str(root), script=str(root / "convert_hf_to_gguf.py"),
-                       args=[str(folder), "--outfile", str(out), "--outtype", outtype])
+                       args=[str(folder), "--outfile", str(out), "--outtype", outtype, *extra])
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf failed:\n{res.stderr[-3000:]}")

@@ -17,7 +17,7 @@ from superslm.kernels.attention import AttnMetadata
 from superslm.models.loader import materialize, open_source
 from superslm.models.transformer import Transformer
 from superslm.quant import quantize_linears
-from tests.tiny_models import CONFIGS, build_hf_model
+from tests.tiny_models import PLAIN, build_hf_model
 
 pytestmark = pytest.mark.skipif(os.environ.get("SUPERSLM_CPU_KERNELS") == "0", reason="C++ kernels disabled")
 
@@ -27,7 +27,7 @@ PS = 4
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, object]:
     out = {}
-    for family in sorted(CONFIGS):
+    for family in PLAIN:
         path = tmp_path_factory.mktemp(family)
         build_hf_model(family, path)
         out[family] = path
@@ -85,7 +85,7 @@ def _three_ways(net: Transformer, lengths: list[int]) -> tuple[torch.Tensor, tor
     return outs[0], outs[1], outs[2]
 
 
-@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("family", PLAIN)
 def test_float32_equals_reference_and_generic(family: str, folders) -> None:
     src = open_source(folders[family])
     net = Transformer(src.arch, materialize(src, torch.float32))

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from superslm.cache.kv import KVCache
+from superslm.cache.state import RecurrentStates
 from superslm.kernels.attention import AttnMetadata
 from superslm.models.transformer import Transformer
 
@@ -68,6 +69,30 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", dict(SMALL, rope_theta=1000000.0, tie_word_embeddings=True)),
     # Qwen3-0.6B's config, shrunk: q/k norms, explicit head_dim != dim/heads
     "qwen3": ("Qwen3Config", dict(SMALL, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True)),
+    # Qwen3.5-0.8B's layout, shrunk: three gated delta-rule layers, then gated attention (a quarter of each head
+    # rotated); value heads twice the key heads, as Qwen3.5's larger sizes have
+    "qwen3_5": ("Qwen3_5TextConfig", dict(SMALL, num_hidden_layers=4, head_dim=16, tie_word_embeddings=True,
+                                          layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                          linear_value_head_dim=8, linear_conv_kernel_dim=4)),
+    # Qwen3.5-35B-A3B's layout, shrunk: the same layers, every MLP 8 experts (top 2) and a shared expert
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(SMALL, num_hidden_layers=4, head_dim=16,
+                                                 layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                                 linear_num_key_heads=2, linear_num_value_heads=4,
+                                                 linear_key_head_dim=16, linear_value_head_dim=8, num_experts=8,
+                                                 num_experts_per_tok=2, moe_intermediate_size=32,
+                                                 shared_expert_intermediate_size=48)),
+    # Qwen3-Next-80B-A3B's layout, shrunk: delta-rule projections stored fused by key head, experts on every layer
+    # but the first (mlp_only_layers), top-k renormalized, a shared expert
+    "qwen3_next": ("Qwen3NextConfig", dict(SMALL, num_hidden_layers=4, head_dim=16, mlp_only_layers=[0],
+                                           layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                           linear_value_head_dim=8, num_experts=8, num_experts_per_tok=2,
+                                           moe_intermediate_size=32, shared_expert_intermediate_size=48)),
+    # Qwen3-30B-A3B's layout, shrunk: Qwen3's attention, 8 experts (top 2, renormalized) on every other layer
+    "qwen3_moe": ("Qwen3MoeConfig", dict(SMALL, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=2,
+                                         rope_theta=1000000.0)),
     # Gemma 3 270M's config, shrunk: sliding window 6 so the window matters at 36 tokens
     "gemma3": (
         "Gemma3TextConfig",
@@ -82,6 +107,11 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
 }
+
+#: families whose layers are other parts (gated attention, delta rule, experts): the reference path runs them, the
+#: C++ plan refuses them (tests/test_hybrid.py); PLAIN: the rest
+PARTS_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_moe")
+PLAIN = tuple(sorted(set(CONFIGS) - set(PARTS_FAMILIES)))
 
 
 TEXT = (
@@ -136,9 +166,11 @@ class SingleSequence:
     """Runs one sequence through our forward pass, a chunk at a time, on shuffled KV pages."""
 
     def __init__(self, net: Transformer, pages: int = 64, page_size: int = 4, seed: int = 0) -> None:
-        a = net.arch
+        a, d = net.arch, net.arch.delta
         self.net, self.page_size = net, page_size
-        self.kv = KVCache(len(net.layers), pages, page_size, a.kv_heads, a.head_dim, net.dtype)
+        self.kv = KVCache(net.kv_layers, pages, page_size, a.kv_heads, a.head_dim, net.dtype)
+        self.states = None if d is None else RecurrentStates(net.state_layers, 1, d.conv_width, d.conv, d.v_heads,
+                                                             d.k_dim, d.v_dim, net.dtype)
         g = torch.Generator().manual_seed(seed)
         self.block_table = tuple(torch.randperm(pages, generator=g).tolist())
         self.length = 0
@@ -148,9 +180,9 @@ class SingleSequence:
         n, ps = len(tokens), self.page_size
         pos = torch.arange(self.length, self.length + n)
         slots = torch.tensor([self.block_table[p // ps] * ps + p % ps for p in pos.tolist()])
-        meta = AttnMetadata(pos, slots, (0, n), (self.length + n,), (self.block_table,), ps)
+        meta = AttnMetadata(pos, slots, (0, n), (self.length + n,), (self.block_table,), ps, state_slots=(0,))
         h = self.net.embed(torch.tensor(tokens))
-        h = self.net.run_layers(h, meta, self.kv.k, self.kv.v)
+        h = self.net.run_layers(h, meta, self.kv.k, self.kv.v, states=self.states)
         self.length += n
         return self.net.logits(h)
 

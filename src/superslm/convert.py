@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from superslm.errors import InvalidArgument, ModelNotFound
+from superslm.errors import InvalidArgument, ModelNotFound, UnsupportedModel
 from superslm.formats import native
 from superslm.models.loader import Source, Stored, canonical_names, open_source
 from superslm.models.parts import NORMS, PIECES, stack, stacked
@@ -255,6 +255,9 @@ def convert(
     source = open_source(src)
     if source.format == "native":
         raise InvalidArgument(f"{src} is already a converted folder")
+    if not source.recipe.parts.plain(source.arch):
+        raise UnsupportedModel(f"{src}: converting {source.arch.family} (delta-rule or expert layers) is not "
+                               "supported yet; load the folder itself (superslm.load, --quant int8/int4)")
     body, head = resolve_formats(source, format, head)
     if lora is not None and body == "gguf":
         raise InvalidArgument("a merged LoRA changes the weights, so GGUF blocks cannot be kept as they are: "

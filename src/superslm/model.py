@@ -11,7 +11,7 @@ import torch
 
 from superslm import hub
 from superslm.devices import DTYPES, pick_device, pick_dtype  # noqa: F401  (re-exported)
-from superslm.errors import InvalidArgument, TemplateError
+from superslm.errors import InvalidArgument, TemplateError, UnsupportedModel
 from superslm.hub import resolve_path  # noqa: F401  (re-exported)
 from superslm.models.arch import Arch
 from superslm.models.loader import Source, materialize, open_source
@@ -260,9 +260,13 @@ def load(
         net = converted_net(source, dev, dtype, layers, quant)
         quant = None
     else:
+        plain = source.recipe.parts.plain(source.arch)
         if quant == "auto":
-            native = source.format == "gguf" and dev.type == "cpu" and dtype is None
+            native = source.format == "gguf" and dev.type == "cpu" and dtype is None and plain
             quant = "gguf" if native else None
+        if quant == "gguf" and not plain:
+            raise UnsupportedModel(f"{source.arch.family}: GGUF blocks run as they are for attention and dense MLP "
+                                   "layers only; load with quant='auto' (dense weights) or 'int8'")
         dt = torch.bfloat16 if quant not in (None, "none") and dtype is None else pick_dtype(dtype, dev)
         # GGUF blocks run as they are: their dense copies would only be built to be dropped
         skip = _BLOCK_LINEARS if quant == "gguf" else frozenset()

@@ -104,6 +104,9 @@ def load_peft(folder: str | Path, arch: Arch, hf_layer_names: dict[str, str], fi
     stores them fused (Phi-3), adapted as one."""
     from safetensors import safe_open
 
+    if arch.hybrid or arch.attn_gate or any(arch.moe_layers):
+        raise UnsupportedModel(f"LoRA adapters on {arch.family} (gated attention, delta-rule or expert layers) are "
+                               "not supported yet")
     folder = Path(folder)
     try:
         cfg = json.loads((folder / "adapter_config.json").read_text())

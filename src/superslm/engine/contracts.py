@@ -42,6 +42,8 @@ class Prefix:
     released: bool = False
     #: the engine whose pages these are (a weak reference): another engine's page ids mean other KV
     owner: Callable[[], Any] = field(default=lambda: None, repr=False, compare=False)
+    #: delta-rule models: the recurrent states after the prefix (conv, ssm: [layers, ...]), copied to adopters
+    states: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
 
 class ContractsMixin:
@@ -74,6 +76,12 @@ class ContractsMixin:
             "in_step": self._in_step(seq),
         }
 
+    def expert_counts(self: Engine) -> dict[int, list[int]]:
+        """How many tokens the router sent to each expert so far, per layer with experts ({layer: counts});
+        empty for a model without experts. Every forward pass counts (requests, prefix handles, `step`)."""
+        return {i: layer.mlp.tokens_per_expert.tolist() for i, layer in enumerate(self.net.layers)
+                if hasattr(getattr(layer, "mlp", None), "tokens_per_expert")}
+
     def prefill_hidden(self: Engine, request_id: int) -> torch.Tensor | None:
         """The final normed hidden state [dim] at the last prompt position of a live request (None
         until its prompt has been read)."""
@@ -99,7 +107,12 @@ class ContractsMixin:
         slots = self._slots_of(seq, seq.num_computed_tokens)
         state = persist.sequence_state(seq)
         header = {"model": self.model.fingerprint, "page_size": self.page_size, "sequence": state}
-        return persist.encode(header, self.kv.k[:, slots], self.kv.v[:, slots])
+        extra: dict[str, torch.Tensor] = {}
+        if self.states is not None and seq.num_computed_tokens:
+            # the delta-rule layers' states after the computed tokens, beside their KV
+            assert seq.state_slot is not None
+            extra["conv"], extra["ssm"] = self.states.rows([seq.state_slot])
+        return persist.encode(header, self.kv.k[:, slots], self.kv.v[:, slots], extra)
 
     def restore(self: Engine, blob: bytes, adapter: Any = None) -> int:
         """A new live request continuing a saved one exactly; returns its id. With no free slot or no
@@ -131,6 +144,7 @@ class ContractsMixin:
         if tuple(saved.k.shape) != want or tuple(saved.v.shape) != want or n > seq.num_tokens:
             raise StateCorrupted(f"saved KV {tuple(saved.k.shape)} does not fit this engine's cache {want} and "
                                  f"{seq.num_tokens} tokens")
+        states = self._saved_states(saved, n)
         self._register(seq)
         if adapter is not None:
             adapter.users.add(id(seq))
@@ -138,10 +152,38 @@ class ContractsMixin:
             slots = self._slots_of(seq, n)
             self.kv.k[:, slots] = saved.k.to(self.kv.k)
             self.kv.v[:, slots] = saved.v.to(self.kv.v)
+            if states is not None and self.states is not None and seq.state_slot is not None:
+                self.states.write([seq.state_slot], *states)
             seq.num_computed_tokens = n
         else:
             self.scheduler.add(seq)
         return seq.id
+
+    def _saved_states(self: Engine, saved: persist.SavedSequence, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The recurrent states a blob carries after its n computed tokens, checked against this engine's (a
+        delta-rule model's blob without them, or a blob with them for a model without such layers, is refused:
+        its KV alone cannot resume it)."""
+        if self.states is None:
+            if saved.extra:
+                raise StateCorrupted(f"saved sequence carries {sorted(saved.extra)} this model has no use for")
+            return None
+        if not n:
+            return None
+        conv, ssm = saved.extra.get("conv"), saved.extra.get("ssm")
+        want_conv = (self.states.conv.shape[0], 1, *self.states.conv.shape[2:])
+        want_ssm = (self.states.ssm.shape[0], 1, *self.states.ssm.shape[2:])
+        if conv is None or ssm is None or tuple(conv.shape) != want_conv or tuple(ssm.shape) != want_ssm:
+            raise StateCorrupted("saved sequence lacks the recurrent states of this model's delta-rule layers "
+                                 f"(conv {want_conv}, ssm {want_ssm})")
+        if not (torch.isfinite(conv).all() and torch.isfinite(ssm).all()):
+            raise StateCorrupted("saved recurrent states hold NaN or infinite values")
+        return conv, ssm
+
+    def _copy_state(self: Engine, seq: Sequence) -> None:
+        """A prefix handle's recurrent states into the row of the sequence adopting it (for the scheduler)."""
+        pre = seq.request.prefix
+        if self.states is not None and pre is not None and pre.states is not None and seq.state_slot is not None:
+            self.states.write([seq.state_slot], *pre.states)
 
     def _check_adapter(self: Engine, adapter: Any) -> None:
         from superslm.adapters import Adapter
@@ -181,11 +223,14 @@ class ContractsMixin:
             slot_mapping=torch.tensor(slot_mapping(pages, 0, len(ids), ps), device=self.net.device),
             query_start=(0, len(ids)), seq_lens=(len(ids),), block_tables=(tuple(pages),), page_size=ps,
             deterministic=self.deterministic,
+            state_slots=() if self.states is None else (self.states.slots - 1,),  # the prefill's own row
         )
         with torch.inference_mode():
-            self.net.run_layers(self.net.embed(torch.tensor(ids, device=self.net.device)), meta, self.kv.k, self.kv.v)
+            self.net.run_layers(self.net.embed(torch.tensor(ids, device=self.net.device)), meta, self.kv.k, self.kv.v,
+                                states=self.states)
         self.scheduler.cache_pages(pages, ids)
-        return Prefix(tuple(ids), pages, owner=weakref.ref(self))
+        states = None if self.states is None else self.states.rows([self.states.slots - 1])
+        return Prefix(tuple(ids), pages, owner=weakref.ref(self), states=states)
 
     def release(self: Engine, prefix: Prefix) -> None:
         """Give a prefix's pages back; refused while live requests use it, or for another engine's handle."""

@@ -19,6 +19,7 @@ import torch
 
 from superslm.cache import PagePool
 from superslm.cache.kv import KVCache
+from superslm.cache.state import RecurrentStates
 from superslm.engine.contracts import ContractsMixin, Prefix
 from superslm.engine.manual import ManualSlots
 from superslm.engine.output import OutputProcessor
@@ -66,7 +67,8 @@ class Engine(SequenceMixin, ContractsMixin):
 
     `kv_budget` sizes the KV pool: bytes (an int), a fraction of the free memory (a float in (0, 1]),
     or None: enough pages for every slot's whole context, capped at half the free memory.
-    `page_size` is the tokens per KV page; `prefix_caching` keeps full pages for later prompts;
+    `page_size` is the tokens per KV page; `prefix_caching` keeps full pages for later prompts (not for models
+    with delta-rule layers yet: no page holds the recurrent states after it; prefix handles keep them);
     `chunk` caps the prompt tokens one sequence reads per step (default: rows). With rows >= slots
     every generating sequence gets its next token in every step.
 
@@ -117,8 +119,9 @@ class Engine(SequenceMixin, ContractsMixin):
         self.model, self.net = model, model.net
         self.slots, self.context, self.rows, self.page_size = slots, context, rows, page_size
         device, dtype = model.device, model.dtype
-        layers = len(self.net.layers)
-        page_bytes = KVCache.page_bytes(layers, page_size, a.kv_heads, a.head_dim, dtype)
+        layers = self.net.kv_layers  # delta-rule layers keep a recurrent state per slot instead of KV pages
+        self.states = self._recurrent_states(slots, dtype, device)
+        page_bytes = KVCache.page_bytes(max(layers, 1), page_size, a.kv_heads, a.head_dim, dtype)
         want = slots * -(-context // page_size)
         if kv_budget is None:
             pages = min(want, _available_memory(device) // 2 // page_bytes)
@@ -141,16 +144,29 @@ class Engine(SequenceMixin, ContractsMixin):
         self.overlap = bool(self._graphs is not None and (self._graphs.capture if overlap is None else overlap))
         # the one owner of pages and of what runs next; launching steps ahead is its variant's decision
         kind = AsyncScheduler if self.overlap else Scheduler
-        self.scheduler = kind(self.pool, slots, rows, prefix_caching, chunk=chunk, copy_page=self._copy_page)
+        # a prefix cache hit skips tokens whose recurrent states no page holds: off for delta-rule models
+        self.scheduler = kind(self.pool, slots, rows, prefix_caching and self.states is None, chunk=chunk,
+                              copy_page=self._copy_page, recurrent=self.states is not None,
+                              copy_state=self._copy_state)
         self.vocab = a.vocab
         self.output = OutputProcessor(self.net, self.scheduler, frozenset(model.stop_ids), a.vocab, bool(jump_forward))
         steps = None if self._graphs is None else GraphSteps(self._graphs, self.scheduler, self.output)
         if adaptive_threads is None:
             adaptive_threads = os.environ.get("SUPERSLM_ADAPTIVE_THREADS", "1") != "0"
-        self.runner = ModelRunner(self.net, self.kv, page_size, self.deterministic, steps, bool(adaptive_threads))
+        self.runner = ModelRunner(self.net, self.kv, page_size, self.deterministic, steps, bool(adaptive_threads),
+                                  self.states)
         self._next_id = 0
         self._rng = random.Random()
         self._manual: ManualSlots | None = None
+
+    def _recurrent_states(self, slots: int, dtype: torch.dtype, device: torch.device) -> RecurrentStates | None:
+        """A row of recurrent states per slot for the net's delta-rule layers, and one more (the last) where a
+        prefix handle is prefilled; None where the net has no such layers."""
+        d = self.net.arch.delta
+        if not self.net.state_layers or d is None:
+            return None
+        return RecurrentStates(self.net.state_layers, slots + 1, d.conv_width, d.conv, d.v_heads, d.k_dim, d.v_dim,
+                               dtype, device)
 
     def _decode_graphs(self, graphs: bool | None) -> DecodeGraphs | None:
         """Decode steps from static buffers (CUDA graphs on a GPU: engine/graphs.py) where they can run:
@@ -286,8 +302,10 @@ class Engine(SequenceMixin, ContractsMixin):
 
     def _manual_slots(self) -> ManualSlots:
         if self._manual is None:
+            states = None if self.states is None else self._recurrent_states(self.slots, self.net.dtype,
+                                                                             self.net.device)
             self._manual = ManualSlots(self.net, self.kv, self.scheduler, self.slots, self.context,
-                                       self.deterministic)
+                                       self.deterministic, states)
         return self._manual
 
     def step(self, tokens: list[int], slots: list[int], wanted: list[bool]) -> torch.Tensor:

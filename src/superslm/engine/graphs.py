@@ -48,6 +48,8 @@ def graph_reason(net: Transformer, deterministic: bool) -> str | None:
     """Why decode steps of this model cannot run from static buffers, or None where they can."""
     if deterministic:
         return "deterministic mode runs its batch-invariant steps eagerly"
+    if not net.plain:
+        return "layers of other parts (gated attention, delta rule, experts) run eagerly on the reference path"
     if dispatch.backend(net.device) != "triton":
         return f"the kernels on {net.device.type} are the torch references (SUPERSLM_KERNELS, triton)"
     if not net.has_head:

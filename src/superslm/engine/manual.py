@@ -9,6 +9,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from superslm.cache.kv import KVCache, slot_mapping
+from superslm.cache.state import RecurrentStates
 from superslm.engine.scheduler import Scheduler
 from superslm.errors import ContextLengthExceeded, InvalidArgument, KVCacheFull, TokenOutOfRange
 from superslm.kernels.attention import AttnMetadata
@@ -19,8 +20,10 @@ class ManualSlots:
     """Caller-driven sequences: `step(tokens, slots, wanted)` appends rows and returns logits."""
 
     def __init__(self, net: Transformer, kv: KVCache, scheduler: Scheduler, slots: int, context: int,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, states: RecurrentStates | None = None) -> None:
         self.net, self.kv, self.scheduler = net, kv, scheduler
+        #: the delta-rule layers' states of the caller's slots (row s: slot s), where the net has such layers
+        self.states = states
         self.deterministic = deterministic
         self.slots, self.context = slots, context
         self.lengths = [0] * slots
@@ -46,7 +49,8 @@ class ManualSlots:
             raise InvalidArgument("tokens, slots and wanted must be non-empty and of equal length")
         meta, order, dev = self._prepare(tokens, slots)
         with torch.inference_mode():
-            h = self.net.run_layers(self.net.embed(self._tokens(tokens, order)), meta, self.kv.k, self.kv.v)
+            h = self.net.run_layers(self.net.embed(self._tokens(tokens, order)), meta, self.kv.k, self.kv.v,
+                                    states=self.states)
             picked = [i for i, r in sorted(enumerate(order), key=lambda x: x[1]) if wanted[r]]
             if not picked:
                 return torch.empty(0, self.net.arch.vocab)
@@ -68,7 +72,7 @@ class ManualSlots:
             if 0 in layers:
                 out[0] = h[:n].index_select(0, back).float()
             for i in range(total):
-                h = self.net.run_layers(h, meta, self.kv.k, self.kv.v, i, i + 1)
+                h = self.net.run_layers(h, meta, self.kv.k, self.kv.v, i, i + 1, states=self.states)
                 if i + 1 in layers:
                     x = h[:n].index_select(0, back)
                     if i + 1 == total and self.net.has_head:
@@ -114,5 +118,6 @@ class ManualSlots:
             tables.append(tuple(self.tables[s]))
         dev = self.net.device
         meta = AttnMetadata(torch.tensor(positions, device=dev), torch.tensor(slot_map, device=dev),
-                            tuple(starts), tuple(lens), tuple(tables), ps, deterministic=self.deterministic)
+                            tuple(starts), tuple(lens), tuple(tables), ps, deterministic=self.deterministic,
+                            state_slots=tuple(by_slot))
         return meta, order, dev

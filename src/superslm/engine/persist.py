@@ -1,6 +1,6 @@
 """Saved sequences: a versioned blob of a sequence's whole state, and its reader.
 
-Layout (version 1), all integers little-endian:
+Layout (version 2), all integers little-endian:
 
     magic   8 bytes  b"SSLMSEQ\\x00"
     version u32
@@ -8,6 +8,8 @@ Layout (version 1), all integers little-endian:
     header  JSON     model fingerprint, KV layout, the sequence's state (tokens, computed count,
                      sampler RNG and penalty counts, detokenizer and stop-string state, stats)
     kv      bytes    keys then values of the computed tokens: [layers, tokens, kv_heads, head_dim]
+    extra   bytes    (version 2) the header's `extra` tensors in its order: a delta-rule model's recurrent
+                     states after the computed tokens (conv, ssm)
     sha256  32 bytes of everything before it
 
 A blob of another model, a truncated or corrupted blob, or a future version is refused with its own
@@ -28,7 +30,7 @@ import torch
 from superslm.errors import StateCorrupted, StateModelMismatch, StateVersionUnsupported
 
 MAGIC = b"SSLMSEQ\x00"
-VERSION = 1
+VERSION = 2
 _HEAD = struct.Struct("<8sIQ")
 _DIGEST = 32
 
@@ -43,6 +45,8 @@ class SavedSequence:
     header: dict[str, Any]
     k: torch.Tensor
     v: torch.Tensor
+    #: named tensors after the KV (version 2): a delta-rule model's recurrent states
+    extra: dict[str, torch.Tensor]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -63,11 +67,14 @@ def _tensor(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Te
     return torch.from_numpy(np.frombuffer(data, dtype=np.float32).copy()).reshape(shape)
 
 
-def encode(header: dict[str, Any], k: torch.Tensor, v: torch.Tensor) -> bytes:
-    """The blob of a sequence: header JSON plus its KV tensors, checksummed."""
-    header = dict(header, kv_shape=list(k.shape), kv_dtype=dtype_name(k.dtype))
+def encode(header: dict[str, Any], k: torch.Tensor, v: torch.Tensor,
+           extra: dict[str, torch.Tensor] | None = None) -> bytes:
+    """The blob of a sequence: header JSON plus its KV tensors and any `extra` named tensors, checksummed."""
+    extra = extra or {}
+    header = dict(header, kv_shape=list(k.shape), kv_dtype=dtype_name(k.dtype),
+                  extra=[[name, list(t.shape), dtype_name(t.dtype)] for name, t in extra.items()])
     text = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-    body = _HEAD.pack(MAGIC, VERSION, len(text)) + text + _raw(k) + _raw(v)
+    body = _HEAD.pack(MAGIC, VERSION, len(text)) + text + _raw(k) + _raw(v) + b"".join(_raw(t) for t in extra.values())
     return body + hashlib.sha256(body).digest()
 
 
@@ -90,19 +97,31 @@ def decode(blob: bytes, fingerprint: str) -> SavedSequence:
         header = json.loads(blob[_HEAD.size : end])
         shape = tuple(int(x) for x in header["kv_shape"])
         dtype = _DTYPES[header["kv_dtype"]]
+        extras = [(str(n), tuple(int(x) for x in s), _DTYPES[d]) for n, s, d in header.get("extra", [])]
     except (ValueError, KeyError, TypeError) as e:
         raise StateCorrupted(f"saved sequence header is malformed ({e})") from e
     if header.get("model") != fingerprint:
         raise StateModelMismatch("the sequence was saved from another model (weights, format or dtype differ)")
-    count = 1
-    for d in shape:
-        count *= d
-    size = count * torch.empty((), dtype=dtype).element_size()
-    if end + 2 * size != len(blob) - _DIGEST:
+    if any(d < 0 for _, s, _ in extras for d in s) or min(shape, default=0) < 0:
+        raise StateCorrupted("saved sequence header has a negative dimension")
+    size = _size(shape, dtype)
+    sizes = [_size(s, d) for _, s, d in extras]
+    if end + 2 * size + sum(sizes) != len(blob) - _DIGEST:
         raise StateCorrupted("saved sequence KV size does not match its header")
     k = _tensor(blob[end : end + size], dtype, shape)
     v = _tensor(blob[end + size : end + 2 * size], dtype, shape)
-    return SavedSequence(version, header, k, v)
+    at, out = end + 2 * size, {}
+    for (name, s, d), n in zip(extras, sizes):
+        out[name] = _tensor(blob[at : at + n], d, s)
+        at += n
+    return SavedSequence(version, header, k, v, out)
+
+
+def _size(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    count = 1
+    for d in shape:
+        count *= d
+    return count * torch.empty((), dtype=dtype).element_size()
 
 
 #: the integer fields of a saved sequence and their least value (all below 2**62)

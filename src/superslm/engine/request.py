@@ -83,6 +83,8 @@ class Sequence:
         self.max_tokens = max_tokens
         #: tokens whose K/V are in this sequence's pages
         self.num_computed_tokens = 0
+        #: the row of the recurrent states this sequence reads and writes while it runs (delta-rule models)
+        self.state_slot: int | None = None
         self.block_table: list[int] = []
         #: full pages already offered to the prefix cache, and the chain's last hash
         self.num_hashed_pages = 0

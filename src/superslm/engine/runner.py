@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from superslm.cache.kv import KVCache, slot_mapping
+from superslm.cache.state import RecurrentStates
 from superslm.devices import ThreadPolicy
 from superslm.engine.request import Sequence
 from superslm.kernels import cpu_decode
@@ -77,18 +78,21 @@ def build_step(
         page_size=page_size,
         deterministic=deterministic,
         lora=lora,
+        state_slots=tuple(-1 if seq.state_slot is None else seq.state_slot for seq, _ in chunks),
     )
     return StepWork(chunks, torch.tensor(tokens, dtype=torch.long, device=device), meta, sample_rows)
 
 
-def run_layers(net: Transformer, kv: KVCache, work: StepWork, budget: int | None = None) -> bool:
-    """Run up to `budget` layers of the step (all when None); True once every layer has run."""
+def run_layers(net: Transformer, kv: KVCache, work: StepWork, budget: int | None = None,
+               states: RecurrentStates | None = None) -> bool:
+    """Run up to `budget` layers of the step (all when None); True once every layer has run. `states`: the
+    delta-rule layers' recurrent states, where the net has such layers."""
     if work.h is None:
         work.h = net.embed(work.tokens)
         work.plan = net.plan_step(work.h, work.meta, kv.k)  # the step's executor, chosen once for all its layers
     total = len(net.layers)
     end = total if budget is None else min(total, work.next_layer + budget)
-    work.h = net.run_layers(work.h, work.meta, kv.k, kv.v, work.next_layer, end, plan=work.plan)
+    work.h = net.run_layers(work.h, work.meta, kv.k, kv.v, work.next_layer, end, plan=work.plan, states=states)
     for seq, _ in work.chunks:
         seq.layers_run += end - work.next_layer
     work.next_layer = end
@@ -124,8 +128,10 @@ class ModelRunner:
     handed back for the engine to sample. `steps` counts the steps run to the end."""
 
     def __init__(self, net: Transformer, kv: KVCache, page_size: int, deterministic: bool,
-                 graphs: GraphSteps | None = None, adaptive_threads: bool = True) -> None:  # fmt: skip
+                 graphs: GraphSteps | None = None, adaptive_threads: bool = True,
+                 states: RecurrentStates | None = None) -> None:  # fmt: skip
         self.net, self.kv, self.page_size, self.deterministic = net, kv, page_size, deterministic
+        self.states = states
         self.graphs = graphs
         self.work: StepWork | None = None
         self.steps = 0
@@ -158,7 +164,7 @@ class ModelRunner:
                 self.threads.choose()
             self.work = build_step(chunks, self.page_size, self.net.device, self.deterministic)
         assert self.work is not None, "no step to go on with"
-        if not run_layers(self.net, self.kv, self.work, layer_budget):
+        if not run_layers(self.net, self.kv, self.work, layer_budget, self.states):
             return None
         work, self.work = self.work, None
         self.steps += 1

@@ -2,7 +2,8 @@
 
 The scheduler alone grants and frees KV pages: prompts and answers (`grow`), restored sequences
 (`resume`), prefix handles (`grant`, `free`, `adopt`) and caller-driven slots all ask it, so one object
-knows why every page is held.
+knows why every page is held. For models with gated delta-rule layers it also gives each running sequence
+a row of the recurrent states (`state_slot`), taken when it starts running and given back when it stops.
 
 Every step has a budget of `rows` tokens. Generating sequences get their next token first; the rows
 left go to the next chunks of prompts not read yet (running ones first, then new ones from the
@@ -41,8 +42,13 @@ class Scheduler:
 
     def __init__(self, pool: PagePool, slots: int, rows: int, prefix_caching: bool = True,
                  extra_key: Callable[[Sequence], ExtraKey] | None = None, chunk: int | None = None,
-                 copy_page: Callable[[int, int, int], None] | None = None) -> None:
+                 copy_page: Callable[[int, int, int], None] | None = None, recurrent: bool = False,
+                 copy_state: Callable[[Sequence], None] | None = None) -> None:
         self.pool, self.slots, self.rows = pool, slots, rows
+        #: free rows of the recurrent states (models with delta-rule layers), one per running sequence
+        self.free_states: list[int] | None = list(range(slots)) if recurrent else None
+        #: copy_state(seq): a prefix handle's recurrent states into the row of the sequence adopting it
+        self.copy_state = copy_state
         #: the most prompt tokens one sequence reads in a step
         self.chunk = chunk or rows
         #: copy_page(src, dst, n): the KV of a page's first n slots into another page (the KV's owner does it)
@@ -94,7 +100,7 @@ class Scheduler:
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence wherever it is (finished or cancelled) and free its pages."""
         if seq in self.running:
-            self.running.remove(seq)
+            self._stop(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.release(seq)
@@ -102,8 +108,21 @@ class Scheduler:
             if handle is not None:
                 handle.users.discard(id(seq))  # the object, not seq.id: every engine counts ids from 0
 
-    def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
+    def _run(self, seq: Sequence) -> None:
+        """seq joins the running set (and takes a row of the recurrent states)."""
+        self.running.append(seq)
+        if self.free_states is not None:
+            seq.state_slot = self.free_states.pop(0)
+
+    def _stop(self, seq: Sequence) -> None:
+        """seq leaves the running set (its row of the recurrent states goes back)."""
         self.running.remove(seq)
+        if self.free_states is not None and seq.state_slot is not None:
+            self.free_states.append(seq.state_slot)
+            seq.state_slot = None
+
+    def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
+        self._stop(seq)
         self.release(seq)
         seq.num_computed_tokens = 0
         seq.num_hashed_pages = 0
@@ -140,7 +159,7 @@ class Scheduler:
         if len(self.running) >= self.slots or not self.can_grant(pages):
             return False
         seq.block_table = self.grant(pages)
-        self.running.append(seq)
+        self._run(seq)
         return True
 
     def adopt(self, seq: Sequence) -> bool:
@@ -184,7 +203,7 @@ class Scheduler:
                 victim = max(self.running, key=lambda s: s.id)  # the one that came last
                 if victim is seq and len(self.running) == 1:
                     # alone and still no room: it can never fit
-                    self.running.remove(seq)
+                    self._stop(seq)
                     step.too_long.append(seq)
                     seq.end = END_LENGTH
                     break
@@ -203,9 +222,11 @@ class Scheduler:
                 step.too_long.append(seq)
                 seq.end = END_LENGTH
                 continue
+            adopted = False
             if not seq.block_table and seq.request.prefix is not None:
                 if not self.adopt(seq):
                     break
+                adopted = True
             elif not seq.block_table and self.prefix_caching and not seq.wants_prompt_logprobs:
                 pages = self.pool.match_prefix(seq.tokens, self.extra_key(seq))
                 seq.block_table = pages
@@ -221,7 +242,9 @@ class Scheduler:
                 seq.num_hashed_pages = 0
                 break
             self.waiting.popleft()
-            self.running.append(seq)
+            self._run(seq)
+            if adopted and self.copy_state is not None:
+                self.copy_state(seq)
             step.chunks.append((seq, n))
             budget -= n
         if not step.chunks and not self.running and self.waiting:

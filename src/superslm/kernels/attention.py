@@ -62,6 +62,8 @@ class AttnMetadata:
     deterministic: bool = False
     #: LoRA adapters of the step's rows (superslm.adapters.LoraBatch), applied by the linears
     lora: Any = None
+    #: S rows of the recurrent states (cache.state.RecurrentStates) each sequence's delta-rule layers read and write
+    state_slots: tuple[int, ...] = ()
     _slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _masks: dict[tuple[int, int | None], tuple[int, torch.Tensor]] = field(default_factory=dict, repr=False)
     _decode: dict[int | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)

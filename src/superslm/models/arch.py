@@ -18,6 +18,8 @@ from superslm.errors import UnsupportedModel
 
 ROPE_KINDS = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+#: a layer's token mixer: softmax attention over the paged KV cache, or a gated delta rule over a recurrent state
+MIXERS = ("attention", "delta")
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,62 @@ def _yarn(r: Rope, dim: int) -> tuple[torch.Tensor, float]:
 
 
 @dataclass(frozen=True)
+class DeltaNet:
+    """The shapes of a gated delta-rule layer (Qwen3.5's and Qwen3-Next's linear attention): `k_heads` query and
+    key heads of `k_dim`, `v_heads` value heads of `v_dim` (each key head serves v_heads / k_heads of them), and
+    the causal depthwise convolution's `conv` taps over q, k and v."""
+
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv: int
+
+    def __post_init__(self) -> None:
+        for name, value in self.__dict__.items():
+            if not isinstance(value, int) or value <= 0:
+                raise UnsupportedModel(f"delta-rule layers: {name} must be a positive integer, got {value!r}")
+        if self.v_heads % self.k_heads:
+            raise UnsupportedModel(f"delta-rule layers: {self.v_heads} value heads for {self.k_heads} key heads")
+
+    @property
+    def key_width(self) -> int:
+        return self.k_heads * self.k_dim
+
+    @property
+    def value_width(self) -> int:
+        return self.v_heads * self.v_dim
+
+    @property
+    def conv_width(self) -> int:
+        """Channels of the convolution: q, k and v side by side."""
+        return 2 * self.key_width + self.value_width
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture of experts: `count` experts of `ffn` each, `top_k` of them a token (their router weights
+    renormalized to sum 1 where `norm_top_k`), and where `shared_ffn` > 0 a shared expert of that size whose
+    output a sigmoid gate scales, added to every token."""
+
+    count: int
+    top_k: int
+    ffn: int
+    norm_top_k: bool = True
+    shared_ffn: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("count", "top_k", "ffn"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise UnsupportedModel(f"experts: {name} must be a positive integer, got {value!r}")
+        if self.top_k > self.count:
+            raise UnsupportedModel(f"experts: top {self.top_k} of {self.count} experts")
+        if not isinstance(self.shared_ffn, int) or self.shared_ffn < 0:
+            raise UnsupportedModel(f"experts: shared expert size {self.shared_ffn!r}")
+
+
+@dataclass(frozen=True)
 class Arch:
     """What a decoder-only transformer computes; one field per choice the forward pass makes."""
 
@@ -182,6 +240,14 @@ class Arch:
     eos_ids: tuple[int, ...] = ()
     #: one entry per layer: whether it rotates q and k (SmolLM3's NoPE layers do not); empty: all do
     rope_layers: tuple[bool, ...] = ()
+    #: one entry per layer, of MIXERS; empty: all attention. "delta" layers have the shapes of `delta`
+    mixers: tuple[str, ...] = ()
+    delta: DeltaNet | None = None
+    #: attention's sigmoid output gate: q's linear gives each head its query and then its gate (Qwen3.5, Qwen3-Next)
+    attn_gate: bool = False
+    #: the mixture of experts of the layers `moe_layers` marks (empty: none; the rest have the dense MLP)
+    experts: Experts | None = None
+    moe_layers: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab", "dim", "ffn", "layers", "heads", "kv_heads", "head_dim"):
@@ -204,6 +270,16 @@ class Arch:
             object.__setattr__(self, "rope_layers", (True,) * self.layers)
         if len(self.rope_layers) != self.layers:
             raise UnsupportedModel(f"{self.family}: {len(self.rope_layers)} rope flags for {self.layers} layers")
+        if not self.mixers:
+            object.__setattr__(self, "mixers", ("attention",) * self.layers)
+        if len(self.mixers) != self.layers or any(m not in MIXERS for m in self.mixers):
+            raise UnsupportedModel(f"{self.family}: layer mixers {self.mixers} (of {MIXERS}) for {self.layers} layers")
+        if "delta" in self.mixers and self.delta is None:
+            raise UnsupportedModel(f"{self.family}: delta-rule layers without their shapes")
+        if not self.moe_layers:
+            object.__setattr__(self, "moe_layers", (self.experts is not None,) * self.layers)
+        if len(self.moe_layers) != self.layers or (any(self.moe_layers) and self.experts is None):
+            raise UnsupportedModel(f"{self.family}: {len(self.moe_layers)} expert flags for {self.layers} layers")
         if self.rope.kind == "longrope" and len(self.rope.long_factors or ()) != self.rotary_dim // 2:
             raise UnsupportedModel(f"{self.family}: longrope needs {self.rotary_dim // 2} factors, got "
                                    f"{len(self.rope.long_factors or ())}")
@@ -219,10 +295,28 @@ class Arch:
         for k, v in self.__dict__.items():
             if isinstance(v, Rope):
                 v = {n: x for n, x in v.__dict__.items() if not (n == "long_factors" and x is None)}
+            elif isinstance(v, (DeltaNet, Experts)):
+                v = dict(v.__dict__)
             out[k] = v
         if all(self.rope_layers):
             del out["rope_layers"]
+        if not self.hybrid:
+            del out["mixers"], out["delta"]
+        if not self.attn_gate:
+            del out["attn_gate"]
+        if self.experts is None:
+            del out["experts"], out["moe_layers"]
         return out
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layer is a gated delta rule (a recurrent state per sequence beside the KV pages)."""
+        return "delta" in self.mixers
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that keep keys and values in the paged cache, in order."""
+        return tuple(i for i, m in enumerate(self.mixers) if m == "attention")
 
 
 # --- reading Hugging Face configs ---------------------------------------------------------------

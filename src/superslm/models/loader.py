@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from superslm.errors import FormatError, ModelNotFound, UnsupportedModel
-from superslm.models.arch import Arch, Rope, eos_tuple, gguf_longrope
+from superslm.models.arch import Arch, DeltaNet, Experts, Rope, eos_tuple, gguf_longrope
 from superslm.models.registry import Recipe, recipe_for_gguf, recipe_for_hf
 
 
@@ -176,7 +176,12 @@ def _arch_from_summary(d: Mapping[str, Any]) -> Arch:
         return None if r is None else Rope(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()})
 
     fields = dict(d, rope=rope(d["rope"]), rope_local=rope(d.get("rope_local")))
-    fields.update(windows=tuple(d["windows"]), eos_ids=tuple(d["eos_ids"]), rope_layers=tuple(d.get("rope_layers", ())))
+    fields.update(windows=tuple(d["windows"]), eos_ids=tuple(d["eos_ids"]), rope_layers=tuple(d.get("rope_layers", ())),
+                  mixers=tuple(d.get("mixers", ())), moe_layers=tuple(d.get("moe_layers", ())))
+    if d.get("delta") is not None:
+        fields["delta"] = DeltaNet(**d["delta"])
+    if d.get("experts") is not None:
+        fields["experts"] = Experts(**d["experts"])
     return Arch(**fields)
 
 
@@ -222,6 +227,37 @@ def _find(src: Source, name: str) -> Stored | None:
     return None
 
 
+def _stored(src: Source, prefix: str, spec: Any) -> Stored | None:
+    """The tensor a recipe's name `spec` names under `prefix`: a name; a name with "{e}", each expert's tensor
+    stacked along a new first dimension; a tuple of specs, concatenated along their rows (the second-to-last
+    dimension: each expert's gate then up); a list, the first of its alternatives the source holds."""
+    if isinstance(spec, list):
+        for alt in spec:
+            t = _stored(src, prefix, alt)
+            if t is not None:
+                return t
+        return None
+    if isinstance(spec, tuple):
+        parts = [_stored(src, prefix, p) for p in spec]
+        if any(p is None for p in parts):
+            return None
+        got = [p for p in parts if p is not None]
+        if len({(p.shape[:-2], p.shape[-1]) for p in got}) != 1 or len(got[0].shape) < 2:
+            raise FormatError(f"{src.path}: tensors {[p.name for p in got]} cannot be stacked")
+        shape = (*got[0].shape[:-2], sum(p.shape[-2] for p in got), got[0].shape[-1])
+        return Stored(got[0].name, shape, got[0].kind, lambda: torch.cat([p.load() for p in got], dim=-2))
+    if "{e}" not in spec:
+        return _find(src, prefix + spec)
+    count = src.arch.experts.count if src.arch.experts is not None else 0
+    each = [_find(src, prefix + spec.format(e=e)) for e in range(count)]
+    if not each or any(t is None for t in each):
+        return None
+    ts = [t for t in each if t is not None]
+    if len({t.shape for t in ts}) != 1:
+        raise FormatError(f"{src.path}: the experts' {prefix + spec} tensors differ in shape")
+    return Stored(prefix + spec, (count, *ts[0].shape), ts[0].kind, lambda: torch.stack([t.load() for t in ts]))
+
+
 def canonical_names(src: Source, layers: int | None = None) -> dict[str, Stored]:
     """Canonical name -> stored tensor, for the first `layers` layers (all by default)."""
     arch, recipe, hf = src.arch, src.recipe, src.is_hf
@@ -239,15 +275,21 @@ def canonical_names(src: Source, layers: int | None = None) -> dict[str, Stored]
             raise FormatError(f"{src.path}: missing tensor {glob[key]}")
         if t is not None:
             out[key] = t
-    want = recipe.parts.tensors(arch)
     for i in range(n):
         prefix = f"model.layers.{i}." if hf else f"blk.{i}."
-        for key in want:
-            t = _find(src, prefix + per_layer[key]) if key in per_layer else None
+        for key in recipe.parts_for(hf).tensors(arch, i):
+            t = _stored(src, prefix, per_layer[key]) if key in per_layer else None
             if t is None:
-                raise FormatError(f"{src.path}: missing tensor {prefix + per_layer.get(key, key)}")
+                raise FormatError(f"{src.path}: missing tensor {prefix}{_spelled(per_layer.get(key, key))}")
             out[f"layers.{i}.{key}"] = t
     return out
+
+
+def _spelled(spec: Any) -> str:
+    """A recipe's name spec as an error names it (its first alternative, pieces joined by +)."""
+    if isinstance(spec, list):
+        return _spelled(spec[0])
+    return " + ".join(spec) if isinstance(spec, tuple) else str(spec)
 
 
 def materialize(
@@ -275,7 +317,8 @@ def materialize(
         _check_shape(key, short, tuple(t.shape), src.arch, src.recipe)
         if not all_finite(t):
             raise FormatError(f"{src.path}: tensor {stored.name} holds NaN or infinite values")
-        out[key] = t.to(device=device, dtype=dtype).contiguous()
+        keep = torch.float32 if short in src.recipe.float32 and dtype.is_floating_point else dtype
+        out[key] = t.to(device=device, dtype=keep).contiguous()
     return out
 
 
@@ -286,8 +329,9 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 def _check_shape(key: str, short: str, shape: tuple[int, ...], a: Arch, recipe: Recipe) -> None:
+    layer = int(key.split(".")[1]) if key.startswith("layers.") else 0
     shapes: Mapping[str, tuple[int, ...]] = {
-        "embed": (a.vocab, a.dim), "head": (a.vocab, a.dim), "norm": (a.dim,), **recipe.parts.shapes(a)}
+        "embed": (a.vocab, a.dim), "head": (a.vocab, a.dim), "norm": (a.dim,), **recipe.parts.shapes(a, layer)}
     want = shapes[short]
     if tuple(shape) != want:
         raise FormatError(f"tensor {key} has shape {tuple(shape)}, the config implies {want}")

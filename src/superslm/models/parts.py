@@ -1,4 +1,5 @@
-"""A layer's parts: its mixer (`Attention`) and its MLP (`DenseMLP`), each naming its tensors.
+"""A layer's parts: its mixer (`Attention` or `GatedDeltaNet`) and its MLP (`DenseMLP` or `MoE`), each naming
+its tensors.
 
 A recipe declares the parts of its layers and how its checkpoint stores them: Llama keeps q, k, v and
 gate, up as separate tensors, Phi-3 fuses them (`qkv_proj`, `gate_up_proj`). Each part lists its linears
@@ -33,7 +34,8 @@ class LinearSpec:
 @dataclass(frozen=True)
 class Attention:
     """Self-attention over the paged KV cache: q, k, v in one linear (fused or split in the checkpoint), the
-    output projection, RMS norms of q and k per head where the Arch says so."""
+    output projection, RMS norms of q and k per head where the Arch says so. With `Arch.attn_gate`, q's rows hold
+    each head's query and then its output gate (the attention's output times sigmoid(gate) before o)."""
 
     fused: bool = False
 
@@ -47,7 +49,8 @@ class Attention:
 
     def shapes(self, a: Arch) -> dict[str, tuple[int, ...]]:
         q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
-        return {"q": (q, a.dim), "k": (kv, a.dim), "v": (kv, a.dim), "qkv": (q + 2 * kv, a.dim), "o": (a.dim, q),
+        gated = 2 * q if a.attn_gate else q  # each head's query, then its output gate
+        return {"q": (gated, a.dim), "k": (kv, a.dim), "v": (kv, a.dim), "qkv": (q + 2 * kv, a.dim), "o": (a.dim, q),
                 "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,), "qkv_bias": (q + 2 * kv,), "o_bias": (a.dim,),
                 "attn_norm": (a.dim,), "q_norm": (a.head_dim,), "k_norm": (a.head_dim,)}  # fmt: skip
 
@@ -69,6 +72,72 @@ class DenseMLP:
                 "ffn_norm": (a.dim,)}  # fmt: skip
 
 
+#: the input projection's tensors of a delta-rule layer, by how a checkpoint stores them; stacked in this order
+#: they give the rows q, k, v, z, b, a (`in_ba` regrouped at load as [all b, all a])
+DELTA_LAYOUTS = {"split": ("in_qkv", "in_z", "in_b", "in_a"), "fused": ("in_qkvz", "in_ba"),
+                 "qkv_z_ba": ("in_qkv", "in_z", "in_ba")}
+
+
+@dataclass(frozen=True)
+class GatedDeltaNet:
+    """A gated delta-rule layer: one input projection (q, k, v for the convolution, then z, b and a; Qwen3-Next
+    stores them as two fused tensors grouped by key head, which its recipe regroups at load), the causal
+    depthwise convolution (`conv`: [channels, taps]), the decay's `dt_bias` and `a_log`, the gated RMS norm of
+    each value head (`delta_norm`) and the output projection (kernels/delta_rule.py computes it). `layout`: how
+    the checkpoint stores the input projection, a key of DELTA_LAYOUTS (llama.cpp's Qwen3-Next files keep b and
+    a fused, q, k, v and z apart)."""
+
+    layout: str = "split"
+
+    def linears(self, a: Arch) -> tuple[LinearSpec, LinearSpec]:
+        return LinearSpec("in_proj", DELTA_LAYOUTS[self.layout]), LinearSpec("out", ("out",))
+
+    def norms(self, a: Arch) -> tuple[str, ...]:
+        return ("attn_norm", "delta_norm")
+
+    def tensors(self, a: Arch) -> tuple[str, ...]:
+        """Its tensors that are neither a linear's nor a norm."""
+        return ("conv", "dt_bias", "a_log")
+
+    def shapes(self, a: Arch) -> dict[str, tuple[int, ...]]:
+        d = a.delta
+        assert d is not None
+        c, v, h = d.conv_width, d.value_width, d.v_heads
+        return {"in_qkv": (c, a.dim), "in_z": (v, a.dim), "in_b": (h, a.dim), "in_a": (h, a.dim),
+                "in_qkvz": (c + v, a.dim), "in_ba": (2 * h, a.dim), "out": (a.dim, v), "conv": (c, d.conv),
+                "dt_bias": (h,), "a_log": (h,), "attn_norm": (a.dim,), "delta_norm": (d.v_dim,)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MoE:
+    """A mixture of experts: the router (`router`: [experts, dim]), every expert's gate and up rows stacked
+    (`experts_gate_up`: [experts, 2 ffn, dim]) and its down projection (`experts_down`: [experts, dim, ffn]);
+    where the Arch says so, a shared expert (`shared_gate_up`, `shared_down`) scaled by sigmoid(`shared_scale` x)."""
+
+    def linears(self, a: Arch) -> tuple[LinearSpec, ...]:
+        e = a.experts
+        assert e is not None
+        if not e.shared_ffn:
+            return ()
+        return LinearSpec("shared_gate_up", ("shared_gate", "shared_up")), LinearSpec("shared_down", ("shared_down",))
+
+    def norms(self, a: Arch) -> tuple[str, ...]:
+        return ("ffn_norm",)
+
+    def tensors(self, a: Arch) -> tuple[str, ...]:
+        e = a.experts
+        assert e is not None
+        return ("router", "experts_gate_up", "experts_down", *(("shared_scale",) if e.shared_ffn else ()))
+
+    def shapes(self, a: Arch) -> dict[str, tuple[int, ...]]:
+        e = a.experts
+        assert e is not None
+        return {"router": (e.count, a.dim), "experts_gate_up": (e.count, 2 * e.ffn, a.dim),
+                "experts_down": (e.count, a.dim, e.ffn), "shared_gate": (e.shared_ffn, a.dim),
+                "shared_up": (e.shared_ffn, a.dim), "shared_down": (a.dim, e.shared_ffn), "shared_scale": (1, a.dim),
+                "ffn_norm": (a.dim,)}  # fmt: skip
+
+
 #: Gemma's sandwich norms, after attention and after the MLP (Arch.post_norms)
 POST_NORMS = ("post_attn_norm", "post_ffn_norm")
 #: every canonical name a linear's weight or a layer's norm may have, split or fused
@@ -76,27 +145,48 @@ PIECES = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down")
 NORMS = ("attn_norm", "ffn_norm", "q_norm", "k_norm", *POST_NORMS)
 
 
+Mixer = Attention | GatedDeltaNet
+MLP = DenseMLP | MoE
+
+
 @dataclass(frozen=True)
 class LayerParts:
-    """What every layer of a family is made of."""
+    """What the layers of a family are made of: layer i's mixer is `mixer` or, where `Arch.mixers` says "delta",
+    `delta`; its MLP is `mlp` or, where `Arch.moe_layers` says so, `moe`."""
 
     mixer: Attention = Attention()
     mlp: DenseMLP = DenseMLP()
+    delta: GatedDeltaNet = GatedDeltaNet()
+    moe: MoE = MoE()
 
-    def linears(self, a: Arch) -> dict[str, LinearSpec]:
-        """{module name: its spec} in LINEAR_NAMES order."""
-        return {s.name: s for s in (*self.mixer.linears(a), *self.mlp.linears(a))}
+    def of_layer(self, a: Arch, i: int = 0) -> tuple[Mixer, MLP]:
+        """Layer i's (mixer, MLP)."""
+        mixer = self.delta if a.mixers[i] == "delta" else self.mixer
+        return mixer, self.moe if a.moe_layers[i] else self.mlp
 
-    def norms(self, a: Arch) -> tuple[str, ...]:
-        return (*self.mixer.norms(a), *self.mlp.norms(a), *(POST_NORMS if a.post_norms else ()))
+    def plain(self, a: Arch) -> bool:
+        """Whether every layer is attention and a dense MLP (the layers the fused paths and the C++ plan run)."""
+        return not a.hybrid and not any(a.moe_layers)
 
-    def tensors(self, a: Arch) -> tuple[str, ...]:
-        """Every canonical tensor of one layer the checkpoint must hold."""
-        specs = self.linears(a).values()
-        return (*self.norms(a), *(p for s in specs for p in (*s.pieces, *s.bias)))
+    def linears(self, a: Arch, i: int = 0) -> dict[str, LinearSpec]:
+        """{module name: its spec} of layer i, mixer first (LINEAR_NAMES order for plain layers)."""
+        mixer, mlp = self.of_layer(a, i)
+        return {s.name: s for s in (*mixer.linears(a), *mlp.linears(a))}
 
-    def shapes(self, a: Arch) -> dict[str, tuple[int, ...]]:
-        out = {**self.mixer.shapes(a), **self.mlp.shapes(a)}
+    def norms(self, a: Arch, i: int = 0) -> tuple[str, ...]:
+        mixer, mlp = self.of_layer(a, i)
+        return (*mixer.norms(a), *mlp.norms(a), *(POST_NORMS if a.post_norms else ()))
+
+    def tensors(self, a: Arch, i: int = 0) -> tuple[str, ...]:
+        """Every canonical tensor of layer i the checkpoint must hold."""
+        specs = self.linears(a, i).values()
+        mixer, mlp = self.of_layer(a, i)
+        extra = tuple(n for part in (mixer, mlp) for n in getattr(part, "tensors", lambda a: ())(a))
+        return (*self.norms(a, i), *(p for s in specs for p in (*s.pieces, *s.bias)), *extra)
+
+    def shapes(self, a: Arch, i: int = 0) -> dict[str, tuple[int, ...]]:
+        mixer, mlp = self.of_layer(a, i)
+        out = {**mixer.shapes(a), **mlp.shapes(a)}
         out.update({n: (a.dim,) for n in POST_NORMS})
         return out
 

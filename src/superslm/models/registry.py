@@ -40,6 +40,36 @@ HF_LAYER = {
     "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight",
 }
 
+#: HF names of gated delta-rule layers (Qwen3.5: split; Qwen3-Next: in_qkvz and in_ba fused) and of a mixture
+#: of experts (each expert's tensors stacked, or transformers' own stacked tensors: loader._stored's specs)
+HF_DELTA = {
+    "in_qkv": "linear_attn.in_proj_qkv.weight", "in_z": "linear_attn.in_proj_z.weight",
+    "in_b": "linear_attn.in_proj_b.weight", "in_a": "linear_attn.in_proj_a.weight",
+    "in_qkvz": "linear_attn.in_proj_qkvz.weight", "in_ba": "linear_attn.in_proj_ba.weight",
+    "conv": "linear_attn.conv1d.weight", "dt_bias": "linear_attn.dt_bias", "a_log": "linear_attn.A_log",
+    "delta_norm": "linear_attn.norm.weight", "out": "linear_attn.out_proj.weight",
+}
+HF_MOE: dict[str, Any] = {
+    "router": "mlp.gate.weight",
+    "experts_gate_up": ["mlp.experts.gate_up_proj",
+                        ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")],
+    "experts_down": ["mlp.experts.down_proj", "mlp.experts.{e}.down_proj.weight"],
+    "shared_gate": "mlp.shared_expert.gate_proj.weight", "shared_up": "mlp.shared_expert.up_proj.weight",
+    "shared_down": "mlp.shared_expert.down_proj.weight", "shared_scale": "mlp.shared_expert_gate.weight",
+}
+
+#: llama.cpp's names of the same tensors (its pre-MLP norm of hybrid layers is post_attention_norm)
+GGUF_DELTA = {
+    "in_qkv": "attn_qkv.weight", "in_z": "attn_gate.weight", "in_b": "ssm_beta.weight", "in_a": "ssm_alpha.weight",
+    "in_ba": "ssm_ba.weight", "conv": "ssm_conv1d.weight", "dt_bias": "ssm_dt.bias", "a_log": "ssm_a",
+    "delta_norm": "ssm_norm.weight", "out": "ssm_out.weight", "ffn_norm": "post_attention_norm.weight",
+}
+GGUF_MOE: dict[str, Any] = {
+    "router": "ffn_gate_inp.weight", "experts_gate_up": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+    "experts_down": "ffn_down_exps.weight", "shared_gate": "ffn_gate_shexp.weight", "shared_up": "ffn_up_shexp.weight",
+    "shared_down": "ffn_down_shexp.weight", "shared_scale": "ffn_gate_inp_shexp.weight",
+}
+
 #: a transform of one loaded tensor: (canonical name, tensor, arch) -> tensor
 Fix = Callable[[str, torch.Tensor, Arch], torch.Tensor]
 
@@ -58,18 +88,28 @@ class Recipe:
     arch_from_hf: Callable[[Mapping[str, Any]], Arch]
     arch_from_gguf: Callable[[Mapping[str, Any]], Arch]
     hf_global: Mapping[str, str] = field(default_factory=lambda: HF_GLOBAL)
-    hf_layer: Mapping[str, str] = field(default_factory=lambda: HF_LAYER)
-    gguf_layer: Mapping[str, str] = field(default_factory=lambda: GGUF_LAYER)
+    #: canonical name -> the tensor's name in a layer (or a loader._stored spec: stacked experts, alternatives)
+    hf_layer: Mapping[str, Any] = field(default_factory=lambda: HF_LAYER)
+    gguf_layer: Mapping[str, Any] = field(default_factory=lambda: GGUF_LAYER)
     #: what each layer is made of, and whether the checkpoint fuses q/k/v and gate/up
     parts: LayerParts = field(default_factory=LayerParts)
+    #: the same, where a GGUF file stores them otherwise (None: as `parts`)
+    gguf_parts: LayerParts | None = None
     #: HF folders may nest the text model (e.g. Gemma 3 multimodal: language_model.)
     hf_prefixes: tuple[str, ...] = ("",)
     #: row permutation of q/k written by llama.cpp's converter (undone at load)
     gguf_permutes_qk: bool = False
     fix_hf: Fix = _keep
     fix_gguf: Fix = _keep
+    #: tensors (short names) kept in float32 whatever the compute dtype: x * (1 + w) norms, whose 1 + w in
+    #: bf16 would scale every channel off by up to 2**-8 where the checkpoint computes it in float32
+    float32: tuple[str, ...] = ()
 
-    def layer_names(self, hf: bool) -> Mapping[str, str]:
+    def parts_for(self, hf: bool) -> LayerParts:
+        """The layers' parts as a HF folder (hf) or a GGUF file stores them."""
+        return self.parts if hf or self.gguf_parts is None else self.gguf_parts
+
+    def layer_names(self, hf: bool) -> Mapping[str, Any]:
         return self.hf_layer if hf else self.gguf_layer
 
     def global_names(self, hf: bool) -> Mapping[str, str]:
@@ -90,7 +130,7 @@ def register(recipe: Recipe) -> Recipe:
 
 def _load_all() -> None:
     # Importing the family modules registers them; kept lazy to avoid an import cycle.
-    from superslm.models import gemma3, llama, phi3, qwen2, qwen3, smollm3  # noqa: F401
+    from superslm.models import gemma3, llama, phi3, qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_next, smollm3  # noqa: F401
 
 
 def recipe_for_hf(config: Mapping[str, Any]) -> Recipe:

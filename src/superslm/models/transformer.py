@@ -38,6 +38,7 @@ from superslm.kernels.norm import norm_dtype
 from superslm.kernels.rope import rope_cos_sin
 from superslm.kernels.row_blocks import BLOCK, by_row_blocks, pad_rows
 from superslm.models.arch import Arch
+from superslm.models.layers import PartsLayer
 from superslm.models.parts import LINEAR_NAMES, NORMS, LayerParts, stacked
 
 
@@ -90,6 +91,10 @@ class Layer(nn.Module):
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return rms_norm(x, getattr(self, name), self.arch.norm_eps, self.arch.norm_float)
+
+    def linears(self) -> list[tuple[nn.Module, str, str]]:
+        """(parent module, attribute, name within the layer) of each linear a weight format may replace."""
+        return [(self, name, name) for name in LINEAR_NAMES]
 
     def forward(
         self,
@@ -255,10 +260,20 @@ class Transformer(nn.Module):
         self.arch = arch
         n = arch.layers if layers is None else layers
         self.embed_weight = nn.Parameter(weights["embed"], requires_grad=False)  # type: ignore[arg-type]
-        self.layers = nn.ModuleList(
-            Layer(arch, i, {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")})
-            for i in range(n)
-        )
+        #: every layer attention and a dense MLP: the fused `Layer`, the C++ plan and the decode graphs run it;
+        #: otherwise each layer is a `PartsLayer` on the reference path
+        self.plain = not (arch.hybrid or any(arch.moe_layers) or arch.attn_gate)
+
+        def build(i: int) -> nn.Module:
+            w = {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")}
+            return Layer(arch, i, w) if self.plain else PartsLayer(arch, i, w, DenseLinear)
+
+        self.layers = nn.ModuleList(build(i) for i in range(n))
+        #: each layer's index among the built layers of its mixer: its KV pages' layer, or its state's
+        self.cache_index = [arch.mixers[:i].count(arch.mixers[i]) for i in range(n)]
+        #: layers that keep KV pages, and delta-rule layers (a recurrent state per slot)
+        self.kv_layers = arch.mixers[:n].count("attention")
+        self.state_layers = n - self.kv_layers
         self.has_head = n == arch.layers and "norm" in weights
         if self.has_head:
             self.register_buffer("norm_weight", weights["norm"], persistent=False)
@@ -359,10 +374,14 @@ class Transformer(nn.Module):
         start: int = 0,
         end: int | None = None,
         plan: bool | None = None,
+        states: Any = None,
     ) -> torch.Tensor:
-        """Layers start..end-1 on the residual stream h [N, dim]; k_cache/v_cache are [layers, slots, kv, D].
-        `plan`: whether the C++ plan runs them, as the caller chose for the step (`plan_step`; None: chosen here)."""
+        """Layers start..end-1 on the residual stream h [N, dim]; k_cache/v_cache are [kv_layers, slots, kv, D].
+        `plan`: whether the C++ plan runs them, as the caller chose for the step (`plan_step`; None: chosen here).
+        `states`: the delta-rule layers' cache.state.RecurrentStates (rows meta.state_slots), where there are any."""
         end = len(self.layers) if end is None else end
+        if not self.plain:
+            return self._run_parts(h, meta, k_cache, v_cache, start, end, states)
         positions = meta.positions
         if self.plan_step(h, meta, k_cache) if plan is None else plan:
             # all layers in one C++ call (kernels/cpu_decode.py): all-decode steps, or every step in
@@ -380,11 +399,27 @@ class Transformer(nn.Module):
             h, y = self.layers[i](h, meta, tables[self.rope_key(i)], k_cache[i], v_cache[i], y)
         return h if y is None else h + y
 
+    def _run_parts(self, h: torch.Tensor, meta: AttnMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   start: int, end: int, states: Any) -> torch.Tensor:
+        """Layers of parts, the reference executor: each gets its KV pages or its recurrent states."""
+        if self.state_layers and (states is None or len(meta.state_slots) != meta.num_seqs):
+            raise TypeError("delta-rule layers need the recurrent states and a state slot per sequence")
+        positions = meta.positions
+        if meta.deterministic and self.row_multiple > 1:
+            h, positions = pad_rows(h, BLOCK), pad_rows(positions, BLOCK)
+        tables = self._rope_tables(positions)
+        y = None
+        for i in range(start, end):
+            j = self.cache_index[i]
+            caches = (k_cache[j], v_cache[j]) if self.arch.mixers[i] == "attention" else (states.conv[j], states.ssm[j])
+            h, y = self.layers[i](h, meta, tables[self.rope_key(i)], *caches, y)
+        return h if y is None else h + y
+
     def plan_step(self, h: torch.Tensor, meta: AttnMetadata, k_cache: torch.Tensor) -> bool:
         """Whether this step runs through the C++ plan (LoRA deltas included): on the CPU; every step in
         deterministic mode, else all-decode steps and prompt chunks where it is faster (`_plan_pays`)."""
-        if h.device.type != "cpu" or not self.fast_decode:
-            return False
+        if h.device.type != "cpu" or not self.fast_decode or not self.plain:
+            return False  # the plan runs attention and dense MLPs only
         if backend(h.device) != "torch":
             return False  # the Triton kernels were asked for (SUPERSLM_KERNELS=triton: the interpreter's tests)
         if h.shape[0] != meta.query_start[-1]:
@@ -411,7 +446,7 @@ class Transformer(nn.Module):
     @property
     def row_multiple(self) -> int:
         """16 when some linear may round a row differently with another row count, else 1."""
-        linears = [getattr(layer, name) for layer in self.layers for name in LINEAR_NAMES]
+        linears = [m for layer in self.layers for m in layer.modules() if hasattr(m, "row_invariant")]
         if self.has_head:
             linears.append(self.head)
         return 1 if all(getattr(m, "row_invariant", False) for m in linears) else BLOCK

@@ -14,7 +14,6 @@ import torch
 from superslm.errors import FormatError, InvalidArgument, UnsupportedModel
 from superslm.memory import release_freed_memory
 from superslm.models.loader import Source, Stored, all_finite, canonical_names
-from superslm.models.parts import LINEAR_NAMES
 from superslm.models.transformer import DenseLinear, Transformer
 from superslm.quant.base import LinearFormat, format_class
 from superslm.quant.gguf_map import GGUFEmbedding, GGUFPart, linear_from_gguf
@@ -59,13 +58,13 @@ def quantize_linears(
         raise InvalidArgument("the gguf format comes from GGUF blocks: use quantize_from_source")
     done: dict[str, str] = {}
     for i, layer in enumerate(net.layers):
-        for attr in LINEAR_NAMES:
-            dense = getattr(layer, attr)
+        for parent, attr, name in layer.linears():
+            dense = getattr(parent, attr)
             if body is None or not isinstance(dense, DenseLinear):
                 continue
             module = make_linear(body, dense.weight, dense.bias, group, rotate, seed)
-            setattr(layer, attr, module)
-            done[f"layers.{i}.{attr}"] = module.describe()
+            setattr(parent, attr, module)
+            done[f"layers.{i}.{name}"] = module.describe()
     if getattr(net, "has_head", False) and head is not None and isinstance(net.head, DenseLinear):
         net.head = make_linear(head, net.head.weight, net.head.bias, group, rotate, seed)
         done["head"] = net.head.describe()
@@ -176,7 +175,7 @@ def check_finite(module: torch.nn.Module, where: str) -> None:
 def linear_summary(net: Transformer) -> dict[str, int]:
     """{describe() of a linear: how many modules} over the whole model (for `superslm info`)."""
     out: dict[str, int] = {}
-    modules = [getattr(layer, attr) for layer in net.layers for attr in LINEAR_NAMES]
+    modules = [getattr(parent, attr) for layer in net.layers for parent, attr, _ in layer.linears()]
     if getattr(net, "has_head", False):
         modules.append(net.head)
     for m in modules:

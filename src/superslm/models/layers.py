@@ -1,0 +1,251 @@
+"""Layers built from their parts: gated attention, the gated delta rule, a mixture of experts.
+
+`PartsLayer` is the straight-line reference forward of any layer the fused `transformer.Layer` does not run
+(Qwen3.5, Qwen3-Next, Qwen3-MoE): norm, mixer, residual add, norm, MLP. Its mixer's cache is the layer's
+KV pages (attention) or the slots' recurrent states (a delta rule: `cache.state.RecurrentStates` rows), so
+the transformer hands each layer the two tensors of its own kind. The C++ plan and the decode graphs do not
+run these parts: `Transformer.plain` is False and both executors refuse the net.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from superslm.kernels import delta_rule
+from superslm.kernels.attention import AttnMetadata, QKVSpec
+from superslm.kernels.dispatch import add_rms_norm, dense_matmul, gated_act, prepare_attention, rms_norm
+from superslm.kernels.row_blocks import BLOCK, by_row_blocks
+from superslm.models.arch import Arch
+from superslm.models.parts import DELTA_LAYOUTS, stack
+
+
+def _linear(lin: nn.Module, x: torch.Tensor, deterministic: bool) -> torch.Tensor:
+    """lin(x); in deterministic mode 16 rows a call, so a row's bits do not depend on the step's row count."""
+    if not deterministic or getattr(lin, "row_invariant", False):
+        return lin(x)
+    blocks = getattr(lin, "forward_row_blocks", None)  # the formats: one call where their kernel tiles rows
+    return by_row_blocks(lin, x) if blocks is None else blocks(x)
+
+
+def _matmul(x: torch.Tensor, w: torch.Tensor, deterministic: bool) -> torch.Tensor:
+    """x [M, in] @ w [out, in]^T, 16 rows a call in deterministic mode."""
+    return dense_matmul(x, w, None, BLOCK) if deterministic else F.linear(x, w)
+
+
+class GatedAttention(nn.Module):
+    """Attention over the paged cache (q/k norms, partial rotary positions), its output times sigmoid(gate)
+    where the Arch has the gate (q's linear gives each head its query, then its gate) before o."""
+
+    #: the linears a weight format may replace
+    linear_names = ("qkv", "o")
+
+    def __init__(self, arch: Arch, index: int, w: Mapping[str, torch.Tensor | None], linear: type[nn.Module]) -> None:
+        super().__init__()
+        a = self.arch = arch
+        self.window = arch.windows[index]
+        q = w["q"]
+        assert q is not None
+        if a.attn_gate:
+            heads = q.reshape(a.heads, 2, a.head_dim, a.dim)  # [heads, (query, gate), D, dim]
+            q, gate = heads[:, 0].reshape(-1, a.dim), heads[:, 1].reshape(-1, a.dim)
+            pieces = [q, w["k"], w["v"], gate]  # one matmul; the gate's rows last
+        else:
+            pieces = [q, w["k"], w["v"]]
+        self.qkv = linear(torch.cat(pieces))  # type: ignore[arg-type]
+        self.o = linear(w["o"])
+        for n in ("q_norm", "k_norm"):
+            if a.qk_norm:
+                self.register_buffer(n, w[n], persistent=False)
+
+    def forward(self, x: torch.Tensor, meta: AttnMetadata, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        a = self.arch
+        n, width = x.shape[0], (a.heads + 2 * a.kv_heads) * a.head_dim
+        out = _linear(self.qkv, x, meta.deterministic)
+        qkv = out[:, :width].contiguous()
+        norms = (self.q_norm, self.k_norm) if a.qk_norm else (None, None)
+        spec = QKVSpec(a.heads, a.kv_heads, None, *norms, a.norm_eps, a.norm_float, self.window, a.attn_scale)
+        o_in = prepare_attention(qkv, spec, *cos_sin, k_cache, v_cache, meta).reshape(n, a.heads * a.head_dim)
+        if a.attn_gate:
+            o_in = o_in * torch.sigmoid(out[:, width:])
+        return _linear(self.o, o_in, meta.deterministic)
+
+
+class DeltaRule(nn.Module):
+    """A gated delta-rule layer over each sequence's recurrent state (kernels/delta_rule.py): the input
+    projection, the causal convolution of q, k and v, the delta rule (chunked for prompt rows, recurrent for
+    decode rows, all decode rows of a step at once), the gated norm and the output projection."""
+
+    linear_names = ("in_proj", "out")
+
+    def __init__(self, arch: Arch, w: Mapping[str, torch.Tensor | None], linear: type[nn.Module]) -> None:
+        super().__init__()
+        self.arch, d = arch, arch.delta
+        assert d is not None
+        self.dims = d
+        names = next(n for n in DELTA_LAYOUTS.values() if all(w.get(k) is not None for k in n))
+        self.in_proj = linear(stack(w, names))
+        self.out = linear(w["out"])
+        for n in ("conv", "dt_bias", "a_log", "delta_norm"):
+            self.register_buffer(n, w[n], persistent=False)
+
+    def forward(self, x: torch.Tensor, meta: AttnMetadata, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
+        """x [N, dim] -> [N, dim]; conv_state [slots, C, taps - 1] and ssm_state [slots, Hv, Dk, Dv] hold each
+        sequence's state (meta.state_slots), read and written here; a sequence at position 0 starts from zeros."""
+        d, n = self.dims, x.shape[0]
+        proj = _linear(self.in_proj, x, meta.deterministic)
+        mixed, z, b, a = torch.split(proj, [d.conv_width, d.value_width, d.v_heads, d.v_heads], dim=1)
+        beta = torch.sigmoid(b)
+        g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [N, Hv] log decay
+        core = torch.zeros(n, d.v_heads, d.v_dim, dtype=torch.float32, device=x.device)
+        qs, lens, slots = meta.query_start, meta.seq_lens, meta.state_slots
+        decode: list[int] = []
+        for s in range(meta.num_seqs):
+            r0, r1 = qs[s], qs[s + 1]
+            if r1 == r0:
+                continue
+            if lens[s] == r1 - r0:  # the sequence starts in this step: its state starts from zeros
+                conv_state[slots[s]].zero_()
+                ssm_state[slots[s]].zero_()
+            if r1 - r0 == 1:
+                decode.append(s)
+                continue
+            y, conv_state[slots[s]] = delta_rule.causal_conv(mixed[r0:r1], self.conv, conv_state[slots[s]])
+            q, k, v = self._heads(y)
+            core[r0:r1], ssm_state[slots[s]] = delta_rule.chunked(q, k, v, g[r0:r1], beta[r0:r1],
+                                                                   ssm_state[slots[s]])
+        if decode:
+            rows = torch.tensor([qs[s] for s in decode], device=x.device)
+            idx = torch.tensor([slots[s] for s in decode], device=x.device)
+            y, conv_state[idx] = delta_rule.causal_conv_step(mixed[rows], self.conv, conv_state[idx])
+            q, k, v = self._heads(y)
+            core[rows], ssm_state[idx] = delta_rule.recurrent(q, k, v, g[rows], beta[rows], ssm_state[idx])
+        z = z.reshape(n, d.v_heads, d.v_dim)
+        normed = delta_rule.gated_rms_norm(core.to(x.dtype), z, self.delta_norm, self.arch.norm_eps)
+        return _linear(self.out, normed.reshape(n, d.value_width), meta.deterministic)
+
+    def _heads(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Convolved rows [T, C] -> q, k [T, Hk, Dk] normalized, v [T, Hv, Dv]."""
+        d, t = self.dims, y.shape[0]
+        q, k, v = torch.split(y, [d.key_width, d.key_width, d.value_width], dim=1)
+        q, k = delta_rule.normalize_qk(q.reshape(t, d.k_heads, d.k_dim), k.reshape(t, d.k_heads, d.k_dim))
+        return q, k, v.reshape(t, d.v_heads, d.v_dim)
+
+
+class DenseMLP(nn.Module):
+    """act(gate) * up, then down."""
+
+    linear_names = ("gate_up", "down")
+
+    def __init__(self, arch: Arch, gate_up: torch.Tensor, down: torch.Tensor, linear: type[nn.Module]) -> None:
+        super().__init__()
+        self.act = arch.act
+        self.gate_up, self.down = linear(gate_up), linear(down)
+
+    def forward(self, x: torch.Tensor, deterministic: bool) -> torch.Tensor:
+        return _linear(self.down, gated_act(_linear(self.gate_up, x, deterministic), self.act), deterministic)
+
+
+class MoE(nn.Module):
+    """A mixture of experts: the router's softmax, each token's top k experts (weights renormalized where the
+    Arch says so), tokens grouped by expert so each expert's weights are read once a step; a shared expert
+    scaled by sigmoid(shared_scale x) where there is one. `tokens_per_expert` counts what the router chose.
+    The router and the shared expert's gate stay dense (a token's choice of experts should not move with a
+    format's rounding); the experts' stacks stay in the compute dtype."""
+
+    linear_names = ()
+
+    def __init__(self, arch: Arch, w: Mapping[str, torch.Tensor | None], linear: type[nn.Module]) -> None:
+        super().__init__()
+        e = self.experts = arch.experts
+        assert e is not None
+        self.act = arch.act
+        self.router = linear(w["router"])
+        self.register_buffer("experts_gate_up", w["experts_gate_up"], persistent=False)
+        self.register_buffer("experts_down", w["experts_down"], persistent=False)
+        self.shared = None
+        if e.shared_ffn:
+            self.shared = DenseMLP(arch, stack(w, ("shared_gate", "shared_up")), w["shared_down"], linear)  # type: ignore[arg-type]
+            self.shared_scale = linear(w["shared_scale"])
+        self.tokens_per_expert = torch.zeros(e.count, dtype=torch.long)
+
+    def forward(self, x: torch.Tensor, deterministic: bool) -> torch.Tensor:
+        e = self.experts
+        logits = _linear(self.router, x, deterministic)
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, chosen = torch.topk(probs, e.top_k, dim=-1)  # [N, k]
+        if e.norm_top_k:
+            top = top / top.sum(-1, keepdim=True)
+        weights = top.to(x.dtype)
+        out = torch.zeros_like(x)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # the (token, k) pairs grouped by expert, tokens in order
+        counts = torch.bincount(flat, minlength=e.count)
+        self.tokens_per_expert += counts.cpu()
+        start = 0
+        for expert, count in enumerate(counts.tolist()):
+            if not count:
+                continue
+            pairs = order[start:start + count]
+            start += count
+            tokens = pairs // e.top_k
+            act = gated_act(_matmul(x[tokens], self.experts_gate_up[expert], deterministic), self.act)
+            y = _matmul(act, self.experts_down[expert], deterministic)
+            out.index_add_(0, tokens, y * weights.reshape(-1)[pairs, None])
+        if self.shared is not None:
+            scale = torch.sigmoid(_linear(self.shared_scale, x, deterministic))
+            out = out + scale * self.shared(x, deterministic)
+        return out
+
+
+class PartsLayer(nn.Module):
+    """One layer from its parts: x + mixer(norm(x)), then that plus mlp(norm(...)), as `transformer.Layer`'s
+    (h, y) pair: the stream after the layer is h + y, which the next layer adds in its first norm."""
+
+    #: the C++ plan and the decode graphs do not run these parts (Transformer.plain)
+    plain = False
+
+    def __init__(self, arch: Arch, index: int, w: Mapping[str, torch.Tensor | None], linear: type[nn.Module]) -> None:
+        super().__init__()
+        self.arch, self.index = arch, index
+        self.kind = arch.mixers[index]
+        self.mixer: nn.Module = (DeltaRule(arch, w, linear) if self.kind == "delta"
+                                 else GatedAttention(arch, index, w, linear))
+        if arch.moe_layers[index]:
+            self.mlp: nn.Module = MoE(arch, w, linear)
+        else:
+            self.mlp = DenseMLP(arch, stack(w, ("gate", "up")), w["down"], linear)  # type: ignore[arg-type]
+        self.register_buffer("attn_norm", w["attn_norm"], persistent=False)
+        self.register_buffer("ffn_norm", w["ffn_norm"], persistent=False)
+
+    def linears(self) -> list[tuple[nn.Module, str, str]]:
+        """(parent module, attribute, name within the layer) of each linear a weight format may replace."""
+        out = []
+        for prefix, m in self.named_modules():
+            for attr in getattr(m, "linear_names", ()):
+                out.append((m, attr, f"{prefix}.{attr}" if prefix else attr))
+        return out
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        meta: AttnMetadata,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache_a: torch.Tensor,
+        cache_b: torch.Tensor,
+        pending: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, y) for h [N, dim]; cache_a, cache_b: this layer's K and V pages, or its conv and delta states."""
+        a = self.arch
+        if pending is None:
+            x = rms_norm(h, self.attn_norm, a.norm_eps, a.norm_float)
+        else:
+            x, h = add_rms_norm(pending, h, self.attn_norm, a.norm_eps, a.norm_float)
+        mixed = self.mixer(x, meta, cos_sin, cache_a, cache_b)
+        x, h = add_rms_norm(mixed, h, self.ffn_norm, a.norm_eps, a.norm_float)
+        return h, self.mlp(x, meta.deterministic)

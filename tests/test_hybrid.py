@@ -1,0 +1,305 @@
+"""Hybrid and MoE families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, Qwen3-MoE) against transformers, and the engine's
+contracts on a hybrid model (recurrent states per slot) and a MoE model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import superslm
+from superslm import Request, Sampling
+from superslm.engine import persist
+from superslm.errors import StateCorrupted, UnsupportedModel
+from superslm.kernels import delta_rule
+from superslm.models.loader import materialize, open_source
+from superslm.models.transformer import Transformer
+from tests.test_engine import prompts
+from tests.tiny_models import SingleSequence, build_hf_model, hf_greedy
+
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_moe"]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, tuple[object, object]]:
+    out = {}
+    for family in FAMILIES:
+        folder = tmp_path_factory.mktemp(family)
+        out[family] = (build_hf_model(family, folder), folder)
+    return out
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_delta_rule_forms_equal_transformers() -> None:
+    """The chunked form (prompts, chunks of 64 with a padded last one) and the recurrent form (one token at a
+    time) against transformers' torch references, with 2 key heads serving 4 value heads and a starting state."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    t, hk, hv, dk, dv = 150, 2, 4, 16, 8
+    q, k = torch.randn(t, hk, dk, generator=g), torch.randn(t, hk, dk, generator=g)
+    v = torch.randn(t, hv, dv, generator=g)
+    decay, beta = -torch.rand(t, hv, generator=g), torch.rand(t, hv, generator=g)
+    s0 = torch.randn(hv, dk, dv, generator=g) * 0.1
+    args = (q[None], k[None], v[None], decay[None], beta[None])
+    want, want_s = torch_chunk_gated_delta_rule(*args, initial_state=s0[None], output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)
+    qn, kn = delta_rule.normalize_qk(q, k)
+    got, got_s = delta_rule.chunked(qn, kn, v, decay, beta, s0)
+    assert (got - want[0]).abs().max() <= 1e-5 and (got_s - want_s[0]).abs().max() <= 1e-5
+    rec, rec_s = torch_recurrent_gated_delta_rule(*args, initial_state=s0[None], output_final_state=True,
+                                                  use_qk_l2norm_in_kernel=True)
+    s, rows = s0[None].clone(), []
+    for i in range(t):
+        o, s = delta_rule.recurrent(qn[i:i + 1], kn[i:i + 1], v[i:i + 1], decay[i:i + 1], beta[i:i + 1], s)
+        rows.append(o)
+    assert (torch.cat(rows) - rec[0]).abs().max() <= 1e-5 and (s[0] - rec_s[0]).abs().max() <= 1e-5
+    # the chunk size is a choice of arithmetic, not of result
+    other, other_s = delta_rule.chunked(qn, kn, v, decay, beta, s0, chunk=16)
+    assert (other - got).abs().max() <= 1e-4 and (other_s - got_s).abs().max() <= 1e-4
+
+
+def test_causal_conv_equals_transformers() -> None:
+    from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn, causal_conv1d_update
+
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(20, 12, generator=g), torch.randn(12, 4, generator=g)
+    want = causal_conv1d_fn(x.T[None], w, None, activation="silu")[0].T
+    got, state = delta_rule.causal_conv(x[:13], w, torch.zeros(12, 3))
+    rows = [got]
+    for i in range(13, 20):  # then one row at a time from the carried state, as a decode step
+        y, state = delta_rule.causal_conv_step(x[i:i + 1], w, state[None])
+        state = state[0]
+        rows.append(y)
+    assert (torch.cat(rows) - want).abs().max() <= 1e-6
+    hf_state = torch.zeros(1, 12, 4)
+    hf_state[0, :, 1:] = x[10:13].T
+    step = causal_conv1d_update(x[13:14].T[None], hf_state, w, None, "silu")[0, :, 0]
+    assert (step - want[13]).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_equal_transformers(family: str, built) -> None:
+    """fp32 logits within 1e-4 of transformers for a 200-token prompt read as a 130-token chunk (three
+    delta-rule chunks), a 64-token one, then single tokens (the recurrent form)."""
+    hf, folder = built[family]
+    src = open_source(folder)
+    tokens = _tokens(200, 2)
+    with torch.no_grad():
+        want = hf(torch.tensor([tokens])).logits[0].float()
+        seq = SingleSequence(Transformer(src.arch, materialize(src, torch.float32)), pages=64)
+        cuts = ((0, 130), (130, 194), *((i, i + 1) for i in range(194, 200)))
+        got = torch.cat([seq.step(tokens[a:b]) for a, b in cuts])
+    assert (got - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_greedy_64_steps_equals_transformers(family: str, built) -> None:
+    hf, folder = built[family]
+    model = superslm.load(folder, dtype="float32")
+    ps = [_tokens(n, 3 + n) for n in (9, 150)]
+    engine = model.engine(slots=2, context=256, chunk=48)
+    got = [c.tokens for c in engine.generate([Request(p, 64, Sampling(ignore_eos=True)) for p in ps])]
+    assert got == [hf_greedy(hf, p, 64) for p in ps]
+
+
+def test_layer_kinds_and_refusals(built, tmp_path) -> None:
+    a = open_source(built["qwen3_5"][1]).arch
+    assert a.mixers == ("delta", "delta", "delta", "attention") and a.attn_gate and a.rotary_dim == 4
+    assert a.delta.conv_width == 2 * 2 * 16 + 4 * 8
+    n = open_source(built["qwen3_next"][1]).arch
+    assert n.moe_layers == (False, True, True, True) and n.experts.shared_ffn == 48 and n.experts.norm_top_k
+    m = open_source(built["qwen3_moe"][1]).arch
+    assert m.mixers == ("attention",) * 3 and m.moe_layers == (False, True, False) and not m.attn_gate
+    model = superslm.load(built["qwen3_5"][1])
+    assert tuple(model.info()["arch"]["mixers"]) == a.mixers
+    # the C++ plan and the decode graphs run attention and dense MLPs only: these layers are refused by type
+    from superslm.engine.graphs import graph_reason
+    from superslm.kernels.attention import AttnMetadata
+
+    net = model.net
+    assert not net.plain and not net.plan_step(net.embed(torch.tensor([3])), AttnMetadata.one_prompt(1, 4),
+                                               torch.zeros(1, 4, a.kv_heads, a.head_dim, dtype=net.dtype))
+    assert "reference path" in graph_reason(net, deterministic=False)
+    # a multimodal checkpoint's nested config is refused by name, not misread
+    folder = tmp_path / "vl"
+    folder.mkdir()
+    text = json.loads((built["qwen3_5"][1] / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text", "text_config": text}))
+    with pytest.raises(UnsupportedModel, match="multimodal"):
+        open_source(folder)
+    from superslm.convert import convert
+
+    with pytest.raises(UnsupportedModel, match="not supported yet"):
+        convert(built["qwen3_5"][1], tmp_path / "out", format="int8")
+    assert not (tmp_path / "out").exists()
+
+
+def test_int8_linears_on_hybrid_layers(built) -> None:
+    """quant="int8" swaps the parts' linears (the router stays dense); its logits' error is within 3x the error
+    transformers itself makes in bf16."""
+    import transformers
+
+    counts = superslm.load(built["qwen3_5_moe"][1], quant="int8").info()["linears"]
+    assert sum(n for k, n in counts.items() if "int8" in k) == 4 * 2 + 4 * 2 + 1  # mixers, shared MLPs, head
+    hf, folder = built["qwen3_5"]
+    p = _tokens(90, 9)
+    with torch.no_grad():
+        want = hf(torch.tensor([p])).logits[0].float()
+        hf16 = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+        bf16_error = (hf16(torch.tensor([p])).logits[0].float() - want).abs().mean()
+        got = SingleSequence(superslm.load(folder, quant="int8").net).step(p).float()
+    assert (got - want).abs().mean() <= 3 * bf16_error
+
+
+# --- the engine's contracts on a hybrid and a MoE model ---------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_moe"])
+def model(request, built) -> superslm.Model:
+    return superslm.load(built[request.param][1], dtype="float32")
+
+
+def _greedy(model: superslm.Model, ps: list[list[int]], n: int = 12, **kwargs) -> list[list[int]]:
+    engine = model.engine(**{"slots": 4, "context": 160, **kwargs})
+    return [c.tokens for c in engine.generate([Request(p, n, Sampling(ignore_eos=True)) for p in ps])]
+
+
+def test_alone_batched_chunked_budgeted_deterministic(model) -> None:
+    ps = prompts(5, seed=20, lo=3, hi=90)
+    alone = [_greedy(model, [p], slots=1)[0] for p in ps]
+    assert _greedy(model, ps) == alone
+    for chunk in (1, 7, 64):
+        assert _greedy(model, ps, chunk=chunk, rows=64) == alone, f"chunk {chunk}"
+    assert _greedy(model, ps, deterministic=True) == alone
+    engine = model.engine(slots=4, context=160)
+    ids = [engine.add(Request(p, 12, Sampling(ignore_eos=True))) for p in ps]
+    got: dict[int, list[int]] = {i: [] for i in ids}
+    while engine.busy():
+        for pr in engine.advance(layer_budget=1):
+            got[pr.id] += pr.tokens
+    assert [got[i] for i in ids] == alone
+
+
+def test_preemption_and_the_prefix_cache(model) -> None:
+    """Preempted sequences recompute from their start (a delta-rule state restarts from zeros) and answer as
+    alone; a hybrid model takes no automatic prefix cache hit (no page holds the states after it)."""
+    from superslm.cache.kv import KVCache
+
+    ps = prompts(6, seed=21, lo=20, hi=30)
+    alone = [_greedy(model, [p], 20, slots=1)[0] for p in ps]
+    a = model.arch
+    page = KVCache.page_bytes(model.net.kv_layers, 4, a.kv_heads, a.head_dim, model.dtype)
+    engine = model.engine(slots=6, context=160, page_size=4, kv_budget=30 * page)
+    got = engine.generate([Request(p, 20, Sampling(ignore_eos=True)) for p in ps])
+    assert engine.scheduler.num_preemptions > 0
+    assert [c.tokens for c in got] == alone
+    assert engine.pool.num_used == 0
+    if a.hybrid:
+        assert sorted(engine.scheduler.free_states) == list(range(6))  # every state row came back
+    again = engine.generate([Request(ps[0], 20, Sampling(ignore_eos=True))])[0]
+    assert again.tokens == alone[0]
+    if a.hybrid:
+        assert again.cached == 0
+
+
+def test_save_restore_and_prefix_handles(model) -> None:
+    p = prompts(1, seed=22, lo=70, hi=70)[0]
+    want = _greedy(model, [p], 16)[0]
+    engine = model.engine(slots=2, context=160)
+    rid = engine.add(Request(p, 16, Sampling(ignore_eos=True)))
+    first: list[int] = []
+    while len(first) < 5:
+        for pr in engine.advance():
+            first += pr.tokens
+    blob = engine.save(rid)
+    other = model.engine(slots=2, context=160)
+    rest: list[int] = []
+    other.restore(blob)
+    while other.busy():
+        for pr in other.advance():
+            rest += pr.tokens
+    assert first + rest == want
+    saved = persist.decode(blob, model.fingerprint)
+    assert sorted(saved.extra) == (["conv", "ssm"] if model.arch.hybrid else [])
+    if model.arch.hybrid:  # KV alone cannot resume a delta-rule model: a blob without its states is refused
+        stripped = persist.encode(saved.header, saved.k, saved.v)
+        with pytest.raises(StateCorrupted, match="recurrent states"):
+            model.engine(slots=1, context=160).restore(stripped)
+    pre = engine.prefix(p[:37])
+    c = engine.generate([Request(p[37:], 16, Sampling(ignore_eos=True), prefix=pre)])[0]
+    assert c.tokens == want and c.cached == 37
+
+
+def test_hidden_and_low_level_steps_equal_transformers(model, built) -> None:
+    family = "qwen3_5" if model.arch.hybrid else "qwen3_moe"
+    hf = built[family][0]
+    a, b = prompts(2, seed=23, lo=30, hi=80)
+    engine = model.engine(slots=2, context=160)
+    rows = [(t, 0) for t in a] + [(t, 1) for t in b]
+    wanted = [False] * len(rows)
+    wanted[len(a) - 1] = wanted[-1] = True
+    logits = engine.step([t for t, _ in rows], [s for _, s in rows], wanted)
+    with torch.no_grad():
+        want_a, want_b = hf(torch.tensor([a])).logits[0, -1], hf(torch.tensor([b])).logits[0, -1]
+        nxt = int(want_a.argmax())
+        want_next = hf(torch.tensor([a + [nxt]])).logits[0, -1]
+        hidden = hf(torch.tensor([b]), output_hidden_states=True).hidden_states
+    assert (logits[0] - want_a).abs().max() <= 1e-4 and (logits[1] - want_b).abs().max() <= 1e-4
+    assert (engine.step([nxt], [0], [True])[0] - want_next).abs().max() <= 1e-4
+    engine.reset(0)
+    engine.reset(1)
+    layers = list(range(model.arch.layers + 1))
+    got = engine.hidden(b, [1] * len(b), layers)
+    for i in layers:
+        assert (got[i] - hidden[i][0]).abs().max() <= 1e-4, f"layer {i}"
+
+
+def test_expert_counts(built) -> None:
+    model = superslm.load(built["qwen3_moe"][1], dtype="float32")
+    engine = model.engine(slots=2, context=128)
+    assert engine.expert_counts() == {1: [0] * 8}
+    engine.generate([Request(_tokens(30, 5), 4, Sampling(ignore_eos=True))])
+    counts = engine.expert_counts()
+    # 30 prompt rows and 3 decode rows (the last token is sampled, never read), 2 experts each
+    assert list(counts) == [1] and sum(counts[1]) == 2 * 33
+    assert superslm.load(built["qwen3_5"][1]).engine(slots=1, context=64).expert_counts() == {}
+
+
+
+#: llama.cpp's converter runs experts on every layer (no dense layer between them), and its Qwen tokenizer adds
+#: <|endoftext|> past our 300 tokens, which must stay inside the vocabulary
+_GGUF_SPECS = {"qwen3_next": dict(mlp_only_layers=[]), "qwen3_moe": dict(decoder_sparse_step=1)}
+
+
+@pytest.mark.slow  # fetches llama-cpp-python's source distribution from PyPI once
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_from_llama_cpp_converter_matches_transformers(family: str, tmp_path) -> None:
+    """llama.cpp's own converter writes the GGUF (A as -exp(A_log), value heads tiled for Qwen3.5, Qwen3-Next's
+    q, k, v, z regrouped and b, a kept by key head, experts stacked): our logits from it equal transformers'."""
+    from tests.llama_cpp_convert import convert
+    from tests.tiny_models import CONFIGS, write_tokenizer
+
+    folder = tmp_path / "hf"
+    cls, kwargs = CONFIGS[family]
+    hf = build_hf_model(family, folder, spec=(cls, dict(kwargs, vocab_size=302, **_GGUF_SPECS.get(family, {}))))
+    write_tokenizer(folder, 300)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    gguf = convert(folder, tmp_path / "model.gguf", extra=() if family == "qwen3_moe" else ("--no-mtp",))
+    src = open_source(gguf)
+    assert src.arch.mixers == open_source(folder).arch.mixers
+    tokens = _tokens(150, 7)
+    with torch.no_grad():
+        want = hf(torch.tensor([tokens])).logits[0].float()
+        got = SingleSequence(Transformer(src.arch, materialize(src, torch.float32))).step(tokens)
+    assert (got - want).abs().max().item() <= 1e-4
+    model = superslm.load(gguf, dtype="float32")  # its blocks run dense: the GGUF kernels take plain layers only
+    c = model.engine(slots=1, context=256).generate([Request(tokens[:40], 8, Sampling(ignore_eos=True))])[0]
+    assert c.tokens == hf_greedy(hf, tokens[:40], 8)
