@@ -224,63 +224,108 @@ def test_every_option_has_help_and_says_its_default() -> None:
     assert (serve.context, serve.slots, serve.threads) == (300, 3, 1)  # vLLM's names
 
 
+class _Terminal:
+    """`superslm` in a pseudo-terminal, as a person runs it: what it prints (`seen`, all of it in `transcript`)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        import pty
+
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: the chat, on the terminal
+            os.execve(sys.executable, argv, dict(os.environ, PYTHONUNBUFFERED="1", TERM="xterm"))
+        self.seen, self.transcript = bytearray(), bytearray()
+
+    def read(self, timeout: float) -> None:
+        import select
+
+        if select.select([self.fd], [], [], timeout)[0]:
+            try:
+                data = os.read(self.fd, 4096)
+            except OSError:  # the child closed the terminal
+                raise AssertionError(f"the chat ended: {bytes(self.transcript[-2000:])!r}") from None
+            self.seen.extend(data)
+            self.transcript.extend(data)
+
+    def until(self, token: bytes, timeout: float = 120) -> None:
+        """Wait for `token`; what came before it and the token itself are consumed."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while token not in self.seen:
+            assert time.monotonic() < deadline, f"no {token!r} in {bytes(self.seen[-2000:])!r}"
+            self.read(0.5)
+        del self.seen[: self.seen.index(token) + len(token)]
+
+    def write(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def wait(self) -> int:
+        _, status = os.waitpid(self.pid, 0)
+        assert os.WIFEXITED(status)
+        return os.WEXITSTATUS(status)
+
+    def close(self) -> None:
+        try:
+            os.kill(self.pid, 9)
+        except ProcessLookupError:
+            pass
+        os.close(self.fd)
+
+
 def test_chat_in_a_terminal_recalls_history_and_survives_ctrl_c(tmp_path: Path) -> None:
     """In a pseudo-terminal, as a person runs it: Ctrl-C (the terminal's, a SIGINT) stops a reply and the chat goes
     on; the up arrow recalls the last line (readline); the conversation saved after has both turns."""
-    import pty
-    import select
     import time
 
     build_hf_model("llama", tmp_path / "m")
     saved = tmp_path / "talk.json"
     # a context far past the tiny model's 512 positions: its replies run long enough to be stopped
-    argv = [sys.executable, "-m", "superslm.cli", "chat", "--model", str(tmp_path / "m"), "-n", "100000", "-c",
-            "50000", "--allow-long-context", "-t", "1"]
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: the chat, on the terminal
-        os.execve(sys.executable, argv, dict(os.environ, PYTHONUNBUFFERED="1", TERM="xterm"))
-    seen = bytearray()
-
-    def until(token: bytes, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while token not in seen:
-            assert time.monotonic() < deadline, f"no {token!r} in {bytes(seen[-2000:])!r}"
-            if select.select([fd], [], [], 0.5)[0]:
-                try:
-                    seen.extend(os.read(fd, 4096))
-                except OSError:  # the child closed the terminal
-                    raise AssertionError(f"the chat ended before {token!r}: {bytes(seen[-2000:])!r}") from None
-        del seen[: seen.index(token) + len(token)]
-
+    term = _Terminal([sys.executable, "-m", "superslm.cli", "chat", "--model", str(tmp_path / "m"), "-n", "100000",
+                      "-c", "50000", "--allow-long-context", "-t", "1"])
     try:
-        until(b"> ")
-        os.write(fd, b"tell me everything\r")
-        until(b"tell me everything\r\n")  # the terminal's echo; the reply streams after it
+        term.until(b"> ")
+        term.write(b"tell me everything\r")
+        term.until(b"tell me everything\r\n")  # the terminal's echo; the reply streams after it
         deadline = time.monotonic() + 60
-        while len(seen) < 3 and time.monotonic() < deadline:  # its first characters: the reply runs
-            if select.select([fd], [], [], 0.2)[0]:
-                seen.extend(os.read(fd, 4096))
-        os.write(fd, b"\x03")  # Ctrl-C
-        until(b"(stopped)\r\n> ")  # then the prompt (a "> " inside a reply is no prompt)
-        os.write(fd, b"\x1b[A\r")  # the up arrow: the last line again
-        until(b"tell me everything")
+        while len(term.seen) < 3 and time.monotonic() < deadline:  # its first characters: the reply runs
+            term.read(0.2)
+        term.write(b"\x03")  # Ctrl-C
+        term.until(b"(stopped)\r\n> ")  # then the prompt (a "> " inside a reply is no prompt)
+        term.write(b"\x1b[A\r")  # the up arrow: the last line again
+        term.until(b"tell me everything")
         time.sleep(0.3)
-        os.write(fd, b"\x03")
-        until(b"(stopped)\r\n> ")
+        term.write(b"\x03")
+        term.until(b"(stopped)\r\n> ")
         time.sleep(0.5)  # readline has the terminal
-        os.write(fd, b"\x03")  # Ctrl-C at the prompt: the chat stays
-        until(b"Ctrl-D or /exit leaves")
-        os.write(fd, f"/save {saved}\r".encode())
-        until(b"(saved 4 messages")
-        os.write(fd, b"/exit\r")
-        _, status = os.waitpid(pid, 0)
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        term.write(b"\x03")  # Ctrl-C at the prompt: the chat stays
+        term.until(b"Ctrl-D or /exit leaves")
+        term.write(f"/save {saved}\r".encode())
+        term.until(b"(saved 4 messages")
+        term.write(b"/exit\r")
+        assert term.wait() == 0
     finally:
-        try:
-            os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
-        os.close(fd)
+        term.close()
     messages = json.loads(saved.read_text())["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
     assert messages[0]["content"] == messages[2]["content"] == "tell me everything"
+
+
+def test_chat_in_a_terminal_drops_the_oldest_turns_when_the_context_is_full(tmp_path: Path) -> None:
+    """In a pseudo-terminal, a conversation longer than a 96-token context: the chat says it dropped the oldest
+    messages (as the README and --help say) and answers every message; none fails."""
+    build_hf_model("llama", tmp_path / "m")
+    term = _Terminal([sys.executable, "-m", "superslm.cli", "chat", "--model", str(tmp_path / "m"), "-n", "6",
+                      "-c", "96", "-t", "1"])
+    try:
+        term.until(b"> ")
+        for i in range(10):
+            term.write(f"message number {i} with some words in it\r".encode())
+            term.until(f"message number {i} with some words in it\r\n".encode())  # the echo, then the reply
+            term.until(b"\r\n> ")
+        term.write(b"/exit\r")
+        assert term.wait() == 0
+    finally:
+        term.close()
+    out = bytes(term.transcript)
+    assert b"(dropped the" in out and b"oldest messages to fit the 96-token context)" in out
+    assert b"error:" not in out and b"Traceback" not in out

@@ -166,7 +166,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 CHAT_HELP = """commands: /system [TEXT] (show or set the system message), /reset (start over), /save FILE,
-/load FILE (the conversation as JSON), /stats (tokens and speed), /help, /exit (or Ctrl-D); Ctrl-C stops a reply"""
+/load FILE (the conversation as JSON), /stats (tokens and speed), /help, /exit (or Ctrl-D); Ctrl-C stops a reply;
+a conversation past the context drops its oldest messages (it says how many) and goes on"""
 
 
 def _read_chat(path: str) -> list[dict[str, str]]:
