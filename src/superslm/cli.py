@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -204,6 +205,9 @@ def cmd_chat(ns: argparse.Namespace) -> int:
               "FILE, or use `superslm generate -p TEXT`", file=sys.stderr)
         return 2
     engine = model.engine(slots=1, context=model.checked_context(ns.context, ns.allow_long_context))
+    # Ctrl-C is how a reply stops: a process started with SIGINT ignored (a shell's background job, a service
+    # manager) would otherwise inherit that and let the reply run to its end
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if sys.stdin.isatty():
         try:
             import readline  # noqa: F401  (line editing and history for input())
