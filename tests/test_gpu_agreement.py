@@ -58,13 +58,14 @@ def bf16_greedy(path: Path, prompts: list[list[int]], steps: int, monkeypatch: p
 
 def test_tiny_families_in_bf16_agree_with_the_cpu_path(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     agree = total = 0
+    steps = 64 if ON_GPU else 24  # the interpreter runs every program in Python: 24 steps a family there
     for family in ("llama", "qwen2", "qwen3", "gemma3"):
         build_hf_model(family, tmp_path / family)
         prompt = [5, 17, 99, 3, 250, 41, 7]
-        (tokens,) = bf16_greedy(tmp_path / family, [prompt], 64, monkeypatch)
+        (tokens,) = bf16_greedy(tmp_path / family, [prompt], steps, monkeypatch)
         a, t = scored(tmp_path / family, [(prompt, tokens)], monkeypatch)
         agree, total = agree + a, total + t
-    assert total == 256 and agree >= 0.99 * total
+    assert total == 4 * steps and agree >= total - max(1, total // 100)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="SmolLM2's 30 layers for 768 steps: too slow under the interpreter")
