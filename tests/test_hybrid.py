@@ -120,6 +120,10 @@ def test_layer_kinds_and_refusals(built, tmp_path) -> None:
     assert m.mixers == ("attention",) * 3 and m.moe_layers == (False, True, False) and not m.attn_gate
     model = superslm.load(built["qwen3_5"][1])
     assert tuple(model.info()["arch"]["mixers"]) == a.mixers
+    assert model.info()["layers"] == "4: 3 gated delta rule, 1 gated attention; dense MLP"
+    assert superslm.load(built["qwen3_next"][1]).info()["layers"] == (
+        "4: 3 gated delta rule, 1 gated attention; 8 experts of 32, top 2 and a shared expert of 48, on 3 layers "
+        "(the rest dense)")
     # the C++ plan and the decode graphs run attention and dense MLPs only: these layers are refused by type
     from superslm.engine.graphs import graph_reason
     from superslm.kernels.attention import AttnMetadata

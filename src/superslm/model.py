@@ -180,6 +180,7 @@ class Model:
             "path": str(self.source.path),
             "format": self.source.format,
             "arch": self.arch.summary(),
+            "layers": layer_kinds(self.arch),
             "parameters": self.source.parameter_count(),
             "block_types": self.source.block_types(),
             "linears": _linear_summary(self.net),
@@ -191,6 +192,20 @@ class Model:
             "chat_template": self.chat_template,
             **made,
         }
+
+
+def layer_kinds(a: Any) -> str:
+    """What the layers are, for `superslm info`: e.g. "24: 18 gated delta rule, 6 attention; dense MLP"."""
+    mixers = [f"{a.mixers.count(m)} {name}" for m, name in (("delta", "gated delta rule"), ("attention",
+              "gated attention" if a.attn_gate else "attention")) if m in a.mixers]
+    e, sparse = a.experts, sum(a.moe_layers)
+    if e is None or not sparse:
+        mlp = "dense MLP"
+    else:
+        shared = f" and a shared expert of {e.shared_ffn}" if e.shared_ffn else ""
+        where = "every layer" if sparse == a.layers else f"{sparse} layers (the rest dense)"
+        mlp = f"{e.count} experts of {e.ffn}, top {e.top_k}{shared}, on {where}"
+    return f"{a.layers}: {', '.join(mixers)}; {mlp}"
 
 
 def _linear_summary(net: Transformer) -> dict[str, int]:
