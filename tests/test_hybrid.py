@@ -192,6 +192,23 @@ def test_alone_batched_chunked_budgeted_deterministic(model) -> None:
     assert [got[i] for i in ids] == alone
 
 
+def test_deterministic_mode_is_bit_identical(model) -> None:
+    """Deterministic mode on hybrid and MoE layers: a request's tokens and logprobs are bit-identical alone, in a
+    batch, and with its prompt in chunks of 1, 7 or 64 rows (the delta rule runs token by token there: the
+    chunked form's roundings depend on where its chunks start)."""
+    ps = prompts(4, seed=24, lo=5, hi=80)
+
+    def run(**kwargs) -> list[list[tuple]]:
+        engine = model.engine(**{"slots": 4, "context": 160, "deterministic": True, **kwargs})
+        reqs = [Request(p, 6, Sampling(temperature=0.9, seed=sum(p), logprobs=2, ignore_eos=True)) for p in ps]
+        return [[(lp.token, lp.logprob, lp.top) for lp in c.logprobs] for c in engine.generate(reqs)]
+
+    batched = run()
+    assert run(slots=1) == batched  # one slot: each request alone
+    for chunk in (1, 7, 64):
+        assert run(chunk=chunk, rows=64) == batched, f"chunk {chunk}"
+
+
 def test_preemption_and_the_prefix_cache(model) -> None:
     """Preempted sequences recompute from their start (a delta-rule state restarts from zeros) and answer as
     alone; a hybrid model takes no automatic prefix cache hit (no page holds the states after it)."""

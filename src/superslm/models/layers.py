@@ -115,6 +115,12 @@ class DeltaRule(nn.Module):
             if r1 - r0 == 1:
                 decode.append(s)
                 continue
+            if meta.deterministic:
+                # token by token: a row's state gets the same arithmetic however its prompt was chunked (the
+                # chunked form's roundings depend on where its chunks start)
+                core[r0:r1] = self._rows_one_by_one(mixed[r0:r1], g[r0:r1], beta[r0:r1], conv_state, ssm_state,
+                                                    slots[s])
+                continue
             y, conv_state[slots[s]] = delta_rule.causal_conv(mixed[r0:r1], self.conv, conv_state[slots[s]])
             q, k, v = self._heads(y)
             core[r0:r1], ssm_state[slots[s]] = delta_rule.chunked(q, k, v, g[r0:r1], beta[r0:r1],
@@ -128,6 +134,19 @@ class DeltaRule(nn.Module):
         z = z.reshape(n, d.v_heads, d.v_dim)
         normed = delta_rule.gated_rms_norm(core.to(x.dtype), z, self.delta_norm, self.arch.norm_eps)
         return _linear(self.out, normed.reshape(n, d.value_width), meta.deterministic)
+
+    def _rows_one_by_one(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor,
+                         ssm_state: torch.Tensor, slot: int) -> torch.Tensor:
+        """One sequence's rows through the decode form, a row at a time -> [T, Hv, Dv] float32."""
+        out = []
+        conv, ssm = conv_state[slot : slot + 1], ssm_state[slot : slot + 1]
+        for t in range(mixed.shape[0]):
+            y, conv = delta_rule.causal_conv_step(mixed[t : t + 1], self.conv, conv)
+            q, k, v = self._heads(y)
+            o, ssm = delta_rule.recurrent(q, k, v, g[t : t + 1], beta[t : t + 1], ssm)
+            out.append(o)
+        conv_state[slot], ssm_state[slot] = conv[0], ssm[0]
+        return torch.cat(out)
 
     def _heads(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Convolved rows [T, C] -> q, k [T, Hk, Dk] normalized, v [T, Hv, Dv]."""
