@@ -211,7 +211,7 @@ def test_deterministic_mode_is_bit_identical(model) -> None:
 
 def test_preemption_and_the_prefix_cache(model) -> None:
     """Preempted sequences recompute from their start (a delta-rule state restarts from zeros) and answer as
-    alone; a hybrid model takes no automatic prefix cache hit (no page holds the states after it)."""
+    alone, and every state row comes back."""
     from superslm.cache.kv import KVCache
 
     ps = prompts(6, seed=21, lo=20, hi=30)
@@ -227,8 +227,32 @@ def test_preemption_and_the_prefix_cache(model) -> None:
         assert sorted(engine.scheduler.free_states) == list(range(6))  # every state row came back
     again = engine.generate([Request(ps[0], 20, Sampling(ignore_eos=True))])[0]
     assert again.tokens == alone[0]
-    if a.hybrid:
-        assert again.cached == 0
+
+
+def test_a_hybrid_prefix_cache_resumes_from_checkpointed_states(built) -> None:
+    """A delta-rule model's prefix cache: a repeated prompt resumes after its last full page (its chunk stopped
+    there, so its states were checkpointed); a next turn that extends prompt and answer resumes at the last page
+    boundary its answer reached; the answers equal an engine's without the cache, and in deterministic mode the
+    logprobs are bit-identical cold and warm."""
+    model = superslm.load(built["qwen3_5"][1], dtype="float32")
+    p = _tokens(30, 11)
+    s = Sampling(temperature=0.8, seed=3, logprobs=1, ignore_eos=True)
+    plain = model.engine(slots=2, context=160, page_size=4, prefix_caching=False)
+    for deterministic in (False, True):
+        engine = model.engine(slots=2, context=160, page_size=4, deterministic=deterministic)
+        cold = engine.generate([Request(p, 8, s)])[0]
+        warm = engine.generate([Request(p, 8, s)])[0]
+        assert cold.cached == 0 and warm.cached == 28  # 7 full pages; the last prompt token is always computed
+        assert warm.tokens == cold.tokens
+        if deterministic:
+            assert [(x.token, x.logprob) for x in warm.logprobs] == [(x.token, x.logprob) for x in cold.logprobs]
+        turn = p + cold.tokens + [5, 6, 7]  # 30 + 8 + 3: the answer's computed tokens reached 36
+        nxt = engine.generate([Request(turn, 8, s)])[0]
+        assert nxt.cached == 36
+        assert nxt.tokens == plain.generate([Request(turn, 8, s)])[0].tokens
+        other = engine.generate([Request(p, 8, Sampling(ignore_eos=True), salt="x")])[0]
+        assert other.cached == 0  # another salt never shares pages, nor their states
+        assert engine.pool.num_used == 0 and sorted(engine.scheduler.free_states) == [0, 1]
 
 
 def test_save_restore_and_prefix_handles(model) -> None:

@@ -36,3 +36,48 @@ class RecurrentStates:
         idx = torch.tensor(slots, dtype=torch.long, device=self.conv.device)
         self.conv[:, idx] = conv.to(self.conv)
         self.ssm[:, idx] = ssm.to(self.ssm)
+
+    def copy_row(self, src: RecurrentStates, src_row: int, row: int) -> None:
+        """Row `row` of these states := row `src_row` of `src` (a checkpoint taken or resumed)."""
+        self.conv[:, row] = src.conv[:, src_row]
+        self.ssm[:, row] = src.ssm[:, src_row]
+
+
+class Checkpoints:
+    """Which rows of a checkpoint store hold the recurrent states after which prefix, in plain Python: keys are
+    the chained hashes of a prefix's last full page (cache.prefix_hash: they cover every token before and the
+    salt), so a checkpoint stays right whatever happens to the pages; the least recently used goes first."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a checkpoint store needs at least one row, got {capacity}")
+        self.capacity = capacity
+        self._rows: dict[bytes, int] = {}  # in use order: the first is the least recently used
+        self._free = list(range(capacity))
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def find(self, key: bytes) -> int | None:
+        """The row holding the states after `key`'s prefix (now the most recently used), or None."""
+        row = self._rows.pop(key, None)
+        if row is not None:
+            self._rows[key] = row
+        return row
+
+    def claim(self, key: bytes) -> int:
+        """The row to write `key`'s states into: its own, a free one, or the least recently used one's."""
+        row = self.find(key)
+        if row is not None:
+            return row
+        if self._free:
+            row = self._free.pop()
+        else:
+            oldest = next(iter(self._rows))
+            row = self._rows.pop(oldest)
+        self._rows[key] = row
+        return row
+
+    def clear(self) -> None:
+        self._free = list(range(self.capacity))
+        self._rows.clear()

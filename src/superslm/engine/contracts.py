@@ -180,10 +180,42 @@ class ContractsMixin:
         return conv, ssm
 
     def _copy_state(self: Engine, seq: Sequence) -> None:
-        """A prefix handle's recurrent states into the row of the sequence adopting it (for the scheduler)."""
+        """The recurrent states after a sequence's computed prefix into its row (for the scheduler): its prefix
+        handle's, or the checkpoint after its last cached page."""
+        if self.states is None or seq.state_slot is None:
+            return
         pre = seq.request.prefix
-        if self.states is not None and pre is not None and pre.states is not None and seq.state_slot is not None:
-            self.states.write([seq.state_slot], *pre.states)
+        if pre is not None:
+            if pre.states is not None:
+                self.states.write([seq.state_slot], *pre.states)
+            return
+        key = self.pool.hash_of(seq.block_table[seq.num_computed_tokens // self.page_size - 1])
+        row = None if key is None or self.checkpoints is None else self.checkpoints.find(key)
+        if row is None or self.saved_states is None:  # usable_prefix found it a moment ago
+            raise AssertionError("a cached prefix was resumed without its checkpointed states")
+        self.states.copy_row(self.saved_states, row, seq.state_slot)
+
+    def _usable_prefix(self: Engine, pages: list[int]) -> int:
+        """How many of a prefix cache match's pages have their states checkpointed after them (the longest run)."""
+        assert self.checkpoints is not None
+        for k in range(len(pages), 0, -1):
+            key = self.pool.hash_of(pages[k - 1])
+            if key is not None and self.checkpoints.find(key) is not None:
+                return k
+        return 0
+
+    def _checkpoint_states(self: Engine, chunks: list[tuple[Sequence, int]]) -> None:
+        """After a step: the states of each running sequence that reached a page boundary, kept under the hash of
+        the page that ends there (what a later prompt starting the same way resumes from)."""
+        if self.checkpoints is None or self.saved_states is None or self.states is None:
+            return
+        ps = self.page_size
+        for seq, _ in chunks:
+            n = seq.num_computed_tokens
+            if seq.state_slot is None or not n or n % ps or not self.scheduler.prefix_caching:
+                continue
+            key = self.pool.page_hashes(seq.tokens[:n], self.scheduler.extra_key(seq))[-1]
+            self.saved_states.copy_row(self.states, seq.state_slot, self.checkpoints.claim(key))
 
     def _check_adapter(self: Engine, adapter: Any) -> None:
         from superslm.adapters import Adapter

@@ -19,7 +19,7 @@ import torch
 
 from superslm.cache import PagePool
 from superslm.cache.kv import KVCache
-from superslm.cache.state import RecurrentStates
+from superslm.cache.state import Checkpoints, RecurrentStates
 from superslm.engine.contracts import ContractsMixin, Prefix
 from superslm.engine.manual import ManualSlots
 from superslm.engine.output import OutputProcessor
@@ -67,8 +67,9 @@ class Engine(SequenceMixin, ContractsMixin):
 
     `kv_budget` sizes the KV pool: bytes (an int), a fraction of the free memory (a float in (0, 1]),
     or None: enough pages for every slot's whole context, capped at half the free memory.
-    `page_size` is the tokens per KV page; `prefix_caching` keeps full pages for later prompts (not for models
-    with delta-rule layers yet: no page holds the recurrent states after it; prefix handles keep them);
+    `page_size` is the tokens per KV page; `prefix_caching` keeps full pages for later prompts (a model with
+    delta-rule layers resumes after the longest cached run of pages whose recurrent states it checkpointed: each
+    running sequence's states at each page boundary it reaches, the last 4 x slots kept);
     `chunk` caps the prompt tokens one sequence reads per step (default: rows). With rows >= slots
     every generating sequence gets its next token in every step.
 
@@ -144,10 +145,11 @@ class Engine(SequenceMixin, ContractsMixin):
         self.overlap = bool(self._graphs is not None and (self._graphs.capture if overlap is None else overlap))
         # the one owner of pages and of what runs next; launching steps ahead is its variant's decision
         kind = AsyncScheduler if self.overlap else Scheduler
-        # a prefix cache hit skips tokens whose recurrent states no page holds: off for delta-rule models
-        self.scheduler = kind(self.pool, slots, rows, prefix_caching and self.states is None, chunk=chunk,
-                              copy_page=self._copy_page, recurrent=self.states is not None,
-                              copy_state=self._copy_state)
+        # a delta-rule model resumes a cached prefix only where its states were checkpointed (a page boundary)
+        self.checkpoints, self.saved_states = self._state_checkpoints(4 * slots, dtype, device)
+        self.scheduler = kind(self.pool, slots, rows, prefix_caching, chunk=chunk, copy_page=self._copy_page,
+                              recurrent=self.states is not None, copy_state=self._copy_state,
+                              usable_prefix=self._usable_prefix if self.checkpoints is not None else None)
         self.vocab = a.vocab
         self.output = OutputProcessor(self.net, self.scheduler, frozenset(model.stop_ids), a.vocab, bool(jump_forward))
         steps = None if self._graphs is None else GraphSteps(self._graphs, self.scheduler, self.output)
@@ -167,6 +169,17 @@ class Engine(SequenceMixin, ContractsMixin):
             return None
         return RecurrentStates(self.net.state_layers, slots + 1, d.conv_width, d.conv, d.v_heads, d.k_dim, d.v_dim,
                                dtype, device)
+
+    def _state_checkpoints(self, n: int, dtype: torch.dtype, device: torch.device
+                           ) -> tuple[Checkpoints | None, RecurrentStates | None]:  # fmt: skip
+        """The index and rows of `n` checkpoints of recurrent states at page boundaries, for the prefix cache of a
+        delta-rule model (None, None for other models)."""
+        d = self.net.arch.delta
+        if self.states is None or d is None:
+            return None, None
+        rows = RecurrentStates(self.net.state_layers, n, d.conv_width, d.conv, d.v_heads, d.k_dim, d.v_dim, dtype,
+                               device)
+        return Checkpoints(n), rows
 
     def _decode_graphs(self, graphs: bool | None) -> DecodeGraphs | None:
         """Decode steps from static buffers (CUDA graphs on a GPU: engine/graphs.py) where they can run:
@@ -272,6 +285,7 @@ class Engine(SequenceMixin, ContractsMixin):
             tokens = self.output.greedy_tokens(work)  # sample: greedy rows certified by the head, or all logits
             logits = self.runner.logits(work) if tokens is None else None
         out.extend(self.output.accept(work, logits, tokens))  # update
+        self._checkpoint_states(work.chunks)
         return out
 
     @property

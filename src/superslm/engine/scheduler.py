@@ -43,12 +43,17 @@ class Scheduler:
     def __init__(self, pool: PagePool, slots: int, rows: int, prefix_caching: bool = True,
                  extra_key: Callable[[Sequence], ExtraKey] | None = None, chunk: int | None = None,
                  copy_page: Callable[[int, int, int], None] | None = None, recurrent: bool = False,
-                 copy_state: Callable[[Sequence], None] | None = None) -> None:
+                 copy_state: Callable[[Sequence], None] | None = None,
+                 usable_prefix: Callable[[list[int]], int] | None = None) -> None:
         self.pool, self.slots, self.rows = pool, slots, rows
         #: free rows of the recurrent states (models with delta-rule layers), one per running sequence
         self.free_states: list[int] | None = list(range(slots)) if recurrent else None
-        #: copy_state(seq): a prefix handle's recurrent states into the row of the sequence adopting it
+        #: copy_state(seq): the recurrent states after seq's computed prefix (a prefix handle's, or a checkpoint's
+        #: after cached pages) into its row
         self.copy_state = copy_state
+        #: usable_prefix(pages): how many of a prefix cache match's pages a recurrent model can resume after (the
+        #: longest run whose states were checkpointed); None: none can
+        self.usable_prefix = usable_prefix
         #: the most prompt tokens one sequence reads in a step
         self.chunk = chunk or rows
         #: copy_page(src, dst, n): the KV of a page's first n slots into another page (the KV's owner does it)
@@ -190,6 +195,18 @@ class Scheduler:
 
     # --- the rule ---------------------------------------------------------------------------------
 
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """How many of seq's tokens to compute in this step: what is left, at most the budget and the chunk. A
+        recurrent model's chunk that would run past its prompt's last page boundary stops there, so its states
+        are checkpointed where a prompt starting the same way can resume (the few tokens after come next step)."""
+        done = seq.num_computed_tokens
+        n = min(seq.num_tokens - done, budget, self.chunk)
+        if self.free_states is not None and self.prefix_caching and n > 1 and seq.num_tokens - done == n:
+            edge = (seq.num_tokens - 1) // self.pool.page_size * self.pool.page_size
+            if done < edge < done + n:
+                n = edge - done
+        return n
+
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
         budget = self.rows
@@ -198,7 +215,7 @@ class Scheduler:
         for seq in order:
             if seq not in self.running or budget == 0:
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk)
+            n = self._chunk(seq, budget)
             while not self.grow(seq, n):
                 victim = max(self.running, key=lambda s: s.id)  # the one that came last
                 if victim is seq and len(self.running) == 1:
@@ -222,19 +239,24 @@ class Scheduler:
                 step.too_long.append(seq)
                 seq.end = END_LENGTH
                 continue
-            adopted = False
+            resumed = False
             if not seq.block_table and seq.request.prefix is not None:
                 if not self.adopt(seq):
                     break
-                adopted = True
+                resumed = True
             elif not seq.block_table and self.prefix_caching and not seq.wants_prompt_logprobs:
                 pages = self.pool.match_prefix(seq.tokens, self.extra_key(seq))
+                if self.free_states is not None:  # a recurrent model resumes only where its states were kept
+                    keep = self.usable_prefix(pages) if self.usable_prefix is not None else 0
+                    self.free(pages[keep:])
+                    pages = pages[:keep]
+                    resumed = bool(pages)
                 seq.block_table = pages
                 seq.num_computed_tokens = len(pages) * self.pool.page_size
                 seq.num_hashed_pages = len(pages)
                 if seq.preemptions == 0:
                     seq.cached = seq.num_computed_tokens
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk)
+            n = self._chunk(seq, budget)
             if not self.grow(seq, n):
                 # keep its matched pages referenced only while it runs
                 self.release(seq)
@@ -243,7 +265,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._run(seq)
-            if adopted and self.copy_state is not None:
+            if resumed and self.free_states is not None and self.copy_state is not None:
                 self.copy_state(seq)
             step.chunks.append((seq, n))
             budget -= n
