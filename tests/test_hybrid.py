@@ -147,20 +147,22 @@ def test_layer_kinds_and_refusals(built, tmp_path) -> None:
 
 
 def test_int8_linears_on_hybrid_layers(built) -> None:
-    """quant="int8" swaps the parts' linears (the router stays dense); its logits' error is within 3x the error
-    transformers itself makes in bf16."""
+    """quant="int8" swaps the parts' linears, each expert's included (the routers stay dense); the logits' error is
+    within 3x the error transformers itself makes in bf16, on a hybrid and on a MoE model."""
     import transformers
 
     counts = superslm.load(built["qwen3_5_moe"][1], quant="int8").info()["linears"]
-    assert sum(n for k, n in counts.items() if "int8" in k) == 4 * 2 + 4 * 2 + 1  # mixers, shared MLPs, head
-    hf, folder = built["qwen3_5"]
-    p = _tokens(90, 9)
-    with torch.no_grad():
-        want = hf(torch.tensor([p])).logits[0].float()
-        hf16 = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-        bf16_error = (hf16(torch.tensor([p])).logits[0].float() - want).abs().mean()
-        got = SingleSequence(superslm.load(folder, quant="int8").net).step(p).float()
-    assert (got - want).abs().mean() <= 3 * bf16_error
+    # mixers, shared MLPs, 8 experts a layer, the head
+    assert sum(n for k, n in counts.items() if "int8" in k) == 4 * 2 + 4 * 2 + 4 * 8 * 2 + 1
+    for family in ("qwen3_5", "qwen3_moe"):
+        hf, folder = built[family]
+        p = _tokens(90, 9)
+        with torch.no_grad():
+            want = hf(torch.tensor([p])).logits[0].float()
+            hf16 = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+            bf16_error = (hf16(torch.tensor([p])).logits[0].float() - want).abs().mean()
+            got = SingleSequence(superslm.load(folder, quant="int8").net).step(p).float()
+        assert (got - want).abs().mean() <= 3 * bf16_error, family
 
 
 # --- the engine's contracts on a hybrid and a MoE model ---------------------------------------------------

@@ -17,8 +17,8 @@ from torch import nn
 
 from superslm.kernels import delta_rule
 from superslm.kernels.attention import AttnMetadata, QKVSpec
-from superslm.kernels.dispatch import add_rms_norm, dense_matmul, gated_act, prepare_attention, rms_norm
-from superslm.kernels.row_blocks import BLOCK, by_row_blocks
+from superslm.kernels.dispatch import add_rms_norm, gated_act, prepare_attention, rms_norm
+from superslm.kernels.row_blocks import by_row_blocks
 from superslm.models.arch import Arch
 from superslm.models.parts import DELTA_LAYOUTS, stack
 
@@ -29,11 +29,6 @@ def _linear(lin: nn.Module, x: torch.Tensor, deterministic: bool) -> torch.Tenso
         return lin(x)
     blocks = getattr(lin, "forward_row_blocks", None)  # the formats: one call where their kernel tiles rows
     return by_row_blocks(lin, x) if blocks is None else blocks(x)
-
-
-def _matmul(x: torch.Tensor, w: torch.Tensor, deterministic: bool) -> torch.Tensor:
-    """x [M, in] @ w [out, in]^T, 16 rows a call in deterministic mode."""
-    return dense_matmul(x, w, None, BLOCK) if deterministic else F.linear(x, w)
 
 
 class GatedAttention(nn.Module):
@@ -174,8 +169,9 @@ class MoE(nn.Module):
     """A mixture of experts: the router's softmax, each token's top k experts (weights renormalized where the
     Arch says so), tokens grouped by expert so each expert's weights are read once a step; a shared expert
     scaled by sigmoid(shared_scale x) where there is one. `tokens_per_expert` counts what the router chose.
-    The router and the shared expert's gate stay dense (a token's choice of experts should not move with a
-    format's rounding); the experts' stacks stay in the compute dtype."""
+    Each expert is a DenseMLP, so a weight format swaps its linears like any other (int8 or int4 experts); the
+    router and the shared expert's gate stay dense (a token's choice of experts should not move with a format's
+    rounding)."""
 
     linear_names = ()
 
@@ -185,8 +181,9 @@ class MoE(nn.Module):
         assert e is not None
         self.act = arch.act
         self.router = linear(w["router"])
-        self.register_buffer("experts_gate_up", w["experts_gate_up"], persistent=False)
-        self.register_buffer("experts_down", w["experts_down"], persistent=False)
+        gate_up, down = w["experts_gate_up"], w["experts_down"]
+        assert gate_up is not None and down is not None
+        self.experts_mlp = nn.ModuleList(DenseMLP(arch, gate_up[i], down[i], linear) for i in range(e.count))
         self.shared = None
         if e.shared_ffn:
             self.shared = DenseMLP(arch, stack(w, ("shared_gate", "shared_up")), w["shared_down"], linear)  # type: ignore[arg-type]
@@ -213,8 +210,7 @@ class MoE(nn.Module):
             pairs = order[start:start + count]
             start += count
             tokens = pairs // e.top_k
-            act = gated_act(_matmul(x[tokens], self.experts_gate_up[expert], deterministic), self.act)
-            y = _matmul(act, self.experts_down[expert], deterministic)
+            y = self.experts_mlp[expert](x[tokens], deterministic)
             out.index_add_(0, tokens, y * weights.reshape(-1)[pairs, None])
         if self.shared is not None:
             scale = torch.sigmoid(_linear(self.shared_scale, x, deterministic))
