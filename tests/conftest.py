@@ -24,7 +24,10 @@ _CPP_TIMES: list[tuple[str, float, bool]] = []
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if any(name in REAL_MODELS for name in getattr(item, "fixturenames", ())):
+        spec = getattr(item, "callspec", None)
+        # a real model's fixture asked for by name, or by a parameter a test hands to request.getfixturevalue
+        params = [] if spec is None else [v for v in spec.params.values() if isinstance(v, str)]
+        if any(name in REAL_MODELS for name in (*getattr(item, "fixturenames", ()), *params)):
             item.add_marker(pytest.mark.slow)
 
 

@@ -40,7 +40,7 @@ CORPUS = [
     "HTTPServer CamelCaseWords snake_case_words kebab-case-words",
 ]
 
-MODELS = ["smollm2", "gemma3"]
+MODELS = [pytest.param(name, marks=pytest.mark.slow) for name in ("smollm2", "gemma3")]  # real models' tokenizers
 
 
 def _transformers(path: Path) -> Any:
