@@ -55,6 +55,10 @@ class Completion:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
+#: what the recurrent states' checkpoints may take beyond one a slot
+_CHECKPOINT_BYTES = 256 << 20
+
+
 def _available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -69,7 +73,8 @@ class Engine(SequenceMixin, ContractsMixin):
     or None: enough pages for every slot's whole context, capped at half the free memory.
     `page_size` is the tokens per KV page; `prefix_caching` keeps full pages for later prompts (a model with
     delta-rule layers resumes after the longest cached run of pages whose recurrent states it checkpointed: each
-    running sequence's states at each page boundary it reaches, the last 4 x slots kept);
+    running sequence's states at each page boundary it reaches, the most recent 4 a slot kept, fewer where that
+    passes 256 MB, never fewer than one a slot);
     `chunk` caps the prompt tokens one sequence reads per step (default: rows). With rows >= slots
     every generating sequence gets its next token in every step.
 
@@ -146,7 +151,7 @@ class Engine(SequenceMixin, ContractsMixin):
         # the one owner of pages and of what runs next; launching steps ahead is its variant's decision
         kind = AsyncScheduler if self.overlap else Scheduler
         # a delta-rule model resumes a cached prefix only where its states were checkpointed (a page boundary)
-        self.checkpoints, self.saved_states = self._state_checkpoints(4 * slots, dtype, device)
+        self.checkpoints, self.saved_states = self._state_checkpoints(slots, dtype, device)
         self.scheduler = kind(self.pool, slots, rows, prefix_caching, chunk=chunk, copy_page=self._copy_page,
                               recurrent=self.states is not None, copy_state=self._copy_state,
                               usable_prefix=self._usable_prefix if self.checkpoints is not None else None)
@@ -170,13 +175,17 @@ class Engine(SequenceMixin, ContractsMixin):
         return RecurrentStates(self.net.state_layers, slots + 1, d.conv_width, d.conv, d.v_heads, d.k_dim, d.v_dim,
                                dtype, device)
 
-    def _state_checkpoints(self, n: int, dtype: torch.dtype, device: torch.device
+    def _state_checkpoints(self, slots: int, dtype: torch.dtype, device: torch.device
                            ) -> tuple[Checkpoints | None, RecurrentStates | None]:  # fmt: skip
-        """The index and rows of `n` checkpoints of recurrent states at page boundaries, for the prefix cache of a
-        delta-rule model (None, None for other models)."""
+        """The index and rows of the checkpoints of recurrent states at page boundaries, for the prefix cache of a
+        delta-rule model (None, None for other models): 4 a slot, fewer where that passes 256 MB, at least one a
+        slot (Qwen3.5-0.8B's states take 19 MB a row)."""
         d = self.net.arch.delta
         if self.states is None or d is None:
             return None, None
+        size = RecurrentStates.slot_bytes(self.net.state_layers, d.conv_width, d.conv, d.v_heads, d.k_dim, d.v_dim,
+                                          dtype)
+        n = max(slots, min(4 * slots, _CHECKPOINT_BYTES // size))
         rows = RecurrentStates(self.net.state_layers, n, d.conv_width, d.conv, d.v_heads, d.k_dim, d.v_dim, dtype,
                                device)
         return Checkpoints(n), rows
