@@ -214,8 +214,10 @@ class ContractsMixin:
             n = seq.num_computed_tokens
             if seq.state_slot is None or not n or n % ps or not self.scheduler.prefix_caching:
                 continue
-            key = self.pool.page_hashes(seq.tokens[:n], self.scheduler.extra_key(seq))[-1]
-            self.saved_states.copy_row(self.states, seq.state_slot, self.checkpoints.claim(key))
+            self.scheduler.register(seq)  # the pool hashes its new full pages, chained on the ones before
+            key = self.pool.hash_of(seq.block_table[n // ps - 1])
+            if key is not None:
+                self.saved_states.copy_row(self.states, seq.state_slot, self.checkpoints.claim(key))
 
     def _check_adapter(self: Engine, adapter: Any) -> None:
         from superslm.adapters import Adapter
