@@ -23,12 +23,16 @@ from superslm.models.arch import Arch
 from superslm.models.parts import DELTA_LAYOUTS, stack
 
 
-def _linear(lin: nn.Module, x: torch.Tensor, deterministic: bool) -> torch.Tensor:
-    """lin(x); in deterministic mode 16 rows a call, so a row's bits do not depend on the step's row count."""
+def _linear(lin: nn.Module, x: torch.Tensor, deterministic: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """lin(x), or lin.forward_rotated(x, dtype) for an input already rotated; in deterministic mode a linear
+    whose BLAS rounds a row by the row count multiplies 16 rows at a time (kernels/row_blocks.py)."""
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        return lin(rows) if dtype is None else lin.forward_rotated(rows, dtype)
+
     if not deterministic or getattr(lin, "row_invariant", False):
-        return lin(x)
+        return fn(x)
     blocks = getattr(lin, "forward_row_blocks", None)  # the formats: one call where their kernel tiles rows
-    return by_row_blocks(lin, x) if blocks is None else blocks(x)
+    return by_row_blocks(fn, x) if blocks is None else blocks(x, dtype)
 
 
 class GatedAttention(nn.Module):

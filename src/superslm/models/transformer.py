@@ -38,7 +38,7 @@ from superslm.kernels.norm import norm_dtype
 from superslm.kernels.rope import rope_cos_sin
 from superslm.kernels.row_blocks import BLOCK, by_row_blocks, pad_rows
 from superslm.models.arch import Arch
-from superslm.models.layers import PartsLayer
+from superslm.models.layers import PartsLayer, _linear
 from superslm.models.parts import LINEAR_NAMES, NORMS, LayerParts, stacked
 
 
@@ -211,18 +211,6 @@ class Layer(nn.Module):
             if lora is not None:
                 qkv = lora.apply(self.index, "qkv", x, qkv)
         return qkv, h, bias
-
-
-def _linear(lin: nn.Module, x: torch.Tensor, deterministic: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """lin(x), or lin.forward_rotated(x, dtype) for an input already rotated; in deterministic mode a linear
-    whose BLAS rounds a row by the row count multiplies 16 rows at a time (kernels/row_blocks.py)."""
-    def fn(rows: torch.Tensor) -> torch.Tensor:
-        return lin(rows) if dtype is None else lin.forward_rotated(rows, dtype)
-
-    if not deterministic or getattr(lin, "row_invariant", False):
-        return fn(x)
-    blocks = getattr(lin, "forward_row_blocks", None)  # the formats: one call where their kernel tiles rows
-    return by_row_blocks(fn, x) if blocks is None else blocks(x, dtype)
 
 
 def _gemv_fused(lin: nn.Module, x: torch.Tensor, lora: Any, deterministic: bool) -> bool:
