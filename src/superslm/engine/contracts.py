@@ -58,12 +58,21 @@ class ContractsMixin:
     def _in_step(self: Engine, seq: Sequence) -> bool:
         return self.runner.in_step(seq)
 
-    def stats(self: Engine, request_id: int) -> dict[str, Any]:
+    def stats(self: Engine, request_id: int | None = None) -> dict[str, Any]:
         """Where a live request stands: tokens, layers run, tokens forced by its grammar, KV pages
-        resident, cached prompt tokens, whether its grammar accepts here."""
+        resident, cached prompt tokens, whether its grammar accepts here, its drafts proposed and accepted.
+        Without an id, the engine's: steps run, preemptions, and its drafts proposed and accepted, the
+        acceptance rate and the steps that carried drafts (zeros on an engine that does not draft)."""
+        if request_id is None:
+            spec = self.speculator
+            drafts = spec.stats() if spec is not None else {"drafts_proposed": 0, "drafts_accepted": 0,
+                                                            "acceptance_rate": 0.0, "draft_steps": 0}
+            return {"steps": self.runner.steps, "preemptions": self.scheduler.num_preemptions, **drafts}
         seq = self._live(request_id)
         g = seq.grammar
         return {
+            "drafts_proposed": seq.spec.proposed if seq.spec is not None else 0,
+            "drafts_accepted": seq.spec.accepted if seq.spec is not None else 0,
             "prompt_tokens": len(seq.prompt),
             "output_tokens": len(seq.output),
             "num_computed_tokens": seq.num_computed_tokens,

@@ -28,6 +28,7 @@ from superslm.engine.request import END_CANCELLED, END_LENGTH, Progress, Request
 from superslm.engine.runner import ModelRunner
 from superslm.engine.scheduler import AsyncScheduler, Scheduler
 from superslm.engine.sequences import SequenceMixin
+from superslm.engine.speculative import Speculative, Speculator
 from superslm.errors import (
     ContextLengthExceeded,
     InvalidArgument,
@@ -92,6 +93,11 @@ class Engine(SequenceMixin, ContractsMixin):
     `adaptive_threads` (CPU): each step uses the threads `superslm.set_threads` asked for, fewer while other
     processes keep cores busy (devices.ThreadPolicy; results do not change with the count); default on, off with
     False or SUPERSLM_ADAPTIVE_THREADS=0.
+    `speculative`: "ngram" (or a `Speculative`) drafts each decoding sequence's next tokens by prompt lookup and
+    verifies them in one step (engine/speculative.py): the same tokens and logprobs as without drafts (bit-identical
+    in deterministic mode), fewer steps where the answer repeats its context; `stats()` counts the drafts. It
+    launches no step ahead (overlap: the next step's drafts come from this step's tokens), and a model with
+    delta-rule layers refuses it (their states cannot roll back a rejected draft).
     """
 
     def __init__(
@@ -109,6 +115,7 @@ class Engine(SequenceMixin, ContractsMixin):
         graphs: bool | None = None,
         overlap: bool | None = None,
         adaptive_threads: bool | None = None,
+        speculative: str | Speculative | None = None,
     ) -> None:
         a = model.arch
         context = min(a.context, 4096) if context is None else context
@@ -147,6 +154,15 @@ class Engine(SequenceMixin, ContractsMixin):
         self._graphs = self._decode_graphs(graphs)
         if overlap and self._graphs is None:
             raise InvalidArgument("overlap=True launches decode steps ahead from the decode graphs, which are off")
+        spec = Speculative.of(speculative)
+        if spec is not None and self.states is not None:
+            raise InvalidArgument("speculative decoding needs every layer's state to roll back a rejected draft; this "
+                                  "model's delta-rule layers keep one recurrent state per sequence")
+        if spec is not None and overlap:
+            raise InvalidArgument("overlap=True launches the next decode step before this one's tokens are known, "
+                                  "and so before its drafts exist: speculative decoding runs without it")
+        if spec is not None:
+            overlap = False
         self.overlap = bool(self._graphs is not None and (self._graphs.capture if overlap is None else overlap))
         # the one owner of pages and of what runs next; launching steps ahead is its variant's decision
         kind = AsyncScheduler if self.overlap else Scheduler
@@ -156,7 +172,9 @@ class Engine(SequenceMixin, ContractsMixin):
                               recurrent=self.states is not None, copy_state=self._copy_state,
                               usable_prefix=self._usable_prefix if self.checkpoints is not None else None)
         self.vocab = a.vocab
-        self.output = OutputProcessor(self.net, self.scheduler, frozenset(model.stop_ids), a.vocab, bool(jump_forward))
+        self.speculator = None if spec is None else Speculator(spec)
+        self.output = OutputProcessor(self.net, self.scheduler, frozenset(model.stop_ids), a.vocab, bool(jump_forward),
+                                      self.speculator)
         steps = None if self._graphs is None else GraphSteps(self._graphs, self.scheduler, self.output)
         if adaptive_threads is None:
             adaptive_threads = os.environ.get("SUPERSLM_ADAPTIVE_THREADS", "1") != "0"

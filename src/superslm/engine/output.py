@@ -20,6 +20,7 @@ from superslm.engine.request import (
 )
 from superslm.engine.runner import StepWork, step_greedy
 from superslm.engine.scheduler import Scheduler
+from superslm.engine.speculative import Speculator
 from superslm.models.transformer import Transformer
 from superslm.sampling import TokenLogprobs, sample
 from superslm.sampling.damped import damped_choice
@@ -32,8 +33,10 @@ class OutputProcessor:
     (`pending`: ends outside a step, tokens a grammar forces at the start)."""
 
     def __init__(self, net: Transformer, scheduler: Scheduler, stop_ids: frozenset[int], vocab: int,
-                 jump_forward: bool = True) -> None:
+                 jump_forward: bool = True, speculator: Speculator | None = None) -> None:
         self.net, self.scheduler, self.stop_ids, self.vocab = net, scheduler, stop_ids, vocab
+        #: proposes each decoding sequence's drafts once its step is accepted (None: the engine does not draft)
+        self.speculator = speculator
         #: append the tokens a grammar forces without sampling them (off: mask and sample each)
         self.jump_forward = jump_forward
         self.seqs: dict[int, Sequence] = {}
@@ -59,58 +62,99 @@ class OutputProcessor:
         """The sampling rows' tokens straight from the head when every one is plain greedy (no logprobs,
         logit_bias, penalties, grammar or damping): `step_greedy` certifies each argmax without computing
         all the logits; None where it does not apply (the step then computes its logits)."""
-        for (seq, _), row in zip(work.chunks, work.sample_rows):
+        for i, ((seq, _), row) in enumerate(zip(work.chunks, work.sample_rows)):
             p = seq.sampler.params
+            drafts = work.drafts_of(i)
             plain = (p.greedy and p.logprobs is None and not p.logit_bias and not p.uses_penalties
-                     and seq.allowed is None and not self.banned(seq))
+                     and seq.allowed is None
+                     and not any(self.banned(seq, drafts[:j]) for j in range(len(drafts) + 1)))
             if row >= 0 and not (plain and p.damped is None and seq.grammar is None):
                 return None
         return step_greedy(self.net, work)
 
     def accept(self, work: StepWork, logits: torch.Tensor | None,
                 tokens: torch.Tensor | None = None) -> list[Progress]:
-        seqs: list[Sequence] = []
-        for (seq, n), row in zip(work.chunks, work.sample_rows):
-            seq.num_computed_tokens += n
+        """A finished step's tokens into its sequences: `logits` of its logit rows (`StepWork.logit_rows`), or the
+        rows' `tokens` certified by the head. A chunk with drafts keeps those its rows' choices agree with and the
+        token after; its other rows are rolled back. Then each decoding sequence's next drafts are proposed."""
+        seqs: list[tuple[Sequence, tuple[int, ...]]] = []
+        for i, ((seq, n), row) in enumerate(zip(work.chunks, work.sample_rows)):
+            drafts = work.drafts_of(i)
+            seq.num_computed_tokens += n - len(drafts)  # a draft's K/V counts once the draft is accepted
             if row >= 0:
-                seqs.append(seq)
+                seqs.append((seq, drafts))
                 if seq.prefill_hidden is None and work.h is not None:
                     # the prefill hidden state: final norm at the last prompt position
-                    seq.prefill_hidden = self.net.final_norm(work.h[row]).float().clone()
+                    seq.prefill_hidden = self.net.final_norm(work.h[row - len(drafts)]).float().clone()
             elif not seq.end:
                 self.scheduler.register(seq)
         out: list[Progress] = []
         if seqs:
+            # one sampling row per logit row: a draft row j samples as plain decoding would once drafts[:j] are in
+            rows = [(seq, drafts[:j]) for seq, drafts in seqs for j in range(len(drafts) + 1)]
             if tokens is not None:  # plain greedy rows, certified by the head (greedy_tokens)
-                bitmask, chosen, logprobs = None, tokens.tolist(), [None] * len(seqs)
+                bitmask, chosen, logprobs = None, tokens.tolist(), [None] * len(rows)
             else:
                 assert logits is not None
-                bitmask = self.bitmask(seqs)
-                result = sample(logits, [s.sampler for s in seqs], bitmask=bitmask)
+                bitmask = self.bitmask(rows)
+                states = [seq.sampler.ahead(ahead) if ahead else seq.sampler for seq, ahead in rows]
+                result = sample(logits, states, bitmask=bitmask)
                 chosen, logprobs = result.token_list(), result.logprobs()
-            for i, seq in enumerate(seqs):
+            r = 0
+            for seq, drafts in seqs:
+                first, r = r, r + len(drafts) + 1
                 if seq.end == END_CANCELLED:
                     self.finish(seq, END_CANCELLED, into=out)
                     continue
-                token = chosen[i]
-                damped = seq.sampler.params.damped
-                if damped is not None:
-                    assert logits is not None
-                    row = logits[i : i + 1].clone()
-                    if bitmask is not None:
-                        from superslm.sampling import apply_token_bitmask
-
-                        apply_token_bitmask(row, bitmask[i : i + 1])
-                    token = damped_choice(row[0].log_softmax(-1), seq.anti, damped)
-                out.append(self.take(seq, token, logprobs[i]))
+                p = self.verify(seq, drafts, chosen[first:r], logprobs[first:r],
+                                None if logits is None else logits[first : first + 1],
+                                None if bitmask is None else bitmask[first : first + 1])
+                out.append(p)
         for seq, _ in work.chunks:
             if seq.end == END_CANCELLED and seq.id in self.seqs:
                 self.finish(seq, END_CANCELLED, into=out)
+        if self.speculator is not None:
+            for seq, _ in seqs:
+                if seq.id in self.seqs and seq.num_tokens - seq.num_computed_tokens == 1:
+                    seq.drafts = self.speculator.propose(seq)
         return out
 
-    def banned(self, seq: Sequence) -> tuple[int, ...]:
-        """The tokens seq may not sample next (min_tokens' stop tokens, bad words; engine/masks.py)."""
-        return banned_tokens(seq.output, seq.sampler.params, self.stop_ids, seq.bad_words)
+    def verify(self, seq: Sequence, drafts: tuple[int, ...], chosen: list[int], logprobs: list[TokenLogprobs | None],
+               logits: torch.Tensor | None, bitmask: torch.Tensor | None) -> Progress:
+        """Take seq's tokens of one step: `chosen[j]` is row j's choice (row 0 its newest token's, row j > 0 after
+        drafts[:j]); draft j is kept while the choices before it kept theirs and row j chose it, and the choice
+        after the last kept draft is the step's last token. Rows of drafts not kept are rolled back: the pages past
+        the computed tokens go back to the scheduler. `logits`, `bitmask`: row 0's (a damped-greedy row's choice)."""
+        p = Progress(seq.id, cached=seq.cached)
+        accepted = 0
+        for j, token in enumerate(chosen):
+            if j:
+                seq.num_computed_tokens += 1  # draft j - 1 is an output token now: its row's K/V holds
+            damped = seq.sampler.params.damped
+            if damped is not None:  # never drafted: row 0 alone
+                assert logits is not None
+                row = logits.clone()
+                if bitmask is not None:
+                    from superslm.sampling import apply_token_bitmask
+
+                    apply_token_bitmask(row, bitmask)
+                token = damped_choice(row[0].log_softmax(-1), seq.anti, damped)
+            self.take(seq, token, logprobs[j], p)
+            if seq.end or j == len(drafts) or token != drafts[j]:
+                break
+            accepted += 1
+        if drafts:
+            if self.speculator is not None:
+                self.speculator.record(seq, len(drafts), accepted)
+            if not seq.end:
+                self.scheduler.rollback(seq)
+        return p
+
+    def banned(self, seq: Sequence, ahead: tuple[int, ...] = ()) -> tuple[int, ...]:
+        """The tokens seq may not sample next (min_tokens' stop tokens, bad words; engine/masks.py), once the
+        drafts `ahead` are in its output (a draft row's)."""
+        output = seq.output + list(ahead) if ahead else seq.output
+        return banned_tokens(output, seq.sampler.params, self.stop_ids, seq.bad_words)
 
     def prompt_logprobs(self, work: StepWork) -> None:
         """For each chunk of a prompt whose request asks for prompt_logprobs: the logprob of every prompt token
@@ -132,10 +176,12 @@ class OutputProcessor:
                     top = tuple(zip(ids[j], values[j], strict=True))
                     seq.prompt_logprobs[a + 1 + j] = TokenLogprobs(seq.prompt[a + 1 + j], lp_j, ranks[j], top)
 
-    def bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        """int32 [rows, ceil(vocab / 32)] of the tokens each row may sample (grammar masks, allowed_token_ids,
-        min_tokens' and bad words' bans), or None where every row may sample any token."""
-        bans = [self.banned(s) for s in seqs]
+    def bitmask(self, rows: list[tuple[Sequence, tuple[int, ...]]]) -> torch.Tensor | None:
+        """int32 [rows, ceil(vocab / 32)] of the tokens each row (a sequence, and the drafts before it) may sample
+        (grammar masks, allowed_token_ids, min_tokens' and bad words' bans), or None where every row may sample
+        any token. Rows after drafts have no grammar: a sequence with a grammar never drafts."""
+        bans = [self.banned(s, ahead) for s, ahead in rows]
+        seqs = [s for s, _ in rows]
         grammar = any(s.grammar is not None for s in seqs)
         if not grammar and not any(bans) and all(s.allowed is None for s in seqs):
             return None
@@ -149,9 +195,11 @@ class OutputProcessor:
             apply_row(bitmask[row], seq.allowed, banned)
         return bitmask.to(self.net.device)
 
-    def take(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> Progress:
-        """Accept one sampled token, then any tokens the grammar forces after it."""
-        p = Progress(seq.id, cached=seq.cached)
+    def take(self, seq: Sequence, token: int, lp: TokenLogprobs | None, p: Progress | None = None) -> Progress:
+        """Accept one sampled token, then any tokens the grammar forces after it (reported in `p`, or a new
+        Progress)."""
+        if p is None:
+            p = Progress(seq.id, cached=seq.cached)
         if seq.grammar is not None and seq.grammar.is_dead:
             # its mask allowed nothing (an llguidance error, or a dead end): the sampled token is noise
             return self.finish(seq, END_GRAMMAR, progress=p)

@@ -24,6 +24,8 @@ class Request:
     `prefix`: a handle from `Engine.prefix(tokens)`: the request continues after its tokens, which
     are never computed again (`prompt` is what follows them).
     `adapter`: a LoRA adapter from `Model.adapter(folder)`, applied to this request's rows only.
+    `speculative`: False keeps drafts out of this request's steps on an engine that drafts (`Engine(speculative=)`);
+    its tokens are the same either way, only the steps' cost differs.
     """
 
     prompt: Seq[int] | str
@@ -32,6 +34,7 @@ class Request:
     salt: str | None = None
     prefix: Any = None
     adapter: Any = None
+    speculative: bool = True
 
 
 @dataclass
@@ -83,6 +86,12 @@ class Sequence:
         self.max_tokens = max_tokens
         #: tokens whose K/V are in this sequence's pages
         self.num_computed_tokens = 0
+        #: tokens proposed to follow `tokens`, not verified yet (vLLM's spec_token_ids): the scheduler schedules
+        #: them as more rows of the sequence's next decode step, and the step's verification keeps those the
+        #: sequence's own choices agree with (engine/speculative.py)
+        self.drafts: list[int] = []
+        #: the drafter's state for this sequence (speculative.SpecState), made at its first proposal
+        self.spec: Any = None
         #: the row of the recurrent states this sequence reads and writes while it runs (delta-rule models)
         self.state_slot: int | None = None
         self.block_table: list[int] = []

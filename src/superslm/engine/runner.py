@@ -32,12 +32,25 @@ class StepWork:
     chunks: list[tuple[Sequence, int]]
     tokens: torch.Tensor
     meta: AttnMetadata
-    #: per chunk: the row whose logits are sampled, or -1 while the sequence's prompt is unfinished
+    #: per chunk: the row whose logits are sampled, or -1 while the sequence's prompt is unfinished (a chunk with
+    #: drafts: its last draft's row; the rows of its newest token and its other drafts come before it)
     sample_rows: list[int]
     h: torch.Tensor | None = None
     next_layer: int = 0
     #: whether the C++ plan runs the step's layers (chosen once, at its first layer: `Transformer.plan_step`)
     plan: bool = False
+    #: per chunk, the drafts its rows verify (Sequence.drafts as scheduled); empty: no chunk has any
+    drafts: tuple[tuple[int, ...], ...] = ()
+
+    def drafts_of(self, i: int) -> tuple[int, ...]:
+        """The drafts chunk i verifies (none for most)."""
+        return self.drafts[i] if self.drafts else ()
+
+    def logit_rows(self) -> list[int]:
+        """The rows whose logits the step samples, in chunk order: each sampling chunk's newest token's row, then
+        its drafts' rows."""
+        return [r for i, row in enumerate(self.sample_rows) if row >= 0
+                for r in range(row - len(self.drafts_of(i)), row + 1)]
 
 
 def build_step(
@@ -51,9 +64,15 @@ def build_step(
     seq_lens: list[int] = []
     tables: list[tuple[int, ...]] = []
     sample_rows: list[int] = []
+    drafts: list[tuple[int, ...]] = []
     for seq, n in chunks:
         start = seq.num_computed_tokens
         all_tokens = seq.tokens
+        # rows past the newest token are drafts (the scheduler cut them to the ones it scheduled)
+        d = max(0, start + n - len(all_tokens))
+        drafts.append(tuple(seq.drafts[:d]))
+        if d:
+            all_tokens = all_tokens + seq.drafts[:d]
         tokens.extend(all_tokens[start : start + n])
         table = seq.block_table
         positions.extend(range(start, start + n))
@@ -80,7 +99,8 @@ def build_step(
         lora=lora,
         state_slots=tuple(-1 if seq.state_slot is None else seq.state_slot for seq, _ in chunks),
     )
-    return StepWork(chunks, torch.tensor(tokens, dtype=torch.long, device=device), meta, sample_rows)
+    return StepWork(chunks, torch.tensor(tokens, dtype=torch.long, device=device), meta, sample_rows,
+                    drafts=tuple(drafts) if any(drafts) else ())
 
 
 def run_layers(net: Transformer, kv: KVCache, work: StepWork, budget: int | None = None,
@@ -89,7 +109,10 @@ def run_layers(net: Transformer, kv: KVCache, work: StepWork, budget: int | None
     delta-rule layers' recurrent states, where the net has such layers."""
     if work.h is None:
         work.h = net.embed(work.tokens)
-        work.plan = net.plan_step(work.h, work.meta, kv.k)  # the step's executor, chosen once for all its layers
+        # the step's executor, chosen once for all its layers; decode rows with their drafts are decode rows to it
+        drafting = bool(work.drafts) and all(n == 1 + len(work.drafts_of(i)) and work.sample_rows[i] >= 0
+                                             for i, (_, n) in enumerate(work.chunks))
+        work.plan = net.plan_step(work.h, work.meta, kv.k, drafting=drafting)
     total = len(net.layers)
     end = total if budget is None else min(total, work.next_layer + budget)
     work.h = net.run_layers(work.h, work.meta, kv.k, kv.v, work.next_layer, end, plan=work.plan, states=states)
@@ -100,9 +123,9 @@ def run_layers(net: Transformer, kv: KVCache, work: StepWork, budget: int | None
 
 
 def step_greedy(net: Transformer, work: StepWork) -> torch.Tensor | None:
-    """The argmax token of each sampling row (int64 [rows]) when the head can certify it without all the
-    logits (`Transformer.greedy_tokens`), else None."""
-    rows = [r for r in work.sample_rows if r >= 0]
+    """The argmax token of each sampling row (int64 [rows], `StepWork.logit_rows`) when the head can certify it
+    without all the logits (`Transformer.greedy_tokens`), else None."""
+    rows = work.logit_rows()
     assert work.h is not None
     if len(rows) < cpu_decode.GREEDY_MIN_ROWS:  # a decode step at batch 1 pays nothing for asking
         return None
@@ -111,8 +134,8 @@ def step_greedy(net: Transformer, work: StepWork) -> torch.Tensor | None:
 
 
 def step_logits(net: Transformer, work: StepWork) -> torch.Tensor:
-    """Logits [rows that sample, vocab] (float32) of a finished step."""
-    rows = [r for r in work.sample_rows if r >= 0]
+    """Logits [rows that sample, vocab] (float32) of a finished step (`StepWork.logit_rows`)."""
+    rows = work.logit_rows()
     assert work.h is not None
     if not rows:
         return torch.empty(0, net.arch.vocab)

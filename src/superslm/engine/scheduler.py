@@ -129,6 +129,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
         self._stop(seq)
         self.release(seq)
+        seq.drafts.clear()
         seq.num_computed_tokens = 0
         seq.num_hashed_pages = 0
         seq.preemptions += 1
@@ -145,6 +146,16 @@ class Scheduler:
             return False
         seq.block_table.extend(self.grant(need))
         return True
+
+    def rollback(self, seq: Sequence) -> None:
+        """Take back the pages past seq's computed tokens: a step wrote its rejected drafts' K/V there, which
+        nothing reads (a page is registered only once full and computed, and every later step writes a
+        position's K/V before it attends to it), so they hold nothing seq needs."""
+        keep = self.pages_for(seq.num_computed_tokens)
+        if len(seq.block_table) > keep:
+            extra = seq.block_table[keep:]
+            del seq.block_table[keep:]
+            self.free(extra)
 
     def grow_ahead(self, seqs: Seq[Sequence], n: int) -> bool:
         """Give every seq the pages for n more tokens from free pages only, all or none: a step launched
@@ -195,11 +206,19 @@ class Scheduler:
 
     # --- the rule ---------------------------------------------------------------------------------
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        """How many of seq's tokens to compute in this step: what is left, at most the budget and the chunk. A
+    def _chunk(self, seq: Sequence, budget: int, reserve: int = 0) -> int:
+        """How many of seq's tokens to compute in this step: what is left, at most the budget and the chunk (a
+        decoding sequence: its newest token and the drafts that fit beside the `reserve` rows of the decoding
+        sequences after it, `Sequence.drafts` cut to them). A
         recurrent model's chunk that would run past its prompt's last page boundary stops there, so its states
         are checkpointed where a prompt starting the same way can resume (the few tokens after come next step)."""
         done = seq.num_computed_tokens
+        if seq.num_tokens - done == 1 and seq.drafts:
+            # a decode row and its drafts, as many as the budget holds (the ones left out are proposed again)
+            n = min(1 + len(seq.drafts), max(1, budget - reserve))
+            del seq.drafts[n - 1 :]
+            return n
+        seq.drafts.clear()  # a sequence with more than its newest token to compute verifies nothing this step
         n = min(seq.num_tokens - done, budget, self.chunk)
         if self.free_states is not None and self.prefix_caching and n > 1 and seq.num_tokens - done == n:
             edge = (seq.num_tokens - 1) // self.pool.page_size * self.pool.page_size
@@ -212,11 +231,17 @@ class Scheduler:
         budget = self.rows
         # generating sequences first, then running prefills; each group in arrival order
         order = sorted(self.running, key=lambda s: (s.prefilling, s.id))
+        decoding = sum(not s.prefilling for s in order)  # each one's next token comes before anyone's drafts
         for seq in order:
+            decoding -= not seq.prefilling
             if seq not in self.running or budget == 0:
                 continue
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, budget, decoding)
             while not self.grow(seq, n):
+                if seq.drafts:  # drafts are optional tokens: dropped before anyone is preempted for them
+                    seq.drafts.clear()
+                    n = 1
+                    continue
                 victim = max(self.running, key=lambda s: s.id)  # the one that came last
                 if victim is seq and len(self.running) == 1:
                     # alone and still no room: it can never fit

@@ -403,16 +403,19 @@ class Transformer(nn.Module):
             h, y = self.layers[i](h, meta, tables[self.rope_key(i)], *caches, y)
         return h if y is None else h + y
 
-    def plan_step(self, h: torch.Tensor, meta: AttnMetadata, k_cache: torch.Tensor) -> bool:
+    def plan_step(self, h: torch.Tensor, meta: AttnMetadata, k_cache: torch.Tensor, drafting: bool = False) -> bool:
         """Whether this step runs through the C++ plan (LoRA deltas included): on the CPU; every step in
-        deterministic mode, else all-decode steps and prompt chunks where it is faster (`_plan_pays`)."""
+        deterministic mode, else all-decode steps and prompt chunks where it is faster (`_plan_pays`).
+        `drafting`: every chunk is a decode row and its drafts (engine/speculative.py), a few rows that the plan
+        computes as it computes decode rows (the SDPA path reads int4 weights slower: SmolLM2 at 5 rows 41 ms in
+        the plan, 71 ms there)."""
         if h.device.type != "cpu" or not self.fast_decode or not self.plain:
             return False  # the plan runs attention and dense MLPs only
         if backend(h.device) != "torch":
             return False  # the Triton kernels were asked for (SUPERSLM_KERNELS=triton: the interpreter's tests)
         if h.shape[0] != meta.query_start[-1]:
             return False  # rows padded by a caller
-        if not meta.deterministic and not self._plan_pays(meta):
+        if not meta.deterministic and not drafting and not self._plan_pays(meta):
             return False  # prompt chunks whose attention the C++ rows would compute slower than SDPA
         return cpu_decode.usable(self, h, k_cache)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,17 @@ class SamplerState:
         self.step += 1
         if self.penalties is not None:
             self.penalties.append(token)
+
+    def ahead(self, tokens: Sequence[int]) -> SamplerState:
+        """The state as it will be once `tokens` are accepted (a copy; this one is unchanged): a draft row's,
+        sampled as plain decoding would sample that position (its place in the random stream, its penalty
+        counts)."""
+        penalties = self.penalties
+        if penalties is not None:
+            penalties = PenaltyState(penalties.prompt_token_ids, Counter(penalties.output_counts))
+            for token in tokens:
+                penalties.append(token)
+        return SamplerState(self.params, self.seed, self.step + len(tokens), penalties)
 
     def state(self) -> dict[str, Any]:
         """Plain, JSON-ready data from which `from_state` rebuilds an identical sampler state."""
