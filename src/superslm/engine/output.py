@@ -185,11 +185,11 @@ class OutputProcessor:
         grammar = any(s.grammar is not None for s in seqs)
         if not grammar and not any(bans) and all(s.allowed is None for s in seqs):
             return None
-        from superslm.grammar import fill_bitmasks
-
         words = -(-self.vocab // 32)
         bitmask = torch.full((len(seqs), words), -1, dtype=torch.int32)
         if grammar:
+            from superslm.grammar import fill_bitmasks
+
             fill_bitmasks([s.grammar for s in seqs], bitmask)
         for row, (seq, banned) in enumerate(zip(seqs, bans, strict=True)):
             apply_row(bitmask[row], seq.allowed, banned)

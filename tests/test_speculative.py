@@ -1,0 +1,405 @@
+"""Speculative decoding with n-gram drafts: the same tokens, logprobs and ends as plain decoding, the drafts' pages
+rolled back, the sampled law unchanged; on tiny random models (which fall into loops the n-grams guess), and one
+slow test on SmolLM2."""
+
+from __future__ import annotations
+
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import superslm
+from superslm import Request, Sampling
+from superslm.engine.speculative import NgramDrafter, Speculative, Speculator
+from superslm.errors import InvalidArgument
+from tests.test_engine import engine_page_bytes
+from tests.tiny_models import SingleSequence, build_hf_model
+
+FAMILIES = ("llama", "qwen3", "gemma3", "phi3")
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    """family -> a tiny random model of it, built on first use."""
+    built: dict[str, superslm.Model] = {}
+
+    def get(family: str) -> superslm.Model:
+        if family not in built:
+            folder = tmp_path_factory.mktemp(f"spec-{family}")
+            build_hf_model(family, folder)
+            built[family] = superslm.load(folder)
+        return built[family]
+
+    return get
+
+
+def copy_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat themselves (a random run, then its first part again), and plain random ones."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        run = [rng.randrange(2, 300) for _ in range(rng.randint(6, 20))]
+        out.append(run + run[: len(run) // 2] if i % 2 == 0 else run)
+    return out
+
+
+def generate(model: superslm.Model, reqs: list[Request], **kwargs):
+    """The completions of `reqs` on a fresh engine, and the engine (its pool checked clean after)."""
+    engine = model.engine(**{"slots": 4, "context": 160, "page_size": 4, **kwargs})
+    out = engine.generate(reqs)
+    engine.pool.check()
+    assert engine.pool.num_used == 0
+    return out, engine
+
+
+def same_ends(a, b) -> None:
+    assert [c.tokens for c in a] == [c.tokens for c in b]
+    assert [c.text for c in a] == [c.text for c in b]
+    assert [c.end for c in a] == [c.end for c in b]
+
+
+# --- the drafter ----------------------------------------------------------------------------------
+
+
+def reference_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The tokens after the most recent earlier occurrence of the longest matching suffix, by brute force (past
+    the end the copy repeats its own start)."""
+    last = len(tokens) - 1
+    for n in range(min(max_n, last), min_n - 1, -1):
+        for end in range(last - 1, n - 2, -1):
+            if tokens[end + 1 - n : end + 1] == tokens[last + 1 - n :]:
+                out = tokens[end + 1 : end + 1 + k]
+                while len(out) < k:
+                    out.append(out[len(out) - (last - end)])
+                return out
+    return []
+
+
+@pytest.mark.parametrize("min_n,max_n", [(1, 1), (2, 4), (1, 5)])
+def test_ngram_lookup_equals_a_brute_force_search(min_n, max_n) -> None:
+    rng = random.Random(min_n * 10 + max_n)
+    proposed = 0
+    for _ in range(30):
+        alphabet = rng.randint(2, 6)
+        tokens = [rng.randrange(alphabet) for _ in range(rng.randint(0, 5))]
+        drafter = NgramDrafter(min_n, max_n)
+        for _ in range(60):
+            k = rng.randint(1, 6)
+            got = drafter.propose(tokens, k)
+            assert got == reference_lookup(tokens, k, min_n, max_n), (tokens, k)
+            proposed += bool(got)
+            tokens = tokens + [rng.randrange(alphabet) for _ in range(rng.randint(1, 3))]  # tokens only grow
+    assert proposed > 100
+    # the most recent occurrence wins, and a loop goes on past the end
+    assert NgramDrafter(2, 2).propose([5, 6, 1, 9, 5, 6, 2, 9, 5, 6], 2) == [2, 9]
+    assert NgramDrafter(1, 3).propose([3, 7, 7, 7], 4) == [7, 7, 7, 7]
+    assert NgramDrafter(2, 3).propose([1, 2, 3, 4], 3) == []
+
+
+def test_adaptive_pause_and_probe() -> None:
+    """Rejected drafts pause a sequence (longer each failed probe), a good probe resumes it; no drafts for rows that
+    may not draft or at the last token."""
+    spec = Speculator(Speculative(k=3, pause=2, max_pause=4))
+    seq = SimpleNamespace(request=SimpleNamespace(speculative=True), grammar=None, spec=None, max_tokens=100,
+                          sampler=SimpleNamespace(params=Sampling()), output=[], tokens=[1, 2, 3, 1, 2, 3, 1, 2])
+    assert spec.propose(seq) == [3, 1, 2]
+
+    def drafting_steps(n: int) -> int:
+        return sum(bool(spec.propose(seq)) for _ in range(n))
+
+    spec.record(seq, 3, 0)  # rate 0.5: drafting goes on
+    assert drafting_steps(1) == 1
+    spec.record(seq, 3, 0)  # 0.25 < 0.3: pause 2
+    assert [bool(spec.propose(seq)) for _ in range(3)] == [False, False, True]
+    spec.record(seq, 3, 0)  # the probe failed: pause 4
+    assert [bool(spec.propose(seq)) for _ in range(5)] == [False] * 4 + [True]
+    spec.record(seq, 3, 3)  # a good probe: drafting again, the next pause back to 2
+    assert drafting_steps(3) == 3
+    assert seq.spec.backoff == 2
+    assert spec.stats() == {"drafts_proposed": 12, "drafts_accepted": 3, "acceptance_rate": 0.25, "draft_steps": 4}
+    seq.max_tokens = len(seq.output) + 1  # the next token is its last: nothing to verify after it
+    assert spec.propose(seq) == []
+    seq.max_tokens, seq.request.speculative = 100, False
+    assert spec.propose(seq) == []
+
+
+# --- the engine -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_equal_with_drafts(zoo, family) -> None:
+    model = zoo(family)
+    ps = copy_prompts(6, seed=1)
+
+    def reqs():
+        return [Request(p, 40, Sampling(ignore_eos=True)) for p in ps]
+
+    plain, e0 = generate(model, reqs())
+    spec, e1 = generate(model, reqs(), speculative="ngram")
+    same_ends(spec, plain)
+    st = e1.stats()
+    assert st["drafts_accepted"] > 0 and st["drafts_proposed"] > st["drafts_accepted"]
+    assert st["acceptance_rate"] == st["drafts_accepted"] / st["drafts_proposed"]
+    assert e1.stats()["steps"] < e0.stats()["steps"]  # the accepted drafts saved steps
+    assert e0.stats()["drafts_proposed"] == 0
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_deterministic_mode_is_bit_identical(zoo, family) -> None:
+    """Tokens and logprobs with == alone: greedy and seeded sampling, penalties, in batches."""
+    model = zoo(family)
+    ps = copy_prompts(6, seed=2)
+    samplings = [Sampling(logprobs=3, ignore_eos=True), Sampling(temperature=0.8, seed=5, logprobs=2, ignore_eos=True),
+                 Sampling(repetition_penalty=1.2, presence_penalty=0.3, logprobs=1, ignore_eos=True)]
+
+    def reqs():
+        return [Request(p, 30, samplings[i % 3]) for i, p in enumerate(ps)]
+
+    plain, _ = generate(model, reqs(), deterministic=True)
+    spec, e = generate(model, reqs(), deterministic=True, speculative=Speculative(k=6, min_n=1))
+    same_ends(spec, plain)
+    assert [c.logprobs for c in spec] == [c.logprobs for c in plain]
+    assert e.stats()["drafts_accepted"] > 0
+
+
+def test_logprobs_equal_plain_decode(zoo) -> None:
+    model = zoo("qwen3")
+    ps = copy_prompts(4, seed=3)
+
+    def reqs():
+        return [Request(p, 30, Sampling(logprobs=5, ignore_eos=True, temperature=0.0 if i % 2 else 0.7, seed=i))
+                for i, p in enumerate(ps)]
+
+    plain, _ = generate(model, reqs())
+    spec, e = generate(model, reqs(), speculative="ngram")
+    same_ends(spec, plain)
+    assert e.stats()["drafts_accepted"] > 0
+    for a, b in zip(spec, plain, strict=True):
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert (x.token, x.rank, [t for t, _ in x.top]) == (y.token, y.rank, [t for t, _ in y.top])
+            assert abs(x.logprob - y.logprob) <= 1e-5
+            assert max(abs(v - w) for (_, v), (_, w) in zip(x.top, y.top)) <= 1e-5
+
+
+def test_stops_lengths_min_tokens_and_penalties_equal(zoo) -> None:
+    model = zoo("llama")
+    p = copy_prompts(1, seed=4)[0]
+    free = generate(model, [Request(p, 40, Sampling(ignore_eos=True))])[0][0]
+    tid = free.tokens[-1]  # a token of the loop the answer ends in
+    least = free.tokens.index(tid) + 2
+    assert tid in free.tokens[least:], "the loop brings the stop token back after min_tokens"
+    cases = [
+        Sampling(stop=(free.text[12:15],), ignore_eos=True),
+        Sampling(stop_token_ids=(tid,), ignore_eos=True),
+        Sampling(stop_token_ids=(tid,), min_tokens=least, ignore_eos=True),
+        Sampling(frequency_penalty=0.4, presence_penalty=0.2, repetition_penalty=1.1, ignore_eos=True),
+        Sampling(logit_bias={free.tokens[5]: 2.0}, temperature=0.9, seed=3, ignore_eos=True),
+        Sampling(temperature=1.0, top_k=20, top_p=0.9, min_p=0.01, seed=7, ignore_eos=True),
+        Sampling(bad_words=(model.tokenizer.decode([free.tokens[6]]),), ignore_eos=True),
+    ]
+
+    def reqs():
+        return [Request(p, m, s) for s in cases for m in (1, 2, 3, 7, 40) if m >= s.min_tokens]
+
+    plain, _ = generate(model, reqs(), slots=8)
+    spec, e = generate(model, reqs(), slots=8, speculative=Speculative(k=5, min_n=1))
+    same_ends(spec, plain)
+    assert {c.end for c in spec} == {"stop", "length"}
+    assert e.stats()["drafts_accepted"] > 0
+
+
+def test_penalties_count_the_drafts_before_each_row(zoo) -> None:
+    """A loop under a small frequency penalty breaks where the counts pass its margin: a row after drafts must
+    count them (without, 29 of these 32 answers differ)."""
+    model = zoo("llama")
+
+    def reqs():
+        return [Request(p, 60, Sampling(frequency_penalty=f, ignore_eos=True))
+                for p in copy_prompts(8, seed=4) for f in (0.05, 0.1, 0.2, 0.4)]
+
+    plain, _ = generate(model, reqs(), slots=8)
+    spec, e = generate(model, reqs(), slots=8, speculative=Speculative(k=6, min_n=1))
+    same_ends(spec, plain)
+    assert e.stats()["drafts_accepted"] > 100
+
+
+def test_sampled_law_is_plain_sampling(zoo) -> None:
+    """Chi-square of 3,000 seeded answers of 3 tokens from 4 allowed tokens, against the model's own
+    probabilities of each triple; the same tokens as plain decoding seed by seed too."""
+    model = zoo("llama")
+    allowed = (11, 23, 57, 101)
+    rng = random.Random(5)
+    prompt = [rng.choice(allowed) for _ in range(40)]  # every 2-gram of the 4 occurs: every step drafts
+    temp = 1.5
+
+    def reqs():
+        return [Request(prompt, 3, Sampling(temperature=temp, seed=i, allowed_token_ids=allowed, ignore_eos=True))
+                for i in range(3000)]
+
+    spec, e = generate(model, reqs(), slots=64, context=64, speculative=Speculative(k=4, min_n=1))
+    st = e.stats()
+    assert 0 < st["drafts_accepted"] < st["drafts_proposed"]  # both the kept and the rejected path are taken
+    plain, _ = generate(model, reqs(), slots=64, context=64)
+    assert [c.tokens for c in spec] == [c.tokens for c in plain]
+
+    index = {t: i for i, t in enumerate(allowed)}
+    ids = torch.tensor(allowed)
+
+    def probs(tokens: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = SingleSequence(model.net).step(prompt + tokens)[-1].double()
+        return torch.softmax(logits[ids] / temp, -1)
+
+    expected = torch.zeros(4, 4, 4, dtype=torch.float64)
+    p1 = probs([])
+    for a in allowed:
+        p2 = probs([a])
+        for b in allowed:
+            expected[index[a], index[b]] = p1[index[a]] * p2[index[b]] * probs([a, b])
+    counts = torch.zeros(4, 4, 4, dtype=torch.float64)
+    for c in spec:
+        counts[tuple(index[t] for t in c.tokens)] += 1
+    expected = expected.flatten() * len(spec)
+    counts = counts.flatten()
+    keep = expected >= 5  # the cells too rare for the test are pooled into one
+    exp, got = expected[keep], counts[keep]
+    if not keep.all():
+        exp = torch.cat([exp, expected[~keep].sum().reshape(1)])
+        got = torch.cat([got, counts[~keep].sum().reshape(1)])
+    chi2 = float(((got - exp) ** 2 / exp).sum())
+    dof = exp.shape[0] - 1
+    # P(chi2 > critical) = 0.001 (Wilson-Hilferty, within 1% of the exact quantile for dof >= 10)
+    critical = dof * (1 - 2 / (9 * dof) + 3.090 * math.sqrt(2 / (9 * dof))) ** 3
+    assert dof >= 20 and chi2 < critical, (chi2, critical, dof)
+
+
+def test_rollback_leaves_no_page_behind(zoo) -> None:
+    """Random requests (greedy, sampled, random lengths), cancels and a KV budget that preempts: after every step
+    each running sequence holds exactly the pages of its computed tokens and the pool's references check out."""
+    model = zoo("qwen3")
+    engine = model.engine(slots=6, context=96, page_size=4, kv_budget=40 * engine_page_bytes(model, 4),
+                          speculative=Speculative(k=6, min_n=1))
+    rng = random.Random(6)
+    ids = [engine.add(Request(p, rng.randint(1, 40), Sampling(temperature=rng.choice([0.0, 0.0, 1.0]), seed=i)))
+           for i, p in enumerate(copy_prompts(60, seed=6))]
+    live, ended = set(ids), set()
+    while engine.busy():
+        for p in engine.advance():
+            if p.end:
+                live.discard(p.id)
+                ended.add(p.id)
+        for seq in engine.scheduler.running:
+            assert len(seq.block_table) == engine.scheduler.pages_for(seq.num_computed_tokens)
+        for rid in list(live):
+            if rng.random() < 0.01:
+                engine.cancel(rid)
+                live.discard(rid)
+        engine.pool.check()
+    st = engine.stats()
+    assert ended == set(ids)
+    assert st["preemptions"] > 0 and 0 < st["drafts_accepted"] < st["drafts_proposed"]
+    assert engine.pool.num_used == 0 and engine.pool.num_free + engine.pool.num_cached == engine.pool.num_pages
+
+
+def test_preemption_and_small_steps_give_the_same_tokens(zoo) -> None:
+    """Drafts cut by a small row budget beside prompt chunks, a KV budget that preempts, a layer budget."""
+    model = zoo("gemma3")
+    ps = copy_prompts(8, seed=7)
+
+    def reqs():
+        return [Request(p, 30, Sampling(ignore_eos=True)) for p in ps]
+
+    plain, _ = generate(model, reqs(), slots=8)
+    small_steps, e = generate(model, reqs(), slots=8, rows=10, chunk=5, speculative="ngram")
+    same_ends(small_steps, plain)
+    assert e.stats()["drafts_accepted"] > 0
+    preempted, e = generate(model, reqs(), slots=8, kv_budget=40 * engine_page_bytes(model, 4), speculative="ngram")
+    same_ends(preempted, plain)
+    assert e.stats()["preemptions"] > 0 and e.stats()["drafts_accepted"] > 0
+    engine = model.engine(slots=4, context=160, page_size=4, speculative="ngram")
+    rids = [engine.add(r) for r in reqs()[:4]]
+    got: dict[int, list[int]] = {r: [] for r in rids}
+    while engine.busy():
+        for p in engine.advance(layer_budget=1):
+            got[p.id] += p.tokens
+    assert [got[r] for r in rids] == [c.tokens for c in plain[:4]]
+    assert engine.stats()["drafts_accepted"] > 0
+
+
+def test_opt_out_and_per_request_stats(zoo) -> None:
+    model = zoo("llama")
+    p = copy_prompts(1, seed=1)[0]
+    engine = model.engine(slots=2, context=160, page_size=4, speculative="ngram")
+    on = engine.add(Request(p, 30, Sampling(ignore_eos=True)))
+    off = engine.add(Request(p, 30, Sampling(ignore_eos=True), speculative=False))
+    seen: dict[int, dict] = {}
+    tokens: dict[int, list[int]] = {on: [], off: []}
+    while engine.busy():
+        for rid in (on, off):
+            if rid in engine.output.seqs:
+                seen[rid] = engine.stats(rid)
+        for pr in engine.advance():
+            tokens[pr.id] += pr.tokens
+    assert tokens[on] == tokens[off]
+    assert seen[off]["drafts_proposed"] == 0
+    assert 0 < seen[on]["drafts_accepted"] <= seen[on]["drafts_proposed"]
+    st = engine.stats()
+    assert st["drafts_proposed"] >= seen[on]["drafts_proposed"] and st["draft_steps"] > 0
+
+
+def test_lora_rows_draft_exactly(tmp_path) -> None:
+    from tests.test_lora import make_adapter
+
+    hf = build_hf_model("qwen3", tmp_path)
+    make_adapter(hf, tmp_path / "a", 1, rslora=False)
+    model = superslm.load(tmp_path)
+    adapter = model.adapter(tmp_path / "a")
+    ps = copy_prompts(4, seed=8)
+
+    def reqs():
+        return [Request(p, 30, Sampling(ignore_eos=True), adapter=adapter if i % 2 == 0 else None)
+                for i, p in enumerate(ps)]
+
+    plain, _ = generate(model, reqs())
+    spec, e = generate(model, reqs(), speculative="ngram")
+    same_ends(spec, plain)
+    assert e.stats()["drafts_accepted"] > 0
+
+
+def test_grammar_rows_do_not_draft(zoo) -> None:
+    from superslm.grammar import Constraint
+
+    model = zoo("llama")
+    p = copy_prompts(1, seed=9)[0]
+    s = Sampling(grammar=Constraint.regex(r"[a-z ]{1,40}"), temperature=0.8, seed=2)
+    plain = generate(model, [Request(p, 24, s)])[0][0]
+    engine = model.engine(slots=2, context=160, page_size=4, speculative="ngram")
+    spec = engine.generate([Request(p, 24, s)])[0]
+    assert (spec.tokens, spec.text, spec.end) == (plain.tokens, plain.text, plain.end)
+    assert engine.stats()["drafts_proposed"] == 0
+
+
+def test_refusals(zoo) -> None:
+    model = zoo("llama")
+    for bad in ("medusa", 3, Speculative(k=0), Speculative(min_n=3, max_n=2), Speculative(method="eagle"),
+                Speculative(threshold=1.5), Speculative(pause=9, max_pause=4)):
+        with pytest.raises(InvalidArgument):
+            model.engine(slots=1, context=32, speculative=bad)
+    hybrid = zoo("qwen3_5")
+    with pytest.raises(InvalidArgument, match="delta-rule"):
+        hybrid.engine(slots=1, context=32, speculative="ngram")
+
+
+def test_smollm2_copy_rewrite_equal_tokens(smollm2_gguf) -> None:
+    """The real model rewriting a snippet with one change: the same greedy tokens, drafts kept."""
+    model = superslm.load(smollm2_gguf)
+    snippet = "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
+    chat = [{"role": "user", "content": f"Rewrite this code, renaming w to width:\n```python\n{snippet}```"}]
+    prompt = model.chat_tokens(chat)
+    plain, _ = generate(model, [Request(prompt, 60)], slots=1, context=512, page_size=16)
+    spec, e = generate(model, [Request(prompt, 60)], slots=1, context=512, page_size=16, speculative="ngram")
+    same_ends(spec, plain)
+    assert e.stats()["drafts_accepted"] > 10
