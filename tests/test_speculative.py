@@ -403,3 +403,10 @@ def test_smollm2_copy_rewrite_equal_tokens(smollm2_gguf) -> None:
     spec, e = generate(model, [Request(prompt, 60)], slots=1, context=512, page_size=16, speculative="ngram")
     same_ends(spec, plain)
     assert e.stats()["drafts_accepted"] > 10
+    # deterministic mode: the plan's rows are the same bits at any row count, so logprobs too
+    exact = dict(slots=1, context=512, page_size=16, deterministic=True)
+    plain, _ = generate(model, [Request(prompt, 40, Sampling(logprobs=2))], **exact)
+    spec, e = generate(model, [Request(prompt, 40, Sampling(logprobs=2))], **exact, speculative="ngram")
+    same_ends(spec, plain)
+    assert spec[0].logprobs == plain[0].logprobs
+    assert e.stats()["drafts_accepted"] > 0
