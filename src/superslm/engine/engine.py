@@ -98,6 +98,8 @@ class Engine(SequenceMixin, ContractsMixin):
     in deterministic mode), fewer steps where the answer repeats its context; `stats()` counts the drafts. It
     launches no step ahead (overlap: the next step's drafts come from this step's tokens), and a model with
     delta-rule layers refuses it (their states cannot roll back a rejected draft).
+    `kv`: the KV page format (cache/kv.py kv_format): "auto" (the model's dtype), "bf16", "fp16", "fp32", or "int8"
+    (codes and a scale per token and head: about half the bytes, so the same kv_budget holds ~2x the tokens).
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class Engine(SequenceMixin, ContractsMixin):
         overlap: bool | None = None,
         adaptive_threads: bool | None = None,
         speculative: str | Speculative | None = None,
+        kv: str = "auto",
     ) -> None:
         a = model.arch
         context = min(a.context, 4096) if context is None else context
@@ -134,7 +137,7 @@ class Engine(SequenceMixin, ContractsMixin):
         device, dtype = model.device, model.dtype
         layers = self.net.kv_layers  # delta-rule layers keep a recurrent state per slot instead of KV pages
         self.states = self._recurrent_states(slots, dtype, device)
-        page_bytes = KVCache.page_bytes(max(layers, 1), page_size, a.kv_heads, a.head_dim, dtype)
+        page_bytes = KVCache.page_bytes(max(layers, 1), page_size, a.kv_heads, a.head_dim, dtype, kv)
         want = slots * -(-context // page_size)
         if kv_budget is None:
             pages = min(want, _available_memory(device) // 2 // page_bytes)
@@ -148,7 +151,7 @@ class Engine(SequenceMixin, ContractsMixin):
             raise InvalidArgument(f"kv_budget must be bytes, a fraction or None, got {kv_budget!r}")
         if pages < 1:
             raise InvalidArgument(f"kv_budget holds no KV page ({page_bytes} bytes each)")
-        self.kv = KVCache(layers, pages, page_size, a.kv_heads, a.head_dim, dtype, device)
+        self.kv = KVCache(layers, pages, page_size, a.kv_heads, a.head_dim, dtype, device, kv)
         self.pool = PagePool(pages, page_size)
         self.deterministic = bool(deterministic)
         self._graphs = self._decode_graphs(graphs)

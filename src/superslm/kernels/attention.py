@@ -3,6 +3,8 @@
 A step is a flat list of rows (tokens) from several sequences: prefill chunks and decode tokens
 alike. Each sequence's rows are contiguous (`query_start`), its keys live in the pages of its
 block_table, and every row's K/V is written to `slot_mapping[row]` (page * page_size + offset).
+The caches are in a page format of cache/kv.py (float rows, or int8 codes with a scale per token and head):
+written through `write_rows`, read through `read_rows`, which dequantizes only the rows a sequence gathers.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from superslm.cache.kv import read_rows, write_rows
 
 _MISSING = object()
 
@@ -144,9 +148,10 @@ class AttnMetadata:
 def store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Write k, v [N, kv_heads, head_dim] into the caches [slots, kv_heads, head_dim] at slot_mapping."""
-    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Write k, v [N, kv_heads, head_dim] into the caches [slots, kv_heads, width] at slot_mapping, each in its
+    page format (int8 rows: quantized per token and head, cache.kv.quantize_rows)."""
+    write_rows(k_cache, slot_mapping, k)
+    write_rows(v_cache, slot_mapping, v)
 
 
 def paged_attention(
@@ -159,7 +164,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Reference: gather each sequence's keys and run SDPA. q [N, heads, D] -> [N, heads, D].
 
-    One sequence at a time, so a row's arithmetic never depends on the other sequences of the step.
+    One sequence at a time, so a row's arithmetic never depends on the other sequences of the step. Int8
+    pages: each sequence's gathered rows are dequantized to q's dtype, never the whole cache.
     """
     out = torch.empty_like(q)
     groups = q.shape[1] // k_cache.shape[1]
@@ -167,8 +173,8 @@ def paged_attention(
     if batched is not None:
         # every decoding sequence in one SDPA call, keys padded to the longest
         rows, idx, visible = batched
-        k = k_cache[idx].to(q.dtype).transpose(1, 2)  # [D, kv_heads, L, D]
-        v = v_cache[idx].to(q.dtype).transpose(1, 2)
+        k = read_rows(k_cache, idx, q.dtype).transpose(1, 2)  # [D, kv_heads, L, D]
+        v = read_rows(v_cache, idx, q.dtype).transpose(1, 2)
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
@@ -184,16 +190,16 @@ def paged_attention(
             # a whole prompt from position 0: SDPA's own causal mask takes its fused kernel, which never
             # holds the [heads, rows, keys] scores (9 MB a layer at 512 tokens) nor repeats kv heads
             slots = meta.key_slots(s)
-            k = k_cache[slots].to(q.dtype).transpose(0, 1)[None]  # [1, kv_heads, L, D]
-            v = v_cache[slots].to(q.dtype).transpose(0, 1)[None]
+            k = read_rows(k_cache, slots, q.dtype).transpose(0, 1)[None]  # [1, kv_heads, L, D]
+            v = read_rows(v_cache, slots, q.dtype).transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k, v, is_causal=True, scale=scale,
                                                enable_gqa=groups > 1)
             out[a:b] = o[0].transpose(0, 1)
             continue
         first, mask = meta.mask(s, window)
         slots = meta.key_slots(s)[first:]
-        k = k_cache[slots].to(q.dtype).transpose(0, 1)  # [kv_heads, L, D]
-        v = v_cache[slots].to(q.dtype).transpose(0, 1)
+        k = read_rows(k_cache, slots, q.dtype).transpose(0, 1)  # [kv_heads, L, D]
+        v = read_rows(v_cache, slots, q.dtype).transpose(0, 1)
         if groups > 1:
             k = k.repeat_interleave(groups, dim=0)  # [heads, L, D]
             v = v.repeat_interleave(groups, dim=0)

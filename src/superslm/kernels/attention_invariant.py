@@ -16,7 +16,7 @@ every reduction a row takes part in has an order fixed by the row alone:
 Each step's layout (which q rows, which key slots, masks as an additive bias and as 0/1) is built once
 per step and window (`_plan`, cached on the AttnMetadata): a layer then makes ~17 torch calls for all
 the sequences that decode, and as many per group of prompt chunks. The arithmetic is float32 (float64
-inputs stay float64) whatever the cache's dtype.
+inputs stay float64) whatever the cache's format (int8 rows are dequantized as gathered, each on its own).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from superslm.cache.kv import read_rows
 from superslm.kernels.attention import AttnMetadata
 
 #: query rows of every attention matmul
@@ -180,9 +181,9 @@ def _attend(g: _Group, qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, sca
     b, quads, nb = kv * g.units, g.rows // ROWS, g.blocks
     pairs = (b, quads, nb)  # one matmul per (kv head and unit, quad, key block)
     q = qf.index_select(0, g.q_index).to(dt).view(b, quads, 1, ROWS, d).expand(*pairs, ROWS, d)
-    k = kf.index_select(0, g.kv_index).to(dt).view(b, 1, nb, KEYS, d).expand(*pairs, KEYS, d)
-    v = vf.index_select(0, g.kv_index).view(b, nb, KEYS, d)
-    v = torch.cat([v, v.new_ones(1, 1, 1, 1).expand(b, nb, KEYS, 1)], -1).to(dt)  # [V | 1]
+    k = read_rows(kf, g.kv_index, dt).view(b, 1, nb, KEYS, d).expand(*pairs, KEYS, d)
+    v = read_rows(vf, g.kv_index, dt).view(b, nb, KEYS, d)  # int8 pages: these rows dequantized, elementwise
+    v = torch.cat([v, v.new_ones(1, 1, 1, 1).expand(b, nb, KEYS, 1)], -1)  # [V | 1]
     v = v.view(b, 1, nb, KEYS, d + 1).expand(*pairs, KEYS, d + 1)
     s = torch.baddbmm(g.bias, q.reshape(-1, ROWS, d), k.reshape(-1, KEYS, d).transpose(1, 2), alpha=scale)
     s6 = s.view(kv, g.units, quads, nb, ROWS, KEYS)
@@ -211,7 +212,7 @@ def paged_attention_invariant(
     plan = meta.step_cache(("invariant", window, kv, heads, d, n, dt),
                            lambda: _plan(meta, window, kv, heads // kv, d, n, dt))
     qf = q.reshape(n * heads, d)
-    kf, vf = k_cache.view(-1, d), v_cache.view(-1, d)
+    kf, vf = k_cache.view(-1, k_cache.shape[-1]), v_cache.view(-1, v_cache.shape[-1])  # rows of (slot, kv head)
     if plan.inverse is not None:
         o = _attend(plan.groups[0], qf, kf, vf, scale, kv)
         return o.index_select(0, plan.inverse).to(q.dtype).view(n, heads, d)

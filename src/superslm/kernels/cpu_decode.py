@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 from superslm import cext
+from superslm.cache.kv import read_rows
 from superslm.cext import extension
+from superslm.kernels.attention import store_kv
 from superslm.kernels.rope import apply_rope
 
 _ACT = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -124,7 +126,8 @@ def decode_layers_reference(
 
     h [B, dim]; slot_mapping [B]; key_slots [S, L] each sequence's key slots; row_seq [B] each row's
     sequence; seq_lens [B] keys visible to each row; tables[kind] = (cos, sin) [B, rotary_dim]; caches
-    [layers, slots, kv_heads, head_dim]; lora: the step's adapters (adapters/lora.py LoraBatch) or None.
+    [layers, slots, kv_heads, width] in a page format of cache/kv.py (float rows of h's dtype, or int8 rows:
+    quantized as written, dequantized as read); lora: the step's adapters (adapters/lora.py LoraBatch) or None.
     `deterministic` changes the plan's roundings only.
     """
     from superslm.kernels.fused import gated_act
@@ -145,16 +148,15 @@ def decode_layers_reference(
             q, k = layer.norm(q, "q_norm"), layer.norm(k, "k_norm")
         cos, sin = tables[net.rope_key(i)]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache[i].index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_cache[i].index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        store_kv(k_cache[i], v_cache[i], k, v, slot_mapping)
         o = torch.empty_like(q)
         window = a.windows[i]
         for b in range(n):
             length = int(seq_lens[b])
             first = max(0, length - window) if window is not None else 0
             slots = key_slots[int(row_seq[b]), first:length]
-            kk = k_cache[i][slots].float().transpose(0, 1).repeat_interleave(g, 0)  # [heads, keys, D]
-            vv = v_cache[i][slots].float().transpose(0, 1).repeat_interleave(g, 0)
+            kk = read_rows(k_cache[i], slots, torch.float32).transpose(0, 1).repeat_interleave(g, 0)  # [heads, keys, D]
+            vv = read_rows(v_cache[i], slots, torch.float32).transpose(0, 1).repeat_interleave(g, 0)
             p = torch.softmax((kk @ q[b].float()[:, :, None])[..., 0] * a.attn_scale, -1)  # [heads, keys]
             o[b] = (p[:, None, :] @ vv)[:, 0].to(o.dtype)
         o_in = o.reshape(n, qs)
@@ -200,7 +202,7 @@ def decode_layers(
     padded to 16 rows, the VNNI kernels at every row count) every row gets the same bits in any batch,
     and prompt rows may be passed too (each with its own key count).
     """
-    plan = plan_for(net) if h.device.type == "cpu" and k_cache.dtype == h.dtype else None
+    plan = plan_for(net) if h.device.type == "cpu" and plan_reads(h, k_cache, v_cache) else None
     if plan is None:
         return decode_layers_reference(net, h, slot_mapping, key_slots, row_seq, seq_lens, tables, k_cache, v_cache,
                                        start, end, deterministic, lora)
@@ -341,10 +343,17 @@ def greedy_head(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None
     return union[y.float().argmax(dim=1)]
 
 
+def plan_reads(h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None = None) -> bool:
+    """Whether the C++ plan reads these KV caches: float pages of h's dtype, or int8 rows (codes and a float32
+    scale per token and head, cache/kv.py) for both keys and values. Other formats take the reference path."""
+    caches = (k_cache,) if v_cache is None else (k_cache, v_cache)
+    return all(c.dtype == h.dtype for c in caches) or all(c.dtype == torch.int8 for c in caches)
+
+
 def usable(net: Any, h: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the C++ plan runs this model's steps here: CPU, bf16 or fp32 with the cache in that dtype,
-    the extension built, and no request for the torch kernels (SUPERSLM_KERNELS=torch)."""
-    if h.device.type != "cpu" or h.dtype not in (torch.float32, torch.bfloat16) or k_cache.dtype != h.dtype:
+    """Whether the C++ plan runs this model's steps here: CPU, bf16 or fp32 with the cache in that dtype or in
+    int8 rows (`plan_reads`), the extension built, and no request for the torch kernels (SUPERSLM_KERNELS=torch)."""
+    if h.device.type != "cpu" or h.dtype not in (torch.float32, torch.bfloat16) or not plan_reads(h, k_cache):
         return False
     if cext.torch_kernels_forced():
         return False

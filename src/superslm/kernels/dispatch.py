@@ -91,6 +91,16 @@ def triton_kernels(device: torch.device) -> ModuleType | None:
     return _triton_mod if backend(device) == "triton" else None
 
 
+def _kv_kernels(device: torch.device, *caches: torch.Tensor) -> ModuleType | None:
+    """`triton_kernels(device)` for a call that reads or writes these KV caches. The Triton kernels take float
+    pages only: int8 pages (cache/kv.py) on the Triton backend are refused, never read as floats, and not handed
+    to the references either (decode graphs replay static metadata the references would read wrong)."""
+    t = triton_kernels(device)
+    if t is not None and any(c.dtype == torch.int8 for c in caches):
+        raise UnsupportedModel(f"int8 KV pages have no Triton kernels yet: use {ENV}=torch or float KV pages")
+    return t
+
+
 # --- references of the fused ops -------------------------------------------------------------
 
 
@@ -140,7 +150,7 @@ def store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """kernels.attention.store_kv on the chosen backend."""
-    t = triton_kernels(k.device)
+    t = _kv_kernels(k.device, k_cache, v_cache)
     (t.store_kv if t else _attention.store_kv)(k_cache, v_cache, k, v, slot_mapping)
 
 
@@ -156,7 +166,7 @@ def paged_attention(
     mode)."""
     if meta.deterministic:
         return paged_attention_invariant(q, k_cache, v_cache, meta, window, scale)
-    t = triton_kernels(q.device)
+    t = _kv_kernels(q.device, k_cache, v_cache)
     return (t.paged_attention if t else _attention.paged_attention)(q, k_cache, v_cache, meta, window, scale)
 
 
@@ -169,7 +179,7 @@ def paged_attention_invariant(
     scale: float,
 ) -> torch.Tensor:
     """kernels.attention_invariant.paged_attention_invariant (batch-invariant attention) on the chosen backend."""
-    t = triton_kernels(q.device)
+    t = _kv_kernels(q.device, k_cache, v_cache)
     fn = t.paged_attention_invariant if t else _attention_invariant.paged_attention_invariant
     return fn(q, k_cache, v_cache, meta, window, scale)
 
@@ -204,7 +214,7 @@ def prepare_qkv(
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     """kernels.fused.prepare_qkv on the chosen backend: bias, q/k norms, RoPE and the KV store in one pass."""
-    t = triton_kernels(qkv.device)
+    t = _kv_kernels(qkv.device, k_cache, v_cache)
     fn = t.prepare_qkv if t else _fused.prepare_qkv
     return fn(qkv, spec, cos, sin, k_cache, v_cache, slot_mapping)
 
@@ -223,7 +233,7 @@ def prepare_attention(
     if meta.deterministic:
         q = prepare_qkv(qkv, spec, cos, sin, k_cache, v_cache, meta.slot_mapping)
         return paged_attention_invariant(q, k_cache, v_cache, meta, spec.window, spec.scale)
-    t = triton_kernels(qkv.device)
+    t = _kv_kernels(qkv.device, k_cache, v_cache)
     fn = t.prepare_attention if t else _fused.prepare_attention
     return fn(qkv, spec, cos, sin, k_cache, v_cache, meta)
 
@@ -240,7 +250,7 @@ def attention_linear(
 ) -> torch.Tensor:
     """kernels.fused.attention_linear on the chosen backend (deterministic mode: `prepare_attention`'s, then
     torch's matmul)."""
-    t = None if meta.deterministic else triton_kernels(qkv.device)
+    t = None if meta.deterministic else _kv_kernels(qkv.device, k_cache, v_cache)
     if t is None:
         o = prepare_attention(qkv, spec, cos, sin, k_cache, v_cache, meta)
         return torch.nn.functional.linear(o.reshape(o.shape[0], -1), w)
@@ -261,7 +271,7 @@ def attention_rotate(
 ) -> torch.Tensor:
     """kernels.fused.attention_rotate on the chosen backend (deterministic mode: `prepare_attention`'s, then the
     rotation)."""
-    t = None if meta.deterministic else triton_kernels(qkv.device)
+    t = None if meta.deterministic else _kv_kernels(qkv.device, k_cache, v_cache)
     if t is None:
         o = prepare_attention(qkv, spec, cos, sin, k_cache, v_cache, meta)
         return _fused.linear_input(o.reshape(o.shape[0], -1), signs, block, dtype, hadamard_rotate)

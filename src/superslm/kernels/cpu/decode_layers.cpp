@@ -86,10 +86,13 @@ class DecodePlan {
                  const at::Tensor& lora_rows, const std::vector<std::optional<at::Tensor>>& lora) {
     TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.size(1) > 0, "h must be a contiguous [B, dim] tensor");
     const int64_t B = h.size(0);
-    TORCH_CHECK(k_cache.scalar_type() == h.scalar_type() && v_cache.scalar_type() == h.scalar_type() &&
+    // float rows of h's dtype [.., D], or int8 rows of D codes and a float32 scale [.., D + 4] (cache/kv.py)
+    const bool q8 = k_cache.scalar_type() == at::kChar;
+    TORCH_CHECK((q8 || k_cache.scalar_type() == h.scalar_type()) && v_cache.scalar_type() == k_cache.scalar_type() &&
                     k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
                     k_cache.dim() == 4 && k_cache.size(0) >= num_layers() && k_cache.size(2) == kv_heads_ &&
-                    k_cache.size(3) == head_dim_, "the KV caches must be contiguous [layers, slots, kv, D] of h's dtype");
+                    k_cache.size(3) == head_dim_ + (q8 ? 4 : 0),
+                "the KV caches must be contiguous [layers, slots, kv, D] of h's dtype, or int8 [.., D + 4]");
     for (const at::Tensor* t : {&key_slots, &row_seq, &seq_lens, &slot_mapping})
       TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "slots, rows and lengths must be int64");
     TORCH_CHECK(key_slots.dim() == 2 && row_seq.numel() == B && seq_lens.numel() == B && slot_mapping.numel() == B,
@@ -127,10 +130,15 @@ class DecodePlan {
     }
     const LoraArgs la{&group_rows, &lora};
     if (h.scalar_type() == at::kBFloat16)
-      return run_t<at::BFloat16>(h, slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache, start, end,
-                                 det, la);
+      return q8 ? run_t<at::BFloat16, int8_t>(h, slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache,
+                                              start, end, det, la)
+                : run_t<at::BFloat16, at::BFloat16>(h, slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache,
+                                                    v_cache, start, end, det, la);
     TORCH_CHECK(h.scalar_type() == at::kFloat, "decode layers run in bfloat16 or float32");
-    return run_t<float>(h, slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache, start, end, det, la);
+    return q8 ? run_t<float, int8_t>(h, slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache, start,
+                                     end, det, la)
+              : run_t<float, float>(h, slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache, start,
+                                    end, det, la);
   }
 
  private:
@@ -159,7 +167,8 @@ class DecodePlan {
     }
   }
 
-  template <typename T>
+  // T: the model dtype; C: the KV rows' (T, or int8_t: quantized as written, codes times their scale as read)
+  template <typename T, typename C>
   at::Tensor run_t(at::Tensor h, const at::Tensor& slot_mapping, const at::Tensor& key_slots,
                    const at::Tensor& row_seq, const at::Tensor& seq_lens, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
                    const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t start, int64_t end, bool det,
@@ -174,7 +183,7 @@ class DecodePlan {
     const int64_t* lens_p = seq_lens.data_ptr<int64_t>();
     const int64_t* rows_p = row_seq.data_ptr<int64_t>();
     const int64_t* map_p = slot_mapping.data_ptr<int64_t>();
-    const int64_t cache_row = ks;
+    const int64_t cache_row = kv_heads_ * kv_width<C>(D);  // elements of C per slot
     for (int64_t i = start; i < end; ++i) {
       const LayerP& p = layers_[i];
       T* hp = h.data_ptr<T>();
@@ -195,12 +204,14 @@ class DecodePlan {
       const T* s = sin[p.rope_kind].data_ptr<T>();
       rope_rows<T>(qkv_p, c, s, B, heads_, D, rot_, qkv_row);
       rope_rows<T>(qkv_p + qs, c, s, B, kv_heads_, D, rot_, qkv_row);
-      T* kc = k_cache[i].data_ptr<T>();
-      T* vc = v_cache[i].data_ptr<T>();
-      for (int64_t b = 0; b < B; ++b) {
-        std::memcpy(kc + map_p[b] * cache_row, qkv_p + b * qkv_row + qs, ks * sizeof(T));
-        std::memcpy(vc + map_p[b] * cache_row, qkv_p + b * qkv_row + qs + ks, ks * sizeof(T));
-      }
+      C* kc = k_cache[i].data_ptr<C>();
+      C* vc = v_cache[i].data_ptr<C>();
+      const int64_t width = kv_width<C>(D);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t kvh = 0; kvh < kv_heads_; ++kvh) {
+          store_row<T, C>(qkv_p + b * qkv_row + qs + kvh * D, D, kc + map_p[b] * cache_row + kvh * width);
+          store_row<T, C>(qkv_p + b * qkv_row + qs + ks + kvh * D, D, vc + map_p[b] * cache_row + kvh * width);
+        }
       T* attn_p = attn.data_ptr<T>();
       const int64_t window = p.window;
       const float scale = static_cast<float>(scale_);
@@ -217,19 +228,19 @@ class DecodePlan {
           for (int64_t d = 0; d < groups * D; ++d) qf[d] = ld(qg + d);
 #ifdef SUPERSLM_AVX512
           if (D % 16 == 0 && D <= 256 && groups <= 64) {
-            attend_group16<T>(qf.data(), groups, kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale,
+            attend_group16<T, C>(qf.data(), groups, kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale,
                               scores.data(), attn_p + b * qs + kvh * groups * D, D);
             continue;
           }
 #elif defined(SUPERSLM_ROWS_AVX2)
           if (D % 8 == 0 && D <= 256 && groups <= 64) {
-            attend_group8<T>(qf.data(), groups, kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale,
+            attend_group8<T, C>(qf.data(), groups, kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale,
                              scores.data(), attn_p + b * qs + kvh * groups * D, D);
             continue;
           }
 #endif
           for (int64_t g = 0; g < groups; ++g)
-            attend<T>(qf.data() + g * D, kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale,
+            attend<T, C>(qf.data() + g * D, kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale,
                       scores.data(), acc.data(), attn_p + b * qs + (kvh * groups + g) * D);
         }
       });
@@ -276,6 +287,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "hadamard_rows",
       [](const at::Tensor& x, const at::Tensor& signs, int64_t block, int64_t kpad) {
         return rotate_input(x, signs, block, kpad, at::kBFloat16);
+      },
+      pybind11::call_guard<pybind11::gil_scoped_release>());
+  // rows [N, D] (float or bf16) -> int8 KV rows [N, D + 4] as the plan writes them (cache/kv.py quantize_rows)
+  m.def(
+      "quantize_kv_rows",
+      [](const at::Tensor& x) {
+        TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                        (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                    "quantize_kv_rows: a contiguous [N, D] float32 or bfloat16 tensor");
+        const int64_t N = x.size(0), D = x.size(1);
+        at::Tensor out = at::empty({N, D + 4}, x.options().dtype(at::kChar));
+        int8_t* o = out.data_ptr<int8_t>();
+        for (int64_t r = 0; r < N; ++r) {
+          if (x.scalar_type() == at::kFloat)
+            quantize_row<float>(x.data_ptr<float>() + r * D, D, o + r * (D + 4));
+          else
+            quantize_row<at::BFloat16>(x.data_ptr<at::BFloat16>() + r * D, D, o + r * (D + 4));
+        }
+        return out;
       },
       pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("vnni_available", &vnni_available);

@@ -21,14 +21,15 @@
 
 namespace superslm_rows {
 
-// one query row against its keys key_slots[first:len]: scores, softmax and the value sum in float32
-template <typename T>
-void attend(const float* q, const T* kc, const T* vc, const int64_t* slots, int64_t first, int64_t len, int64_t kvh,
+// one query row against its keys key_slots[first:len]: scores, softmax and the value sum in float32. C: the
+// cache rows, T (float rows of the model dtype) or int8_t (codes times their row's scale, rowbase.h)
+template <typename T, typename C>
+void attend(const float* q, const C* kc, const C* vc, const int64_t* slots, int64_t first, int64_t len, int64_t kvh,
             int64_t kv_heads, int64_t head_dim, float scale, float* scores, float* acc, T* out) {
-  const int64_t row = kv_heads * head_dim;
+  const int64_t width = kv_width<C>(head_dim), row = kv_heads * width;
   float mx = -INFINITY;
   for (int64_t j = first; j < len; ++j) {
-    const T* k = kc + slots[j] * row + kvh * head_dim;
+    const C* k = kc + slots[j] * row + kvh * width;
     // 16 lanes summed in a fixed order: vectorizes without reassociating, the same bits every run
     float lane[16] = {0.f};
     int64_t d = 0;
@@ -37,6 +38,7 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* slots, int6
     for (; d < head_dim; ++d) lane[d % 16] += q[d] * ld(k + d);
     float s = 0.f;
     for (int i = 0; i < 16; ++i) s += lane[i];
+    if constexpr (is_q8<C>) s *= kv_scale(k, head_dim);
     s *= scale;
     scores[j - first] = s;
     mx = s > mx ? s : mx;
@@ -48,8 +50,9 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* slots, int6
   }
   for (int64_t d = 0; d < head_dim; ++d) acc[d] = 0.f;
   for (int64_t j = first; j < len; ++j) {
-    const T* v = vc + slots[j] * row + kvh * head_dim;
-    const float p = scores[j - first];
+    const C* v = vc + slots[j] * row + kvh * width;
+    float p = scores[j - first];
+    if constexpr (is_q8<C>) p *= kv_scale(v, head_dim);  // sum of p * scale * code
     for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * ld(v + d);
   }
   for (int64_t d = 0; d < head_dim; ++d) out[d] = static_cast<T>(acc[d] / total);
@@ -118,6 +121,11 @@ template <>
 inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+template <>
+inline __m512 load16<int8_t>(const int8_t* p) {  // 16 int8 codes as floats (exact)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // round to bf16 (nearest even, NaN kept a NaN) and back, as bf16_round does for one value
@@ -207,31 +215,37 @@ inline __m512 hsum16x16(const float* t) {
 // the query heads q [G, D] (float) of one kv head against its keys key_slots[first:len], D % 16 == 0 and
 // D <= 256, G <= 64: each key and value row is loaded once per 4 query heads (once per 16 value lanes). Scores go 16
 // keys at a time through hsum16x16; the value sums keep up to 16 accumulators in flight, not 4 (FMA
-// latency bound). scores: G * (len - first) floats.
-template <typename T>
-void attend_group16(const float* q, int64_t G, const T* kc, const T* vc, const int64_t* slots, int64_t first,
+// latency bound). scores: G * (len - first) floats. C: float rows of T, or int8 rows (codes, then a float32
+// scale: a key's dot product and a value's weight are multiplied by its row's scale, one product per row).
+template <typename T, typename C>
+void attend_group16(const float* q, int64_t G, const C* kc, const C* vc, const int64_t* slots, int64_t first,
                     int64_t len, int64_t kvh, int64_t kv_heads, int64_t D, float scale, float* scores, T* out,
                     int64_t out_stride) {
-  const int64_t row = kv_heads * D, n = len - first, V = D / 16;
+  const int64_t width = kv_width<C>(D), row = kv_heads * width, n = len - first, V = D / 16;
   alignas(64) float part[4][16][16];  // [query head, key, lane] partial dot products of one block of keys
+  alignas(64) float kscale[16];       // int8 rows: the block's key scales
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int64_t gn = std::min<int64_t>(4, G - g0);
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t jn = std::min<int64_t>(16, n - j0);
       for (int64_t j = 0; j < jn; ++j) {
-        const T* k = kc + slots[first + j0 + j] * row + kvh * D;
-        if (j0 + j + 8 < n) prefetch_row(kc + slots[first + j0 + j + 8] * row + kvh * D, D * sizeof(T));
+        const C* k = kc + slots[first + j0 + j] * row + kvh * width;
+        if (j0 + j + 8 < n) prefetch_row(kc + slots[first + j0 + j + 8] * row + kvh * width, width * sizeof(C));
         __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int64_t v = 0; v < V; ++v) {
-          const __m512 kv = load16<T>(k + v * 16);
+          const __m512 kv = load16<C>(k + v * 16);
           for (int64_t g = 0; g < gn; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (g0 + g) * D + v * 16), kv, acc[g]);
         }
         for (int64_t g = 0; g < gn; ++g) _mm512_store_ps(part[g][j], acc[g]);
+        if constexpr (is_q8<C>) kscale[j] = kv_scale(k, D);
       }
       const __mmask16 mk = jn == 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << jn) - 1u);
-      for (int64_t g = 0; g < gn; ++g)
-        _mm512_mask_storeu_ps(scores + (g0 + g) * n + j0, mk, _mm512_mul_ps(hsum16x16(&part[g][0][0]), sv));
+      for (int64_t g = 0; g < gn; ++g) {
+        __m512 dot = hsum16x16(&part[g][0][0]);
+        if constexpr (is_q8<C>) dot = _mm512_mul_ps(dot, _mm512_maskz_load_ps(mk, kscale));
+        _mm512_mask_storeu_ps(scores + (g0 + g) * n + j0, mk, _mm512_mul_ps(dot, sv));
+      }
     }
   }
   float total[64];  // G <= 64 (the caller checks)
@@ -255,6 +269,12 @@ void attend_group16(const float* q, int64_t G, const T* kc, const T* vc, const i
     }
     total[g] = _mm512_reduce_add_ps(tot);
   }
+  if constexpr (is_q8<C>) {  // each value row's scale into its weights: once per row and query head
+    for (int64_t i = 0; i < n; ++i) {
+      const float vs = kv_scale(vc + slots[first + i] * row + kvh * width, D);
+      for (int64_t g = 0; g < G; ++g) scores[g * n + i] *= vs;
+    }
+  }
   // value sums: 4 query heads x 4 value vectors at a time, each value row loaded once per 4 heads
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int64_t gn = std::min<int64_t>(4, G - g0);
@@ -264,12 +284,13 @@ void attend_group16(const float* q, int64_t G, const T* kc, const T* vc, const i
       for (int64_t g = 0; g < 4; ++g)
         for (int64_t v = 0; v < 4; ++v) acc[g][v] = _mm512_setzero_ps();
       for (int64_t i = 0; i < n; ++i) {
-        const T* vr = vc + slots[first + i] * row + kvh * D + v0 * 16;
-        if (i + 8 < n) prefetch_row(vc + slots[first + i + 8] * row + kvh * D + v0 * 16, vn * 16 * sizeof(T));
+        const C* vr = vc + slots[first + i] * row + kvh * width + v0 * 16;
+        if (i + 8 < n) prefetch_row(vc + slots[first + i + 8] * row + kvh * width + v0 * 16, vn * 16 * sizeof(C));
         __m512 vv[4];
-        for (int64_t v = 0; v < vn; ++v) vv[v] = load16<T>(vr + v * 16);
+        for (int64_t v = 0; v < vn; ++v) vv[v] = load16<C>(vr + v * 16);
         for (int64_t g = 0; g < gn; ++g) {
-          const __m512 p = _mm512_set1_ps(scores[(g0 + g) * n + i]);
+          const float w = scores[(g0 + g) * n + i];  // int8 rows: times the row's scale (above)
+          const __m512 p = _mm512_set1_ps(w);
           for (int64_t v = 0; v < vn; ++v) acc[g][v] = _mm512_fmadd_ps(p, vv[v], acc[g][v]);
         }
       }

@@ -24,6 +24,11 @@ inline __m256 load8<at::BFloat16>(const at::BFloat16* p) {
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 
+template <>
+inline __m256 load8<int8_t>(const int8_t* p) {  // 8 int8 codes as floats (exact)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 // e^x as rowops.h exp16 (the same Cephes polynomial), 2^n put into the exponent bits; x is clamped to
 // [-87.3, 88.37] so that 2^n stays a normal number (exp16 reaches 2^-127, a denormal, below -87.3)
 inline __m256 exp8(__m256 x) {
@@ -83,13 +88,15 @@ inline __m256 hsum8x8(const float* t) {
 
 // rowops.h attend_group16 in 8 lanes: the query heads q [G, D] (float) of one kv head against its keys
 // key_slots[first:len], D % 8 == 0, D <= 256, G <= 64; each key and value row loaded once per 4 query
-// heads. scores: G * (len - first) floats.
-template <typename T>
-void attend_group8(const float* q, int64_t G, const T* kc, const T* vc, const int64_t* slots, int64_t first,
+// heads. scores: G * (len - first) floats. C: float rows of T, or int8 rows (a key's dot product and a value's
+// weight multiplied by its row's scale).
+template <typename T, typename C>
+void attend_group8(const float* q, int64_t G, const C* kc, const C* vc, const int64_t* slots, int64_t first,
                    int64_t len, int64_t kvh, int64_t kv_heads, int64_t D, float scale, float* scores, T* out,
                    int64_t out_stride) {
-  const int64_t row = kv_heads * D, n = len - first, V = D / 8;
+  const int64_t width = kv_width<C>(D), row = kv_heads * width, n = len - first, V = D / 8;
   alignas(32) float part[4][8][8];  // [query head, key, lane] partial dot products of one block of keys
+  alignas(32) float kscale[8];      // int8 rows: the block's key scales
   const __m256 sv = _mm256_set1_ps(scale);
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int64_t gn = std::min<int64_t>(4, G - g0);
@@ -97,18 +104,22 @@ void attend_group8(const float* q, int64_t G, const T* kc, const T* vc, const in
       const int64_t jn = std::min<int64_t>(8, n - j0);
       for (int64_t j = 0; j < 8; ++j) {
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        if constexpr (is_q8<C>) kscale[j] = 0.f;
         if (j < jn) {
-          const T* k = kc + slots[first + j0 + j] * row + kvh * D;
+          const C* k = kc + slots[first + j0 + j] * row + kvh * width;
           for (int64_t v = 0; v < V; ++v) {
-            const __m256 kv = load8<T>(k + v * 8);
+            const __m256 kv = load8<C>(k + v * 8);
             for (int64_t g = 0; g < gn; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (g0 + g) * D + v * 8), kv, acc[g]);
           }
+          if constexpr (is_q8<C>) kscale[j] = kv_scale(k, D);
         }
         for (int64_t g = 0; g < 4; ++g) _mm256_store_ps(part[g][j], acc[g]);
       }
       for (int64_t g = 0; g < gn; ++g) {
         alignas(32) float s[8];
-        _mm256_store_ps(s, _mm256_mul_ps(hsum8x8(&part[g][0][0]), sv));
+        __m256 dot = hsum8x8(&part[g][0][0]);
+        if constexpr (is_q8<C>) dot = _mm256_mul_ps(dot, _mm256_load_ps(kscale));
+        _mm256_store_ps(s, _mm256_mul_ps(dot, sv));
         std::memcpy(scores + (g0 + g) * n + j0, s, jn * sizeof(float));
       }
     }
@@ -140,6 +151,12 @@ void attend_group8(const float* q, int64_t G, const T* kc, const T* vc, const in
     }
     total[g] = s;
   }
+  if constexpr (is_q8<C>) {  // each value row's scale into its weights: once per row and query head
+    for (int64_t i = 0; i < n; ++i) {
+      const float vs = kv_scale(vc + slots[first + i] * row + kvh * width, D);
+      for (int64_t g = 0; g < G; ++g) scores[g * n + i] *= vs;
+    }
+  }
   // value sums: 4 query heads x 2 value vectors at a time (8 accumulators: AVX2 has 16 registers)
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int64_t gn = std::min<int64_t>(4, G - g0);
@@ -148,11 +165,12 @@ void attend_group8(const float* q, int64_t G, const T* kc, const T* vc, const in
       __m256 acc[4][2];
       for (int64_t g = 0; g < 4; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
       for (int64_t i = 0; i < n; ++i) {
-        const T* vr = vc + slots[first + i] * row + kvh * D + v0 * 8;
+        const C* vr = vc + slots[first + i] * row + kvh * width + v0 * 8;
         __m256 vv[2];
-        for (int64_t v = 0; v < vn; ++v) vv[v] = load8<T>(vr + v * 8);
+        for (int64_t v = 0; v < vn; ++v) vv[v] = load8<C>(vr + v * 8);
         for (int64_t g = 0; g < gn; ++g) {
-          const __m256 p = _mm256_set1_ps(scores[(g0 + g) * n + i]);
+          const float w = scores[(g0 + g) * n + i];  // int8 rows: times the row's scale (above)
+          const __m256 p = _mm256_set1_ps(w);
           for (int64_t v = 0; v < vn; ++v) acc[g][v] = _mm256_fmadd_ps(p, vv[v], acc[g][v]);
         }
       }
