@@ -129,15 +129,18 @@ def test_leap_seconds_only_at_2359_utc(tok: Tokenizer, compiler: GrammarCompiler
         assert valid_time(c) == valid(schema, text), c
 
 
-def test_dates_by_the_calendar(tok: Tokenizer, compiler: GrammarCompiler) -> None:
-    schema = {"type": "string", "format": "date-time"}
+@pytest.mark.parametrize("fmt", ["date", "date-time"])
+def test_dates_by_the_calendar(tok: Tokenizer, compiler: GrammarCompiler, fmt: str) -> None:
+    schema = {"type": "string", "format": fmt}
     for date in ["2024-02-29", "2000-02-29", "1900-02-29", "2023-02-29", "2023-04-31", "2023-12-31", "0000-01-01",
                  "0001-01-01", "9999-12-31", "2023-13-01", "2023-00-10"]:
         try:
             ok = datetime.date.fromisoformat(date) is not None
         except ValueError:
             ok = False
-        assert accepts(tok, compiler, schema, json.dumps(date + "T10:00:00Z")) == ok, date
+        text = date if fmt == "date" else date + "T10:00:00Z"
+        assert accepts(tok, compiler, schema, json.dumps(text)) == ok, date
+        assert valid(schema, json.dumps(text)) == ok, date
 
 
 def test_format_beside_a_pattern_is_both(tok: Tokenizer, compiler: GrammarCompiler) -> None:

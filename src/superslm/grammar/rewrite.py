@@ -11,7 +11,8 @@
   (compiled as it was).
 - **Times.** llguidance's `time` and `date-time` accept a leap second (`:60`) at any hour; RFC 3339
   has one only at 23:59:60 UTC. Those formats are replaced by a pattern that allows `:60` only where
-  the time, less its offset, is 23:59.
+  the time, less its offset, is 23:59. Its `date` (and a `date-time`'s date) takes 29 February in any
+  year and the year 0000; the pattern follows the calendar.
 
 The rewrite only narrows what llguidance would write; the schema a caller gave is what the output is
 checked against.
@@ -84,9 +85,9 @@ def _walk(node: Any, keys: bool, merged: bool = False) -> None:
     if keys and not merged:
         _canonical_keys(node)
     fmt = node.get("format")
-    if fmt in ("time", "date-time"):  # both keywords apply to strings alone, whatever the type says
+    if fmt in ("time", "date", "date-time"):  # format applies to strings alone, whatever the type says
         del node["format"]
-        exact = {"pattern": f"^(?:{_TIME if fmt == 'time' else _DATE_TIME})$"}
+        exact = {"pattern": f"^(?:{_FORMATS[fmt]})$"}
         if "pattern" in node:
             node.setdefault("allOf", []).append(exact)  # llguidance intersects the two patterns
         else:
@@ -191,3 +192,4 @@ _LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|
 _DATE = (f"{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
          f"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29")
 _DATE_TIME = f"(?:{_DATE})[tT](?:{_TIME})"
+_FORMATS = {"time": _TIME, "date": _DATE, "date-time": _DATE_TIME}
