@@ -96,3 +96,8 @@ def test_docs_examples_run_as_written(server) -> None:
     printed = run([sys.executable, "-c", py[0].replace("127.0.0.1:8000", here)])
     assert printed.startswith("The capital of France is Paris.\n")
     assert re.search(r"\n\[\d+ tokens\]\n$", printed)
+    anthropic_py = [code for lang, code in blocks if lang == "python" and "Anthropic(" in code]
+    assert len(anthropic_py) == 1
+    printed = run([sys.executable, "-c", anthropic_py[0].replace("127.0.0.1:8000", here)])
+    assert printed.startswith("The capital of France is Paris. end_turn\n"), printed
+    assert re.search(r"\n\[\d+ tokens\]\n$", printed)

@@ -34,12 +34,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from superslm.encoders import CrossEncoder, Encoder
 from superslm.errors import InternalError, ModelNotFound, SuperSLMError, UnsupportedModel
-from superslm.serve import embeddings, generate
+from superslm.serve import anthropic, embeddings, generate
 from superslm.serve.connections import ShutdownCut
 from superslm.serve.guard import BrowserGuard, HostRules
 from superslm.serve.loop import EngineLoop
 from superslm.serve.metrics import Metrics
-from superslm.serve.output import Job
 from superslm.serve.protocol import DetokenizeRequest, TokenizeRequest, bad, chat_messages, check_continue, parse
 
 if TYPE_CHECKING:
@@ -160,10 +159,6 @@ class ServerState:
         return b"".join(chunks)
 
     @staticmethod
-    def endpoint(job: Job) -> str:
-        return "chat_completions" if job.chat else "completions"
-
-    @staticmethod
     def error_body(e: SuperSLMError) -> dict[str, Any]:
         """The `error` object for an error inside a stream."""
         return error_payload(e.http_status, str(e), e.code, getattr(e, "param", None))
@@ -230,8 +225,10 @@ def create_app(
                            allow_headers=["authorization", "content-type"])
     # a refused Host or Origin reaches no route and no CORS answer
     app.add_middleware(BrowserGuard, rules=HostRules(hosts, cors), error=error_json)
-    # outermost (added last): a request the end of a drain cuts still gets an API error
+    # a request the end of a drain cuts still gets an API error
     app.add_middleware(ShutdownCut, draining=lambda: state.draining, error=error_payload)
+    # outermost (added last): every error on the Anthropic routes, from the app or the middleware above, in its shape
+    app.add_middleware(anthropic.AnthropicErrors)
     _errors(app)
     auth = Depends(_auth(state))
 
@@ -288,7 +285,8 @@ def create_app(
             counted("completions", embeddings.refuse("/v1/completions", lm)))
         app.post("/v1/chat/completions", dependencies=[auth])(
             counted("chat_completions", embeddings.refuse("/v1/chat/completions", lm)))
-        for route in ("/tokenize", "/detokenize"):
+        app.post("/v1/messages", dependencies=[auth])(counted("messages", embeddings.refuse("/v1/messages", lm)))
+        for route in ("/tokenize", "/detokenize", "/v1/messages/count_tokens"):
             app.post(route, dependencies=[auth])(_bound(state, embeddings.refuse(route, lm)))
         return app
     _generation_routes(app, state, auth, counted)
@@ -296,10 +294,12 @@ def create_app(
 
 
 def _generation_routes(app: FastAPI, state: ServerState, auth: Any, counted: Callable[..., Any]) -> None:
-    """The routes of a language model: completions, chat, tokenize, detokenize."""
+    """The routes of a language model: completions, chat, Anthropic's messages, tokenize, detokenize."""
     model, engine = state.model, state.engine
     app.post("/v1/completions", dependencies=[auth])(counted("completions", generate.completions))
     app.post("/v1/chat/completions", dependencies=[auth])(counted("chat_completions", generate.chat_completions))
+    app.post("/v1/messages", dependencies=[auth])(counted("messages", anthropic.messages))
+    app.post("/v1/messages/count_tokens", dependencies=[auth])(_bound(state, anthropic.count_tokens))
 
     @app.post("/tokenize", dependencies=[auth])
     async def tokenize(request: HTTPRequest) -> Response:
@@ -349,9 +349,14 @@ def _auth(state: ServerState) -> Callable[[HTTPRequest], None]:
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
+        # Anthropic's clients send the key as x-api-key instead
+        anthropic_key = request.headers.get("x-api-key")
+        if anthropic_key is not None and not given:
+            scheme, token = "bearer", anthropic_key
         # compare_digest takes as long whatever the key's first differing byte
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-            raise HTTPException(401, "a missing or wrong API key (send Authorization: Bearer <key>)")
+            raise HTTPException(401, "a missing or wrong API key (send Authorization: Bearer <key>, or "
+                                     "x-api-key: <key>)")
 
     return check
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -150,14 +151,25 @@ async def completions(state: ServerState, request: HTTPRequest) -> Response:
     job = Job(state.model.tokenizer, model_name, False, req.n, [len(x) for x in ids], req.logprobs,
               bool(req.stream_options and req.stream_options.include_usage), include_stop=_include_stop(req),
               echo=echo, prompt_logprobs=req.prompt_logprobs)
-    return await _run(state, request, req, job, ids, req.max_tokens, DEFAULT_COMPLETION_TOKENS, req.logprobs,
+    return await run(state, request, req, job, ids, req.max_tokens, DEFAULT_COMPLETION_TOKENS, req.logprobs,
                       constraint)
 
 
-async def chat_completions(state: ServerState, request: HTTPRequest) -> Response:
-    """POST /v1/chat/completions."""
-    body = await state.read_body(request)
-    req = parse(ChatRequest, body)
+@dataclass
+class ChatPlan:
+    """A chat request made ready to run: its prompt ids, its Job, its compiled constraint, the answer
+    tokens it asks for (None: up to the context) and its logprobs."""
+
+    ids: list[int]
+    job: Job
+    constraint: Constraint | None
+    asked: int | None
+    logprobs: int | None
+
+
+async def plan_chat(state: ServerState, req: ChatRequest, compile: bool = True) -> ChatPlan:
+    """Check a chat request, render its prompt and build its Job (and compile its constraint unless
+    `compile` is false: counting a prompt's tokens needs no grammar). Raises InvalidArgument & co."""
     check_chat(req)
     model_name = state.check_model(req.model)
     tools = tool_setup(req, state.model)
@@ -174,7 +186,7 @@ async def chat_completions(state: ServerState, request: HTTPRequest) -> Response
                                        continue_final_message=req.continue_final_message,
                                        enable_thinking=enable_thinking, **kwargs)
 
-    if constraint is not None:
+    if constraint is not None and compile:
         await compile_constraint(state, constraint, param)
     ids = _truncated(req, await asyncio.to_thread(render), state)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -189,14 +201,91 @@ async def chat_completions(state: ServerState, request: HTTPRequest) -> Response
               tools=tools.tools if tools else None, forced_call=bool(tools and tools.forced),
               include_stop=_include_stop(req), prompt_logprobs=req.prompt_logprobs, echo=echo)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return await _run(state, request, req, job, [ids], asked, None, logprobs, constraint)
+    return ChatPlan(ids, job, constraint, asked, logprobs)
 
 
-async def _run(state: ServerState, request: HTTPRequest, req: CompletionRequest | ChatRequest, job: Job,
-               prompts: list[list[int]], asked: int | None, default: int | None, logprobs: int | None,
-               grammar: Constraint | None = None) -> Response:
+async def chat_completions(state: ServerState, request: HTTPRequest) -> Response:
+    """POST /v1/chat/completions."""
+    body = await state.read_body(request)
+    req = parse(ChatRequest, body)
+    plan = await plan_chat(state, req)
+    return await run(state, request, req, plan.job, [plan.ids], plan.asked, None, plan.logprobs, plan.constraint)
+
+
+class Writer(Protocol):
+    """One stream's frames in one API's shape (OpenAI's chunks, Anthropic's or the Responses API's events)."""
+
+    def start(self) -> list[str]:
+        """The frames before the first piece."""
+        ...
+
+    def pieces(self, pieces: list[dict[str, Any]]) -> list[str]:
+        """The frames of the chat chunk choices `Job.absorb` returned."""
+        ...
+
+    def end(self) -> list[str]:
+        """The last frames, once the job is done."""
+        ...
+
+    def error(self, error: SuperSLMError) -> list[str]:
+        """The frames that end a stream an error cut short."""
+        ...
+
+
+class Shape(Protocol):
+    """How one API answers a generation request: the metrics endpoint label, the whole body and the stream."""
+
+    endpoint: str
+
+    def body(self, job: Job) -> dict[str, Any]:
+        """The non-streaming body of a finished job."""
+        ...
+
+    def writer(self, state: ServerState, job: Job) -> Writer:
+        """A writer for one stream of `job`."""
+        ...
+
+
+class OpenAIShape:
+    """OpenAI's completion and chat completion bodies and chunk streams (ended by `data: [DONE]`)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+
+    def body(self, job: Job) -> dict[str, Any]:
+        return job.response()
+
+    def writer(self, state: ServerState, job: Job) -> Writer:
+        return _OpenAIWriter(state, job)
+
+
+class _OpenAIWriter:
+    def __init__(self, state: ServerState, job: Job) -> None:
+        self.state, self.job = state, job
+
+    def start(self) -> list[str]:
+        return [sse(self.job.role_chunk())] if self.job.chat else []
+
+    def pieces(self, pieces: list[dict[str, Any]]) -> list[str]:
+        return [sse(self.job.chunk([p])) for p in pieces]
+
+    def end(self) -> list[str]:
+        usage = [sse(self.job.chunk([], usage=self.job.usage()))] if self.job.include_usage else []
+        return [*usage, "data: [DONE]\n\n"]
+
+    def error(self, error: SuperSLMError) -> list[str]:
+        return [sse({"error": self.state.error_body(error)}), "data: [DONE]\n\n"]
+
+
+COMPLETIONS, CHAT = OpenAIShape("completions"), OpenAIShape("chat_completions")
+
+
+async def run(state: ServerState, request: HTTPRequest, req: CompletionRequest | ChatRequest, job: Job,
+              prompts: list[list[int]], asked: int | None, default: int | None, logprobs: int | None,
+              grammar: Constraint | None = None, shape: Shape | None = None) -> Response:
     """Submit every choice (each constrained by `grammar`, compiled already), then answer with
-    the whole body or a stream."""
+    the whole body or a stream in `shape` (default: OpenAI's for the job's endpoint)."""
+    shape = shape or (CHAT if job.chat else COMPLETIONS)
     asked_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
     if asked is not None and asked < 1:
         raise bad(asked_param, f"{asked_param}: must be at least 1, got {asked}")
@@ -233,13 +322,14 @@ async def _run(state: ServerState, request: HTTPRequest, req: CompletionRequest 
             if first is not None:
                 done = True  # from here on the stream owns the submission and the watcher
                 headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-                return EventStream(_frames(state, job, sub, first, watcher), media_type="text/event-stream",
+                return EventStream(_frames(state, job, sub, first, watcher, shape), media_type="text/event-stream",
                                    headers=headers)
         elif await _collect(job, sub):
             done = True
-            state.metrics.on_request(state.endpoint(job), "success")
-            return JSONResponse(job.response())
-        state.metrics.on_request(state.endpoint(job), "cancelled")  # the client went away
+            body = shape.body(job)  # may refuse (an Anthropic answer its grammar cut short): counted by the caller
+            state.metrics.on_request(shape.endpoint, "success")
+            return JSONResponse(body)
+        state.metrics.on_request(shape.endpoint, "cancelled")  # the client went away
         return Response(status_code=CLIENT_GONE)
     finally:
         if not done:
@@ -264,34 +354,33 @@ async def _collect(job: Job, sub: Submission) -> bool:
 
 
 async def _frames(state: ServerState, job: Job, sub: Submission, first: list[Event],
-                  watcher: asyncio.Task[None]) -> AsyncIterator[str]:
-    endpoint = state.endpoint(job)
+                  watcher: asyncio.Task[None], shape: Shape) -> AsyncIterator[str]:
     outcome = "cancelled"
+    writer = shape.writer(state, job)
     try:
-        if job.chat:
-            yield sse(job.role_chunk())
+        for frame in writer.start():
+            yield frame
         events: list[Event] | None = first
         while events is not None:
             for ev in events:
                 if ev.error is not None:  # after the headers: the error goes in the stream
                     outcome = "error" if ev.error.http_status >= 500 else "invalid"
-                    yield sse({"error": state.error_body(ev.error)})
-                    yield "data: [DONE]\n\n"
+                    for frame in writer.error(ev.error):
+                        yield frame
                     return
                 assert ev.progress is not None
-                for piece in job.absorb(ev.index, ev.progress):
-                    yield sse(job.chunk([piece]))
+                for frame in writer.pieces(job.absorb(ev.index, ev.progress)):
+                    yield frame
             if job.done:
-                # counted before the last frames, so a client that has read [DONE] sees it in /metrics
+                # counted before the last frames, so a client that has read them sees it in /metrics
                 outcome = "success"
-                state.metrics.on_request(endpoint, outcome)
-                if job.include_usage:
-                    yield sse(job.chunk([], usage=job.usage()))
-                yield "data: [DONE]\n\n"
+                state.metrics.on_request(shape.endpoint, outcome)
+                for frame in writer.end():
+                    yield frame
                 return
             events = await sub.events.get()
     finally:
         watcher.cancel()
         if outcome != "success":
             state.loop.cancel(sub)
-            state.metrics.on_request(endpoint, outcome)
+            state.metrics.on_request(shape.endpoint, outcome)

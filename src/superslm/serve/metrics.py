@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from superslm.serve.loop import EngineStats
 
 #: the counted endpoints, as the `endpoint` label spells them
-ENDPOINTS = ("completions", "chat_completions", "embeddings", "rerank")
+ENDPOINTS = ("completions", "chat_completions", "messages", "responses", "embeddings", "rerank")
 #: the encoder endpoints (their inputs and tokens are counted apart from the engine's)
 ENCODER_ENDPOINTS = ("embeddings", "rerank")
 #: request outcomes: finished and answered; the client went away; 4xx; 503 (queue full, draining); 5xx

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from superslm.errors import InvalidArgument
+from superslm.errors import InvalidArgument, SuperSLMError
 from superslm.grammar import Constraint
 from superslm.sampling import MAX_LOGPROBS, Sampling
 
@@ -45,6 +45,19 @@ def bad(param: str | None, message: str) -> InvalidArgument:
     """An InvalidArgument naming the request field at fault (the error body's `param`)."""
     e = InvalidArgument(message)
     e.param = param  # type: ignore[attr-defined]
+    return e
+
+
+def renamed(e: SuperSLMError, renames: Mapping[str, str]) -> SuperSLMError:
+    """`e` naming another API's spelling of its field (the `param`, and the message's leading "field:"),
+    for the endpoints that translate their bodies into a chat request."""
+    param = getattr(e, "param", None)
+    if param in renames:
+        new = renames[param]
+        e.param = new  # type: ignore[attr-defined]
+        message = str(e)
+        if message.startswith(param) and message[len(param):len(param) + 1] in (":", "[", "."):
+            e.args = (new + message[len(param):],)
     return e
 
 
