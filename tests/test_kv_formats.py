@@ -1,4 +1,5 @@
-"""KV page formats (cache/kv.py): int8 rows (codes and a float32 scale per token and kv head) against float pages.
+"""KV page formats (cache/kv.py): int8 rows (codes and a float32 scale per token and kv head) against float pages,
+on the CPU (int8 pages are refused on a GPU until the Triton kernels read them).
 
 Quantized as written (store_kv, the C++ plan's own store), read without a dense copy of the cache (the torch
 references dequantize the rows they gather; the C++ plan multiplies codes by their row's scale).
@@ -32,7 +33,7 @@ PS = 4
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, object]:
     out = {}
-    for family in ("llama", "qwen3", "gemma3"):
+    for family in ("llama", "qwen3", "gemma3", "qwen3_5"):
         path = tmp_path_factory.mktemp(f"kv-{family}")
         build_hf_model(family, path)
         out[family] = path
@@ -69,7 +70,7 @@ def test_page_bytes_about_halve() -> None:
 
 
 def test_same_budget_holds_about_twice_the_pages(folders) -> None:
-    model = superslm.load(folders["llama"], dtype=torch.bfloat16)
+    model = superslm.load(folders["llama"], device="cpu", dtype=torch.bfloat16)
     budget = 200 * KVCache.page_bytes(model.net.kv_layers, 16, model.arch.kv_heads, model.arch.head_dim, model.dtype)
     plain = model.engine(slots=2, context=64, kv_budget=budget)
     small = model.engine(slots=2, context=64, kv_budget=budget, kv="int8")
@@ -272,9 +273,9 @@ def _greedy(model: superslm.Model, ps: list[list[int]], n: int, **kw) -> list[li
     return [c.tokens for c in engine.generate([Request(p, n, Sampling(ignore_eos=True)) for p in ps])]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_5"])
 def test_greedy_tokens_mostly_equal(family: str, folders) -> None:
-    model = superslm.load(folders[family], dtype=torch.float32)
+    model = superslm.load(folders[family], device="cpu", dtype=torch.float32)
     ps = prompts(4, seed=3, lo=10, hi=60)
     floats = _greedy(model, ps, 24)
     int8 = _greedy(model, ps, 24, kv="int8")
@@ -289,7 +290,7 @@ def test_greedy_tokens_mostly_equal(family: str, folders) -> None:
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_deterministic_mode_holds_with_int8_pages(family: str, folders) -> None:
-    model = superslm.load(folders[family], dtype=torch.bfloat16)
+    model = superslm.load(folders[family], device="cpu", dtype=torch.bfloat16)
     ps = prompts(6, seed=21, lo=5, hi=40)
 
     def run(batch: list[list[int]], **kw) -> list[tuple]:
@@ -305,7 +306,7 @@ def test_deterministic_mode_holds_with_int8_pages(family: str, folders) -> None:
 
 
 def test_restore_across_formats_fails_cleanly(folders) -> None:
-    model = superslm.load(folders["llama"], dtype=torch.bfloat16)
+    model = superslm.load(folders["llama"], device="cpu", dtype=torch.bfloat16)
     plain = model.engine(slots=2, context=64)
     small = model.engine(slots=2, context=64, kv="int8")
     blobs = {}
