@@ -96,6 +96,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cors-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="web pages (e.g. https://app.example) that may call the server from a browser "
                         "(default: none; requests with another Origin get 403)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the engine's deterministic mode: a request's tokens and logprobs are the same bits whatever "
+                        "else is batched with it (costs speed: docs/determinism.md)")
+    p.add_argument("--speculative", default=None, choices=["ngram"],
+                   help="draft tokens by prompt lookup and verify them in one step (same tokens as without; faster "
+                        "where answers copy their prompt: code edits, quotes, extraction)")
+    p.add_argument("--kv", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8"],
+                   help="the KV page format (default auto: the model's dtype; int8 about halves the bytes a token "
+                        "holds, on the CPU)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: info)")
     p.set_defaults(func=cmd_serve)
@@ -107,8 +116,9 @@ def _context(model: Any, context: int | None, allow_long: bool = False) -> int |
 
 
 def startup_line(state: Any, host: str, port: int) -> str:
-    """What `serve` says before it listens: the model, its names, the engine's context, slots and KV pages (an
-    encoder's longest input), the threads and the URL."""
+    """What `serve` says before it listens: the model, its names, the engine's context, slots and KV pages (their
+    format when quantized), its modes (deterministic, speculative), an encoder's longest input, the threads and
+    the URL."""
     import torch
 
     names = ", ".join(state.served_names)
@@ -118,10 +128,13 @@ def startup_line(state: Any, host: str, port: int) -> str:
         return (f"superslm serve: {state.kind} {names}, inputs up to {state.max_len} tokens, "
                 f"threads {torch.get_num_threads()}, {where}")
     e = state.engine
-    kv_mb = 2 * e.kv.k.numel() * e.kv.k.element_size() / 2**20
+    kv_mb = (e.kv.k.numel() * e.kv.k.element_size() + e.kv.v.numel() * e.kv.v.element_size()) / 2**20
+    fmt = f"{e.kv.format.name} " if e.kv.format.quantized else ""
+    modes = "".join([", deterministic" if e.deterministic else "",
+                     f", speculative {e.speculator.config.method}" if e.speculator is not None else ""])
     return (f"superslm serve: {names} on {e.model.device} ({str(e.model.dtype).removeprefix('torch.')}), "
-            f"context {e.context}, slots {e.slots}, KV {e.pool.num_pages} pages of {e.page_size} tokens "
-            f"({kv_mb:.0f} MB), threads {torch.get_num_threads()}, {where}")
+            f"context {e.context}, slots {e.slots}, KV {fmt}{e.pool.num_pages} pages of {e.page_size} tokens "
+            f"({kv_mb:.0f} MB){modes}, threads {torch.get_num_threads()}, {where}")
 
 
 def default_names(model_name: str, model_arg: str | None) -> list[str]:
@@ -155,12 +168,20 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             print("superslm: error: --chat-template is for language models, not encoders", file=sys.stderr)
             return 2
         model.use_chat_template(Path(ns.chat_template).read_text(encoding="utf-8"))
+    engine_kwargs = {"deterministic": ns.deterministic, "speculative": ns.speculative, "kv": ns.kv}
+    if kind != "decoder":
+        given = [f"--{k}" for k, v in engine_kwargs.items() if v not in (False, None, "auto")]
+        if given:
+            print(f"superslm: error: {', '.join(given)} configure a language model's engine, not an {kind}",
+                  file=sys.stderr)
+            return 2
+        engine_kwargs = {}
     names = ns.served_model_name or default_names(model.name, ns.model)
     app = create_app(model, slots=ns.slots, context=_context(model, ns.context, ns.allow_long_context),
                      served_model_name=names,
                      api_key=ns.api_key, max_waiting=ns.max_waiting, max_body_bytes=ns.max_body_bytes,
                      allowed_hosts=ns.allowed_hosts or (None if is_loopback(ns.host) else ["*"]),
-                     cors_origins=ns.cors_origins)
+                     cors_origins=ns.cors_origins, **engine_kwargs)
     state = app.state.server
     print(startup_line(state, ns.host, ns.port), file=sys.stderr, flush=True)
 

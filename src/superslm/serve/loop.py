@@ -65,6 +65,11 @@ class EngineStats:
     preemptions: int = 0
     evictions: int = 0
     steps: int = 0
+    #: speculative decoding (zeros on an engine that does not draft): draft tokens proposed and accepted,
+    #: and the sequence steps that carried drafts
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    draft_steps: int = 0
 
 
 class Submission:
@@ -265,6 +270,7 @@ class EngineLoop(ServiceThread):
     def _snapshot(self) -> None:
         e = self.engine
         pool = e.pool.stats()
+        spec = e.speculator.stats() if e.speculator is not None else {}
         with self._lock:
             pending = sum(len(s) for s in self._adds)
             self._stats = EngineStats(
@@ -280,6 +286,9 @@ class EngineLoop(ServiceThread):
                 preemptions=e.scheduler.num_preemptions,
                 evictions=pool.evictions,
                 steps=e.steps,
+                drafts_proposed=spec.get("drafts_proposed", 0),
+                drafts_accepted=spec.get("drafts_accepted", 0),
+                draft_steps=spec.get("draft_steps", 0),
             )
 
     def _fail_all(self, exc: BaseException) -> None:

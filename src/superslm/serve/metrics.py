@@ -3,6 +3,11 @@
 Counters and histograms are updated from two threads (the engine loop: tokens and sequence ends; the
 event loop: request outcomes), so every update takes one lock. Engine gauges (running, waiting, KV
 pages, prefix cache) come from the engine loop's latest snapshot at scrape time.
+
+Beside ours, the names vLLM exports for what we count the same way (`vllm:num_requests_running`,
+`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` and its older name `vllm:gpu_cache_usage_perc`,
+`vllm:lora_requests_info`, token counters, time to first token, speculative decoding), labelled with
+`model_name` as vLLM labels them: gateways (the Gateway API Inference Extension) route on them.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+import time
 from collections.abc import Sequence
 
 from superslm.serve.loop import EngineStats
@@ -42,12 +48,15 @@ class Histogram:
         self.sum += value
         self.count += 1
 
-    def lines(self, name: str) -> list[str]:
+    def lines(self, name: str, labels: str = "") -> list[str]:
+        """The samples; `labels`: more labels for each (`key="value"`, already escaped)."""
         out, total = [], 0
+        more = f",{labels}" if labels else ""
         for bound, n in zip((*self.bounds, math.inf), self.counts):
             total += n
-            out.append(f'{name}_bucket{{le="{_num(bound)}"}} {total}')
-        out += [f"{name}_sum {_num(self.sum)}", f"{name}_count {self.count}"]
+            out.append(f'{name}_bucket{{le="{_num(bound)}"{more}}} {total}')
+        tail = f"{{{labels}}}" if labels else ""
+        out += [f"{name}_sum{tail} {_num(self.sum)}", f"{name}_count{tail} {self.count}"]
         return out
 
 
@@ -174,4 +183,46 @@ class Metrics:
         one("superslm_kv_evictions_total", "counter", "Cached KV pages evicted to make room.", s.evictions)
         one("superslm_engine_steps_total", "counter", "Engine steps run.", s.steps)
         one("superslm_engine_alive", "gauge", "1 while the engine loop (or the encoder worker) runs.", int(alive))
+        one("superslm_spec_decode_draft_tokens_total", "counter", "Draft tokens proposed (speculative decoding).",
+            s.drafts_proposed)
+        one("superslm_spec_decode_accepted_tokens_total", "counter", "Draft tokens the model accepted.",
+            s.drafts_accepted)
+        one("superslm_spec_decode_draft_steps_total", "counter", "Sequence steps that carried drafts.", s.draft_steps)
+        lines.extend(self._vllm(s))
         return "\n".join(lines) + "\n"
+
+    def _vllm(self, s: EngineStats) -> list[str]:
+        """vLLM's names for the same quantities (see the module doc)."""
+        label = f'model_name="{_escape(self.model_name)}"'
+        lines: list[str] = []
+
+        def family(name: str, kind: str, help_text: str, value: float | int, more: str = "") -> None:
+            shown = _num(value) if isinstance(value, float) else str(value)
+            sample = f"{name}_total" if kind == "counter" else name  # a counter's sample, as vLLM's client writes it
+            lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
+                          f"{sample}{{{label}{more}}} {shown}"])
+
+        usage = float(s.pages_used / s.pages_total) if s.pages_total else 0.0
+        family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", s.running)
+        family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", s.waiting)
+        family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", usage)
+        family("vllm:gpu_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage (older name).", usage)
+        # no adapters are served by name yet: none running or waiting
+        family("vllm:lora_requests_info", "gauge", "Running stats on lora requests.", float(time.time()),
+               ',running_lora_adapters="",waiting_lora_adapters="",max_lora="0"')
+        family("vllm:num_preemptions", "counter", "Cumulative number of preemptions from the engine.", s.preemptions)
+        with self._lock:
+            family("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", self.prompt_tokens)
+            family("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
+                   self.generation_tokens)
+            name = "vllm:time_to_first_token_seconds"
+            lines += [f"# HELP {name} Histogram of time to first token in seconds.", f"# TYPE {name} histogram",
+                      *self.ttft.lines(name, label)]
+        family("vllm:spec_decode_num_draft_tokens", "counter", "Number of draft tokens.", s.drafts_proposed)
+        family("vllm:spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens.", s.drafts_accepted)
+        return lines
+
+
+def _escape(value: str) -> str:
+    """A label value as the text format writes it."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
