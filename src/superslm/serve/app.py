@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from superslm.encoders import CrossEncoder, Encoder
 from superslm.errors import InternalError, ModelNotFound, SuperSLMError, UnsupportedModel
-from superslm.serve import anthropic, embeddings, generate
+from superslm.serve import anthropic, embeddings, generate, responses
 from superslm.serve.connections import ShutdownCut
 from superslm.serve.guard import BrowserGuard, HostRules
 from superslm.serve.loop import EngineLoop
@@ -85,6 +85,8 @@ class ServerState:
         self._embedder: Encoder | None = model if isinstance(model, Encoder) else None
         self.draining = False
         self.created = int(time.time())
+        #: the Responses API's stored responses (previous_response_id, GET /v1/responses/{id})
+        self.responses = responses.ResponseStore()
 
     @property
     def max_len(self) -> int:
@@ -286,6 +288,7 @@ def create_app(
         app.post("/v1/chat/completions", dependencies=[auth])(
             counted("chat_completions", embeddings.refuse("/v1/chat/completions", lm)))
         app.post("/v1/messages", dependencies=[auth])(counted("messages", embeddings.refuse("/v1/messages", lm)))
+        app.post("/v1/responses", dependencies=[auth])(counted("responses", embeddings.refuse("/v1/responses", lm)))
         for route in ("/tokenize", "/detokenize", "/v1/messages/count_tokens"):
             app.post(route, dependencies=[auth])(_bound(state, embeddings.refuse(route, lm)))
         return app
@@ -294,12 +297,16 @@ def create_app(
 
 
 def _generation_routes(app: FastAPI, state: ServerState, auth: Any, counted: Callable[..., Any]) -> None:
-    """The routes of a language model: completions, chat, Anthropic's messages, tokenize, detokenize."""
+    """The routes of a language model: completions, chat, Anthropic's messages, OpenAI's responses, tokenize,
+    detokenize."""
     model, engine = state.model, state.engine
     app.post("/v1/completions", dependencies=[auth])(counted("completions", generate.completions))
     app.post("/v1/chat/completions", dependencies=[auth])(counted("chat_completions", generate.chat_completions))
     app.post("/v1/messages", dependencies=[auth])(counted("messages", anthropic.messages))
     app.post("/v1/messages/count_tokens", dependencies=[auth])(_bound(state, anthropic.count_tokens))
+    app.post("/v1/responses", dependencies=[auth])(counted("responses", responses.create))
+    app.get("/v1/responses/{response_id}", dependencies=[auth])(_bound(state, responses.retrieve))
+    app.delete("/v1/responses/{response_id}", dependencies=[auth])(_bound(state, responses.delete))
 
     @app.post("/tokenize", dependencies=[auth])
     async def tokenize(request: HTTPRequest) -> Response:
