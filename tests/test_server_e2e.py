@@ -83,6 +83,7 @@ def test_docs_examples_run_as_written(server) -> None:
     blocks = re.findall(r"```(\w+)\n(.*?)```", DOC.read_text(), re.S)
     curl = [code for lang, code in blocks if lang == "bash" and code.startswith("curl")]
     py = [code for lang, code in blocks if lang == "python" and "OpenAI(" in code]
+    responses_py = [code for lang, code in blocks if lang == "python" and "client.responses.create" in code]
     assert len(curl) == 1 and len(py) == 1
     here = server.url.removeprefix("http://")
 
@@ -101,3 +102,7 @@ def test_docs_examples_run_as_written(server) -> None:
     printed = run([sys.executable, "-c", anthropic_py[0].replace("127.0.0.1:8000", here)])
     assert printed.startswith("The capital of France is Paris. end_turn\n"), printed
     assert re.search(r"\n\[\d+ tokens\]\n$", printed)
+    assert len(responses_py) == 1  # run with the client the openai example makes
+    client = f'from openai import OpenAI\nclient = OpenAI(base_url="http://{here}/v1", api_key="unused")\n'
+    printed = run([sys.executable, "-c", client + responses_py[0] + "print(again.previous_response_id == r.id)"])
+    assert printed.strip().endswith("True") and len(printed.strip()) > len("True"), printed
