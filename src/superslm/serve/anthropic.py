@@ -25,6 +25,7 @@ from superslm.errors import InternalError, QueueFull, SuperSLMError
 from superslm.serve.generate import Writer, plan_chat, run, sse
 from superslm.serve.output import Choice, Job
 from superslm.serve.protocol import ChatRequest, bad, parse, renamed
+from superslm.serve.reasoning import has_reasoning
 
 if TYPE_CHECKING:
     from superslm.serve.app import ServerState
@@ -37,7 +38,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                503: "overloaded_error", 529: "overloaded_error"}
 #: the sampling extensions a Messages body may carry as well (Anthropic has none; vLLM's and OpenAI's names)
 EXTENSIONS = ("seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos",
-              "min_tokens", "stop_token_ids", "truncate_prompt_tokens")
+              "min_tokens", "stop_token_ids", "truncate_prompt_tokens", "guided_regex", "guided_choice",
+              "guided_grammar", "guided_json", "structured_outputs")
 #: the chat checks' field names, as a Messages body spells them
 RENAMES = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens", "response_format": "output_config"}
 
@@ -81,8 +83,7 @@ def to_chat(req: MessagesRequest, counting: bool = False) -> ChatRequest:
     Raises InvalidArgument naming the Messages field at fault."""
     if not counting and req.max_tokens is None:
         raise bad("max_tokens", "max_tokens: required (the most tokens the answer may have)")
-    if req.thinking is not None and req.thinking.get("type") != "disabled":
-        raise bad("thinking", "thinking: extended thinking is not supported")
+    thinking = _thinking(req.thinking)
     for name in ("mcp_servers", "container"):
         if (req.model_extra or {}).get(name):
             raise bad(name, f"{name}: not supported")
@@ -107,6 +108,8 @@ def to_chat(req: MessagesRequest, counting: bool = False) -> ChatRequest:
     }
     extra = req.model_extra or {}
     fields.update({name: extra[name] for name in EXTENSIONS if name in extra})
+    if thinking is not None:
+        fields["chat_template_kwargs"] = {"enable_thinking": thinking}
     if req.top_p is not None:
         fields["top_p"] = req.top_p
     if req.top_k is not None:
@@ -124,6 +127,17 @@ def to_chat(req: MessagesRequest, counting: bool = False) -> ChatRequest:
         # the chat path's structured output: compiled, and a bad schema is a 400, before the request is queued
         fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": form["schema"]}}
     return ChatRequest(**fields)
+
+
+def _thinking(thinking: dict[str, Any] | None) -> bool | None:
+    """enable_thinking for Anthropic's `thinking` (None: the template's default)."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise bad("thinking", "thinking.type: must be enabled, disabled or adaptive")
+    # budget_tokens is accepted; the answer's max_tokens bounds thinking and text together
+    return {"enabled": True, "disabled": False}.get(kind)
 
 
 def _system_text(system: str | list[Any] | None) -> str:
@@ -171,6 +185,8 @@ def _messages(i: int, m: Any, names: dict[str, str], last: bool) -> list[dict[st
             names[call_id] = name
             calls.append({"id": call_id, "type": "function",
                           "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}})
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # earlier thinking: chat templates leave it out of the history
         elif kind == "tool_result" and role == "user":
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str) or call_id not in names:
@@ -296,7 +312,10 @@ class AnthropicShape:
         if failure is not None:
             raise failure
         text = "".join(c.text) if c.tools is None else c.tools.content
-        content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+        thought = "".join(c.thought)
+        content: list[dict[str, Any]] = [{"type": "thinking", "thinking": thought, "signature": ""}] if thought else []
+        if text:
+            content.append({"type": "text", "text": text})
         for call in c.tools.calls if c.tools is not None else ():
             content.append({"type": "tool_use", "id": _tool_use_id(call["id"]), "name": call["function"]["name"],
                             "input": json.loads(call["function"]["arguments"])})
@@ -338,8 +357,10 @@ class _Stream:
     def _close(self) -> list[str]:
         if not self.open:
             return []
+        # a thinking block ends with its signature, as Anthropic's do (ours is empty: nothing to verify)
+        out = [self._delta({"type": "signature_delta", "signature": ""})] if self.open == "thinking" else []
         self.open = None
-        return [event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return [*out, event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
     def _delta(self, delta: dict[str, Any]) -> str:
         return event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
@@ -348,6 +369,11 @@ class _Stream:
         out: list[str] = []
         for piece in pieces:
             delta = piece.get("delta", {})
+            thought = delta.get("reasoning_content")
+            if thought:
+                if self.open != "thinking":
+                    out += self._block({"type": "thinking", "thinking": "", "signature": ""})
+                out.append(self._delta({"type": "thinking_delta", "thinking": thought}))
             text = delta.get("content")
             if text:
                 if self.open != "text":
@@ -387,6 +413,8 @@ async def messages(state: ServerState, request: HTTPRequest) -> Response:
     req = parse(MessagesRequest, await state.read_body(request))
     try:
         chat = to_chat(req)
+        if req.thinking and req.thinking.get("type") == "enabled" and not has_reasoning(state.model.chat_template):
+            raise bad("thinking", "thinking: this model's chat template writes no thinking blocks")
         plan = await plan_chat(state, chat)
         return await run(state, request, chat, plan.job, [plan.ids], plan.asked, None, None, plan.constraint,
                          AnthropicShape())

@@ -37,6 +37,7 @@ from superslm.serve.protocol import (
     parse,
     to_sampling,
 )
+from superslm.serve.reasoning import effort_switch, has_reasoning, opens_thinking
 from superslm.serve.structured import compile_constraint, prompt_inputs, request_constraint, tool_setup
 
 if TYPE_CHECKING:
@@ -177,6 +178,8 @@ async def plan_chat(state: ServerState, req: ChatRequest, compile: bool = True) 
     messages, template_tools = prompt_inputs(chat_messages(req.messages), tools, state.model.chat_template)
     kwargs = dict(req.chat_template_kwargs or {})
     enable_thinking = kwargs.pop("enable_thinking", None)
+    if enable_thinking is None and req.reasoning_effort is not None:
+        enable_thinking = effort_switch(req.reasoning_effort)
     # names the request sets itself, and the renderers' own parameters ("self": a TypeError, an HTTP 500)
     for reserved in ("self", "messages", "tools", "add_generation_prompt", "continue_final_message"):
         kwargs.pop(reserved, None)
@@ -189,6 +192,9 @@ async def plan_chat(state: ServerState, req: ChatRequest, compile: bool = True) 
     if constraint is not None and compile:
         await compile_constraint(state, constraint, param)
     ids = _truncated(req, await asyncio.to_thread(render), state)
+    # a reasoning template's answer has its thinking split off; the prompt's end says whether it starts inside
+    reasoning = opens_thinking(state.model.tokenizer.decode(ids[-16:])) if has_reasoning(
+        state.model.chat_template) else None
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     # vLLM's chat echo: the answer continues the last message's role (no generation prompt): its content first
     echo = None
@@ -199,7 +205,7 @@ async def plan_chat(state: ServerState, req: ChatRequest, compile: bool = True) 
     job = Job(state.model.tokenizer, model_name, True, req.n, [len(ids)], logprobs,
               bool(req.stream_options and req.stream_options.include_usage),
               tools=tools.tools if tools else None, forced_call=bool(tools and tools.forced),
-              include_stop=_include_stop(req), prompt_logprobs=req.prompt_logprobs, echo=echo)
+              include_stop=_include_stop(req), prompt_logprobs=req.prompt_logprobs, echo=echo, reasoning=reasoning)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return ChatPlan(ids, job, constraint, asked, logprobs)
 

@@ -18,6 +18,7 @@ from typing import Any
 from superslm.engine import Progress
 from superslm.sampling import TokenLogprobs
 from superslm.serve.loop import sampled_tokens
+from superslm.serve.reasoning import ReasoningSplit
 from superslm.serve.toolcalls import ToolStream
 from superslm.tokenizer import Tokenizer
 
@@ -59,6 +60,9 @@ class Choice:
     echoed: str = ""
     #: the prompt's ids and logprobs once they came (echo's logprobs and vLLM's prompt_logprobs)
     prompt: tuple[list[int], list[TokenLogprobs | None]] | None = None
+    #: set for a reasoning template: splits thinking (kept in `thought`) from the content (kept in `text`)
+    reasoning: ReasoningSplit | None = None
+    thought: list[str] = field(default_factory=list)
 
     @property
     def finish_reason(self) -> str:
@@ -73,13 +77,16 @@ class Job:
     def __init__(self, tokenizer: Tokenizer, model_name: str, chat: bool, n: int, prompt_lens: list[int],
                  logprobs: int | None, include_usage: bool, tools: list[dict[str, Any]] | None = None,
                  forced_call: bool = False, include_stop: tuple[int, ...] | None = None,
-                 echo: list[tuple[str, list[int]]] | None = None, prompt_logprobs: int | None = None) -> None:
+                 echo: list[tuple[str, list[int]]] | None = None, prompt_logprobs: int | None = None,
+                 reasoning: bool | None = None) -> None:
         """`tools`: the tools a chat request offers (None: no tool calls are parsed);
         `forced_call`: a grammar forces a call, so no text streams as content before the end;
         `include_stop`: vLLM's include_stop_str_in_output, holding the request's stop_token_ids
         (None: off): the stop string, or such a stop token's text, that ends a choice ends its text;
         `echo`: per prompt, its text and ids, put before each of its choices' answers (completions' echo);
-        `prompt_logprobs`: vLLM's, returned as its `prompt_logprobs` lists (None: not asked for)."""
+        `prompt_logprobs`: vLLM's, returned as its `prompt_logprobs` lists (None: not asked for);
+        `reasoning`: a chat answer's thinking is split from its content (serve/reasoning.py) and returned as
+        `reasoning_content` (None: not split; True: the prompt opened the thinking block)."""
         self.tokenizer, self.model_name, self.chat = tokenizer, model_name, chat
         self.include_stop = include_stop
         self.n, self.prompt_lens = n, prompt_lens
@@ -91,6 +98,10 @@ class Job:
         if tools is not None:
             for c in self.choices:
                 c.tools = ToolStream(tools, forced_call)
+        self.reasoning = reasoning is not None and chat
+        if self.reasoning:
+            for c in self.choices:
+                c.reasoning = ReasoningSplit(thinking=bool(reasoning))
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -113,6 +124,13 @@ class Job:
         lps = p.logprobs[: len(p.tokens)] if self.logprobs is not None else []
         c.logprobs.extend(lps)
         text = p.text + self._stop_text(p)
+        thought = ""
+        if c.reasoning is not None:  # the thinking goes apart; only the content is text (and may be a call)
+            thought, text = c.reasoning.push(text)
+            if p.end:
+                more, rest = c.reasoning.finish()
+                thought, text = thought + more, text + rest
+            c.thought.append(thought)
         prompt, head = None, ""
         if c.echo is not None:  # the first report: the prompt's text first, with its logprobs if asked for
             prompt = (c.echo[1], p.prompt_logprobs or [None] * len(c.echo[1]))
@@ -126,13 +144,16 @@ class Job:
         if c.tools is not None:  # the echoed message is the client's: never read as a call
             text = c.tools.push(text) + (c.tools.finish() if p.end else "")
         text = head + text
-        if not (text or lps or p.end or (self.prompt_logprobs is not None and p.prompt_logprobs is not None)):
+        prompt_lps = self.prompt_logprobs is not None and p.prompt_logprobs is not None
+        if not (text or thought or lps or p.end or prompt_lps):
             return []
         finish = c.finish_reason if p.end else None
         lp = self._logprobs(c, lps, c.shown, prompt if self.echo else None) if self.logprobs is not None else None
         out: dict[str, Any] = {"index": index}
         if self.chat:
             out["delta"] = {"content": text} if text else {}
+            if thought:
+                out["delta"] = {"reasoning_content": thought, **out["delta"]}
         else:
             out["text"] = text
         out.update(logprobs=lp, finish_reason=finish)
@@ -143,7 +164,8 @@ class Job:
         if c.tools is None or not c.tools.calls:
             return [out]
         # content (and logprobs) first, then each call, then the finish reason on an empty delta
-        head = [{k: v for k, v in out.items() if k != "stop_reason"} | {"finish_reason": None}] if text or lps else []
+        head = ([{k: v for k, v in out.items() if k != "stop_reason"} | {"finish_reason": None}]
+                if text or thought or lps else [])
         calls = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in c.tools.call_deltas()]
         tail = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": p.stop_reason}
         return [*head, *calls, tail]
@@ -257,6 +279,8 @@ class Job:
                     item["message"]["content"] = c.echoed + (content or "") if c.echoed else content
                     if c.tools.calls:
                         item["message"]["tool_calls"] = c.tools.calls
+                if c.reasoning is not None:
+                    item["message"]["reasoning_content"] = "".join(c.thought) or None
             else:
                 item["text"] = text
             item.update(logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason)

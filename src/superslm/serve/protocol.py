@@ -133,6 +133,8 @@ class ChatRequest(_Generate):
     # vLLM's: the answer starts with the last message's content when the answer continues its role
     echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    #: OpenAI's: "none" turns a reasoning template's thinking off; the other efforts leave it to the template
+    reasoning_effort: str | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -241,10 +243,16 @@ def check_completion(req: CompletionRequest) -> None:
         raise bad("logprobs", f"logprobs: must be in [0, {MAX_LOGPROBS}], got {req.logprobs}")
 
 
+#: OpenAI's reasoning efforts
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
 def check_chat(req: ChatRequest) -> None:
     check_common(req)
     refuse_unsupported(req, REFUSED_CHAT)
     check_continue(req.continue_final_message, req.add_generation_prompt)
+    if req.reasoning_effort is not None and req.reasoning_effort not in REASONING_EFFORTS:
+        raise bad("reasoning_effort", f"reasoning_effort: must be one of {', '.join(REASONING_EFFORTS)}")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad("top_logprobs", "top_logprobs: needs logprobs set to true")

@@ -32,14 +32,16 @@ from starlette.responses import JSONResponse, Response
 from superslm.errors import InternalError, QueueFull, SuperSLMError, UnknownRequest
 from superslm.serve.generate import Writer, plan_chat, run, sse
 from superslm.serve.output import Choice, Job
-from superslm.serve.protocol import ChatRequest, bad, parse, renamed
+from superslm.serve.protocol import REASONING_EFFORTS, ChatRequest, bad, parse, renamed
+from superslm.serve.reasoning import effort_switch
 
 if TYPE_CHECKING:
     from superslm.serve.app import ServerState
 
 #: sampling extensions a Responses body may carry as well (vLLM's and the chat endpoint's names)
 EXTENSIONS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos",
-              "min_tokens", "stop", "stop_token_ids", "truncate_prompt_tokens")
+              "min_tokens", "stop", "stop_token_ids", "truncate_prompt_tokens", "guided_regex", "guided_choice",
+              "guided_grammar", "guided_json", "structured_outputs")
 #: the chat checks' field names, as a Responses body spells them
 RENAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "text", "messages": "input"}
 #: Responses fields that would change the answer and are not supported (a 400, never ignored)
@@ -66,7 +68,7 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, Any] | None = None
-    #: accepted; the chat template's own default decides whether a model thinks
+    #: {"effort": ...}: "none" turns a reasoning template's thinking off, the others leave it to the template
     reasoning: dict[str, Any] | None = None
     truncation: str | None = None
 
@@ -125,6 +127,11 @@ def to_chat(req: ResponsesRequest, earlier: list[dict[str, Any]]) -> tuple[ChatR
         "temperature": req.temperature, "stream": req.stream,
     }
     fields.update({name: extra[name] for name in EXTENSIONS if name in extra})
+    effort = (req.reasoning or {}).get("effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise bad("reasoning", f"reasoning.effort: must be one of {', '.join(REASONING_EFFORTS)}")
+    if effort_switch(effort) is not None:
+        fields["chat_template_kwargs"] = {"enable_thinking": effort_switch(effort)}
     if req.truncation == "auto":  # the oldest tokens go where the prompt passes the context
         fields.setdefault("truncate_prompt_tokens", -1)
     if req.top_p is not None:
@@ -185,7 +192,7 @@ def _input_messages(items: str | list[Any], names: dict[str, str]) -> list[dict[
             text = output if isinstance(output, str) else _text(output, f"{at}.output")
             out.append({"role": "tool", "tool_call_id": call_id, "name": names[call_id], "content": text})
         elif kind == "reasoning":
-            continue  # a model's earlier thinking: templates drop it from history
+            continue  # a model's earlier thinking: chat templates leave it out of the history
         else:
             raise bad("input", f"{at}: items of type {str(kind)[:64]!r} are not supported (message, function_call, "
                                "function_call_output)")
@@ -259,6 +266,7 @@ class ResponsesShape:
         self.req, self.store, self.conversation = req, store, conversation
         self.id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self.created = int(time.time())
 
     def response(self, job: Job, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
@@ -271,7 +279,7 @@ class ResponsesShape:
                      "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
                      "input_tokens_details": {"cached_tokens": (u.get("prompt_tokens_details") or {}).get(
                          "cached_tokens", 0)},
-                     "output_tokens_details": {"reasoning_tokens": 0}}
+                     "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens(job)}}
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
@@ -284,15 +292,26 @@ class ResponsesShape:
             else 1.0, "truncation": r.truncation or "disabled", "usage": usage, "metadata": r.metadata or {},
         }
 
+    @staticmethod
+    def reasoning_tokens(job: Job) -> int:
+        """The thinking's tokens (its text encoded again: the sampled tokens are not kept apart)."""
+        thought = "".join(job.choices[0].thought)
+        return len(job.tokenizer.encode(thought, add_special_tokens=False)) if thought else 0
+
     def items(self, c: Choice) -> list[dict[str, Any]]:
         """The output items of a finished choice: its message (when it has text), then its calls."""
         text = "".join(c.text) if c.tools is None else (c.tools.content or "")
-        out: list[dict[str, Any]] = []
+        thought = "".join(c.thought)
+        out: list[dict[str, Any]] = [self.reasoning_item(thought, "completed")] if thought else []
         if text:
             out.append(self.message_item(text, "completed"))
         for call in c.tools.calls if c.tools is not None else ():
             out.append(self.call_item(call, "completed"))
         return out
+
+    def reasoning_item(self, text: str | None, status: str) -> dict[str, Any]:
+        content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "content": content, "status": status}
 
     def message_item(self, text: str | None, status: str) -> dict[str, Any]:
         content = [] if text is None else [_text_part(text)]
@@ -355,7 +374,10 @@ class _Stream:
         if item is None:
             return []
         out = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=self.index,
+                                  content_index=0, text=item["content"][0]["text"]))
+        elif item["type"] == "message":
             text = item["content"][0]["text"]
             where = {"item_id": item["id"], "output_index": self.index, "content_index": 0}
             out += [self.event("response.output_text.done", **where, text=text, logprobs=[]),
@@ -371,6 +393,17 @@ class _Stream:
         out: list[str] = []
         for piece in pieces:
             delta = piece.get("delta", {})
+            thought = delta.get("reasoning_content")
+            if thought:
+                if self.open is None or self.open["type"] != "reasoning":
+                    out += self._close()
+                    self.index += 1
+                    self.open = self.shape.reasoning_item("", "in_progress")
+                    out.append(self.event("response.output_item.added", output_index=self.index,
+                                          item=self.shape.reasoning_item(None, "in_progress")))
+                self.open["content"][0]["text"] += thought
+                out.append(self.event("response.reasoning_text.delta", item_id=self.open["id"],
+                                      output_index=self.index, content_index=0, delta=thought))
             text = delta.get("content")
             if text:
                 if self.open is None or self.open["type"] != "message":
