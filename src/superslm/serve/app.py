@@ -305,6 +305,7 @@ def _generation_routes(app: FastAPI, state: ServerState, auth: Any, counted: Cal
     app.post("/v1/messages", dependencies=[auth])(counted("messages", anthropic.messages))
     app.post("/v1/messages/count_tokens", dependencies=[auth])(_bound(state, anthropic.count_tokens))
     app.post("/v1/responses", dependencies=[auth])(counted("responses", responses.create))
+    _page_routes(app)
     app.get("/v1/responses/{response_id}", dependencies=[auth])(_bound(state, responses.retrieve))
     app.delete("/v1/responses/{response_id}", dependencies=[auth])(_bound(state, responses.delete))
 
@@ -339,6 +340,37 @@ def _generation_routes(app: FastAPI, state: ServerState, auth: Any, counted: Cal
             e.param = "tokens"  # type: ignore[attr-defined]
             raise
         return JSONResponse({"prompt": text})
+
+
+#: the chat page's files (serve/static) and their types; nothing else is served from there
+PAGE_FILES = {"index.html": "text/html; charset=utf-8", "chat.js": "text/javascript; charset=utf-8",
+              "chat.css": "text/css; charset=utf-8"}
+#: the page runs its own script and style only, talks to this server only, and is framed by no other page
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+                                           "connect-src 'self'; img-src 'self' data:; frame-ancestors 'none'; "
+                                           "base-uri 'none'; form-action 'none'",
+                "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
+
+
+def _page_routes(app: FastAPI) -> None:
+    """The chat page at / (static files shipped in the package; public, as it holds no data: its API calls
+    carry the key the user types into it)."""
+    from importlib.resources import files
+
+    root = files("superslm.serve") / "static"
+
+    def page(name: str) -> Response:
+        return Response((root / name).read_bytes(), media_type=PAGE_FILES[name], headers=PAGE_HEADERS)
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> Response:
+        return page("index.html")
+
+    @app.get("/static/{name}", include_in_schema=False)
+    async def static(name: str) -> Response:
+        if name not in PAGE_FILES:
+            raise HTTPException(404, "no such file")
+        return page(name)
 
 
 def _bound(state: ServerState, run: Callable[[ServerState, HTTPRequest], Awaitable[Response]]) -> Any:
