@@ -91,7 +91,7 @@ def test_threads_and_a_positional_model_on_every_command(tmp_path: Path) -> None
     parser = build_parser()
     for argv in (["generate", "-p", "x"], ["chat"], ["serve"], ["info"], ["convert", "a", "b"]):
         assert parser.parse_args([*argv, "--threads", "1"]).threads == 1, argv
-    assert parser.parse_args(["serve", str(tmp_path)]).model_pos == str(tmp_path)
+    assert parser.parse_args(["serve", str(tmp_path)]).models_pos == [str(tmp_path)]
     r = superslm("generate", "--model", str(tmp_path), "-p", "hi", "--max-tokens", "2", "--threads", "1")
     assert r.returncode == 0, r.stderr
     bad = superslm("generate", "--model", str(tmp_path), "-p", "hi", "--threads", "0")

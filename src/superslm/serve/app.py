@@ -231,7 +231,7 @@ def create_app(
     app.add_middleware(ShutdownCut, draining=lambda: state.draining, error=error_payload)
     # outermost (added last): every error on the Anthropic routes, from the app or the middleware above, in its shape
     app.add_middleware(anthropic.AnthropicErrors)
-    _errors(app)
+    error_handlers(app)
     auth = Depends(_auth(state))
 
     @app.get("/health")
@@ -305,7 +305,7 @@ def _generation_routes(app: FastAPI, state: ServerState, auth: Any, counted: Cal
     app.post("/v1/messages", dependencies=[auth])(counted("messages", anthropic.messages))
     app.post("/v1/messages/count_tokens", dependencies=[auth])(_bound(state, anthropic.count_tokens))
     app.post("/v1/responses", dependencies=[auth])(counted("responses", responses.create))
-    _page_routes(app)
+    page_routes(app)
     app.get("/v1/responses/{response_id}", dependencies=[auth])(_bound(state, responses.retrieve))
     app.delete("/v1/responses/{response_id}", dependencies=[auth])(_bound(state, responses.delete))
 
@@ -352,7 +352,7 @@ PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'self
                 "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
 
 
-def _page_routes(app: FastAPI) -> None:
+def page_routes(app: FastAPI) -> None:
     """The chat page at / (static files shipped in the package; public, as it holds no data: its API calls
     carry the key the user types into it)."""
     from importlib.resources import files
@@ -380,27 +380,33 @@ def _bound(state: ServerState, run: Callable[[ServerState, HTTPRequest], Awaitab
     return handler
 
 
+def key_ok(headers: Any, expected: bytes) -> bool:
+    """Whether a request's headers carry the API key: `Authorization: Bearer <key>`, or Anthropic's
+    `x-api-key: <key>` where no Authorization header is sent."""
+    given = headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    anthropic_key = headers.get("x-api-key")
+    if anthropic_key is not None and not given:
+        scheme, token = "bearer", anthropic_key
+    # compare_digest takes as long whatever the key's first differing byte
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected)
+
+
+#: what a request without the right key is told
+KEY_MESSAGE = "a missing or wrong API key (send Authorization: Bearer <key>, or x-api-key: <key>)"
+
+
 def _auth(state: ServerState) -> Callable[[HTTPRequest], None]:
     expected = state.api_key.encode() if state.api_key else None
 
     def check(request: HTTPRequest) -> None:
-        if expected is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        # Anthropic's clients send the key as x-api-key instead
-        anthropic_key = request.headers.get("x-api-key")
-        if anthropic_key is not None and not given:
-            scheme, token = "bearer", anthropic_key
-        # compare_digest takes as long whatever the key's first differing byte
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-            raise HTTPException(401, "a missing or wrong API key (send Authorization: Bearer <key>, or "
-                                     "x-api-key: <key>)")
+        if expected is not None and not key_ok(request.headers, expected):
+            raise HTTPException(401, KEY_MESSAGE)
 
     return check
 
 
-def _errors(app: FastAPI) -> None:
+def error_handlers(app: FastAPI) -> None:
     """Every error in OpenAI's shape."""
 
     @app.exception_handler(SuperSLMError)

@@ -3,6 +3,11 @@
 --model takes a language model (GGUF, Hugging Face folder, known name), a sentence-transformers
 encoder folder (the server then answers /v1/embeddings) or a cross-encoder folder (/v1/rerank).
 
+Several models (`superslm serve MODEL MODEL ...`, NAME=MODEL to name one, or --config FILE) are served
+by one server: each request goes to the model it names, which loads at its first request; --models-max
+bounds how many are loaded at once (the least recently used idle one unloads first) and --idle-unload
+unloads a model after that many idle seconds.
+
 SIGTERM (or Ctrl-C) drains: /health turns 503 and new requests are refused at once, the listening
 socket closes, requests in flight run to their end (at most --drain-timeout seconds, then they are
 cancelled), and the process exits 0.
@@ -50,7 +55,16 @@ def add_parser(sub: Any) -> None:
     """Register the `serve` subcommand on the CLI's subparsers."""
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as --model")
+    p.add_argument("models_pos", nargs="*", metavar="MODEL",
+                   help="the model (same as --model), or several: NAME=MODEL names one (default: its own name)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a JSON or TOML file naming the models: {\"models\": [{\"name\", \"model\", and "
+                        "per-model slots, context, kv, speculative, deterministic, device, dtype}], "
+                        "\"models_max\", \"idle_unload\"}")
+    p.add_argument("--models-max", type=_count(1), default=None,
+                   help="with several models: the most loaded at once (default: no limit)")
+    p.add_argument("--idle-unload", type=float, default=None, metavar="SECONDS",
+                   help="with several models: unload one after this many seconds without a request (default: never)")
     p.add_argument("--model", "-m", default=None,
                    help="a GGUF file, a Hugging Face folder, a sentence-transformers encoder or cross-encoder "
                         "folder, or a known name (default: SmolLM2-135M-Instruct)")
@@ -148,10 +162,9 @@ def default_names(model_name: str, model_arg: str | None) -> list[str]:
 def cmd_serve(ns: argparse.Namespace) -> int:
     """Load the model, build the app and run uvicorn until SIGTERM/SIGINT."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 (checked here: the server extra is installed)
 
         from superslm.serve.app import create_app
-        from superslm.serve.connections import uvicorn_options
         from superslm.serve.guard import is_loopback
     except ImportError as e:
         print(f"superslm serve needs the server extra ({e.name} is missing): pip install 'superslm[serve]'",
@@ -160,6 +173,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     import superslm
     from superslm.encoders import CrossEncoder, Encoder, model_kind
 
+    given = ([ns.model] if ns.model else []) + list(ns.models_pos or [])
+    if ns.config is not None or len(given) > 1:
+        return _serve_several(ns, given)
+    ns.model = given[0] if given else None
     kind = "decoder" if ns.model is None else model_kind(ns.model)
     loader = {"encoder": Encoder.load, "cross-encoder": CrossEncoder.load}.get(kind, superslm.load)
     model = loader(ns.model, device=ns.device, dtype=ns.dtype)
@@ -185,11 +202,21 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     state = app.state.server
     print(startup_line(state, ns.host, ns.port), file=sys.stderr, flush=True)
 
+    _run(app, ns, state.drain)
+    return 0
+
+
+def _run(app: Any, ns: argparse.Namespace, drain: Any) -> None:
+    """uvicorn serving `app` until SIGTERM/SIGINT, calling `drain()` as the signal comes."""
+    import uvicorn
+
+    from superslm.serve.connections import uvicorn_options
+
     class DrainingServer(uvicorn.Server):
         """uvicorn's Server that refuses new requests as soon as the signal comes, and exits 0."""
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            state.drain()
+            drain()
             super().handle_exit(sig, frame)
 
         @contextlib.contextmanager
@@ -207,4 +234,90 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=ns.drain_timeout,
                             **uvicorn_options(ns.header_timeout, ns.keep_alive_timeout, ns.max_connections))
     DrainingServer(config).run()
+
+
+#: what a config file's model entry may set besides name and model
+SPEC_KEYS = ("slots", "context", "kv", "speculative", "deterministic", "device", "dtype")
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """A --config file (JSON, or TOML by its .toml suffix) as plain data; raises InvalidArgument."""
+    import json
+
+    from superslm.errors import InvalidArgument
+
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        if path.endswith(".toml"):
+            import tomllib
+
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except (ValueError, ImportError) as e:
+        raise InvalidArgument(f"--config {path}: not valid {'TOML' if path.endswith('.toml') else 'JSON'} ({e})") from e
+    if not isinstance(data, dict) or not isinstance(data.get("models"), list) or not data["models"]:
+        raise InvalidArgument(f'--config {path}: needs "models", a non-empty list of {{"name", "model"}} entries')
+    unknown = set(data) - {"models", "models_max", "idle_unload"}
+    if unknown:
+        raise InvalidArgument(f"--config {path}: unknown keys {sorted(unknown)}")
+    for i, entry in enumerate(data["models"]):
+        if not isinstance(entry, dict) or not isinstance(entry.get("model"), str):
+            raise InvalidArgument(f'--config {path}: models[{i}] needs "model" (a path or a known name)')
+        extra = set(entry) - {"name", "model", *SPEC_KEYS}
+        if extra:
+            raise InvalidArgument(f"--config {path}: models[{i}]: unknown keys {sorted(extra)}")
+    return data
+
+
+def spec_name(model: str) -> str:
+    """The name a model given on the command line is served as: a file's stem, a folder's name, or the
+    known name as typed."""
+    path = Path(model)
+    if path.exists():
+        return path.stem if path.is_file() else path.name
+    return model
+
+
+def _serve_several(ns: argparse.Namespace, given: list[str]) -> int:
+    from superslm.errors import InvalidArgument
+    from superslm.serve.guard import is_loopback
+    from superslm.serve.router import ModelSpec, Router
+
+    flags = {"slots": ns.slots, "context": ns.context, "kv": ns.kv, "speculative": ns.speculative,
+             "deterministic": ns.deterministic, "device": ns.device, "dtype": ns.dtype}
+    shared = {k: v for k, v in flags.items() if v is not None}
+    specs, models_max, idle = [], ns.models_max, ns.idle_unload
+    if ns.config is not None:
+        data = read_config(ns.config)
+        for entry in data["models"]:
+            options = {**shared, **{k: entry[k] for k in SPEC_KEYS if k in entry}}
+            specs.append(ModelSpec(entry.get("name") or spec_name(entry["model"]), entry["model"], options))
+        models_max = models_max if models_max is not None else data.get("models_max")
+        idle = idle if idle is not None else data.get("idle_unload")
+    for arg in given:
+        name, sep, model = arg.partition("=")
+        if not sep or not name or Path(arg).exists():
+            name, model = spec_name(arg), arg
+        specs.append(ModelSpec(name, model, dict(shared)))
+    if ns.served_model_name or ns.chat_template:
+        raise InvalidArgument("with several models, name each one NAME=MODEL (or in --config); --served-model-name "
+                              "and --chat-template are for one model")
+    try:
+        router = Router(specs, models_max=models_max, idle_unload=idle, api_key=ns.api_key,
+                        max_body_bytes=ns.max_body_bytes, max_waiting=ns.max_waiting,
+                        allowed_hosts=ns.allowed_hosts or (None if is_loopback(ns.host) else ["*"]),
+                        cors_origins=ns.cors_origins)
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from e
+    shown = f"[{ns.host}]" if ":" in ns.host else ns.host
+    limits = f", at most {models_max} loaded" if models_max else ""
+    limits += f", idle unload after {idle:g} s" if idle else ""
+    print(f"superslm serve: {len(specs)} models ({', '.join(s.name for s in specs)}), each loaded at its first "
+          f"request{limits}, http://{shown}:{ns.port}/v1", file=sys.stderr, flush=True)
+
+    def drain() -> None:
+        router.draining = True
+
+    _run(router, ns, drain)
     return 0

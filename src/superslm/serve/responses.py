@@ -100,6 +100,10 @@ class ResponseStore:
             raise e
         return copy.deepcopy(item[0]), copy.deepcopy(item[1])
 
+    def has(self, response_id: str) -> bool:
+        with self._lock:
+            return response_id in self._items
+
     def delete(self, response_id: str) -> None:
         self.get(response_id)
         with self._lock:
