@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI
@@ -87,6 +89,45 @@ class ServerState:
         self.created = int(time.time())
         #: the Responses API's stored responses (previous_response_id, GET /v1/responses/{id})
         self.responses = responses.ResponseStore()
+        #: LoRA adapters served by name (--lora, /v1/load_lora_adapter): name -> (adapter, folder)
+        self.adapters: dict[str, tuple[Any, str]] = {}
+        self.allow_lora_loading = False
+        self.metrics.lora_info = self.lora_info
+
+    def adapter_for(self, name: str) -> Any:
+        """The adapter a served name means (None: the base model)."""
+        entry = self.adapters.get(name)
+        return entry[0] if entry is not None else None
+
+    def lora_info(self) -> tuple[list[str], int]:
+        """(the adapters live requests use, the adapters loaded), for vLLM's lora_requests_info."""
+        return [n for n, (a, _) in self.adapters.items() if a.users], len(self.adapters)
+
+    def load_adapter(self, name: str, folder: str) -> None:
+        """Serve the PEFT LoRA folder as `name` (InvalidArgument: a name in use; AdapterMismatch: it does not fit)."""
+        if not isinstance(name, str) or not name or len(name) > 256:
+            raise bad("lora_name", "lora_name: required, a non-empty string")
+        if not isinstance(folder, str) or not folder:
+            raise bad("lora_path", "lora_path: required, the adapter's folder")
+        if name in self.adapters or name in self.served_names:
+            raise bad("lora_name", f"lora_name: {name[:100]!r} is already served")
+        if not Path(folder).is_dir():
+            raise bad("lora_path", "lora_path: not a folder on the server")
+        try:
+            adapter = self.model.adapter(folder)
+        except ModelNotFound as e:  # a folder without an adapter in it: the client's path is wrong
+            raise bad("lora_path", f"lora_path: {e}") from None
+        self.adapters[name] = (adapter, folder)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` (AdapterInUse while live requests use it)."""
+        entry = self.adapters.get(name) if isinstance(name, str) else None
+        if entry is None:
+            e = ModelNotFound(f"no LoRA adapter is served as {str(name)[:100]!r}")
+            e.param = "lora_name"  # type: ignore[attr-defined]
+            raise e
+        entry[0].unmap()
+        del self.adapters[name]
 
     @property
     def max_len(self) -> int:
@@ -137,10 +178,13 @@ class ServerState:
             raise embeddings.wrong_kind(self.kind, self.served_names[0], "/v1/rerank", "a cross-encoder")
         return self.model
 
-    def check_model(self, name: str | None) -> str:
-        """The served name a request means (None: the first), or ModelNotFound (404)."""
+    def check_model(self, name: str | None, adapters: bool = False) -> str:
+        """The served name a request means (None: the first), or ModelNotFound (404); `adapters`: the name may
+        be a LoRA adapter's (the generation routes)."""
         if name is None:
             return self.served_names[0]
+        if adapters and name in self.adapters:
+            return name
         if name not in self.served_names:
             e = ModelNotFound(f"the model {name[:100]!r} does not exist; this server serves {self.served_names}")
             e.param = "model"  # type: ignore[attr-defined]
@@ -178,6 +222,8 @@ def create_app(
     max_body_bytes: int = 4 << 20,
     allowed_hosts: Iterable[str] | None = None,
     cors_origins: Iterable[str] = (),
+    lora: dict[str, str] | None = None,
+    allow_lora_loading: bool = False,
     **engine_kwargs: Any,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `model`: a language model, an `Encoder` (/v1/embeddings) or a
@@ -190,6 +236,8 @@ def create_app(
     `allowed_hosts`: the Host names requests may carry (default: loopback names; `*` any; `.example.com`
     with its subdomains), `cors_origins`: the web pages (origins) that may call it from a browser; other
     Origins get 403, a POST that is not `application/json` 415 (serve/guard.py).
+    `lora`: PEFT LoRA folders served by name ({name: folder}); `allow_lora_loading`: /v1/load_lora_adapter and
+    /v1/unload_lora_adapter may add and drop them at run time (they read folders on the server: off by default).
     The engine loop thread starts with the app's lifespan (or at the first request) and stops with it.
     """
     if isinstance(model, (Encoder, CrossEncoder)):
@@ -209,6 +257,11 @@ def create_app(
     if not names:
         raise bad("served_model_name", "served_model_name: give at least one name")
     state = ServerState(model, engine, names, api_key, max_waiting, max_body_bytes)
+    state.allow_lora_loading = allow_lora_loading
+    for name, folder in (lora or {}).items():
+        if engine is None:
+            raise bad("lora", "lora: adapters are for a language model")
+        state.load_adapter(name, folder)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -249,16 +302,19 @@ def create_app(
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": state.created, "owned_by": "superslm",
-                "max_model_len": state.max_len}
+        out = {"id": name, "object": "model", "created": state.created, "owned_by": "superslm",
+               "max_model_len": state.max_len}
+        if name in state.adapters:  # vLLM's fields for an adapter: its folder, its base
+            out.update(root=state.adapters[name][1], parent=names[0])
+        return out
 
     @app.get("/v1/models", dependencies=[auth])
     async def models() -> Response:
-        return JSONResponse({"object": "list", "data": [card(n) for n in names]})
+        return JSONResponse({"object": "list", "data": [card(n) for n in [*names, *state.adapters]]})
 
     @app.get("/v1/models/{name:path}", dependencies=[auth])
     async def model_card(name: str) -> Response:
-        return JSONResponse(card(state.check_model(name)))
+        return JSONResponse(card(state.check_model(name, adapters=True)))
 
     def counted(endpoint: str, run: Callable[[ServerState, HTTPRequest], Awaitable[Response]]) -> Any:
         async def handler(request: HTTPRequest) -> Response:
@@ -306,6 +362,7 @@ def _generation_routes(app: FastAPI, state: ServerState, auth: Any, counted: Cal
     app.post("/v1/messages/count_tokens", dependencies=[auth])(_bound(state, anthropic.count_tokens))
     app.post("/v1/responses", dependencies=[auth])(counted("responses", responses.create))
     page_routes(app)
+    _lora_routes(app, state, auth)
     app.get("/v1/responses/{response_id}", dependencies=[auth])(_bound(state, responses.retrieve))
     app.delete("/v1/responses/{response_id}", dependencies=[auth])(_bound(state, responses.delete))
 
@@ -340,6 +397,35 @@ def _generation_routes(app: FastAPI, state: ServerState, auth: Any, counted: Cal
             e.param = "tokens"  # type: ignore[attr-defined]
             raise
         return JSONResponse({"prompt": text})
+
+
+def _lora_routes(app: FastAPI, state: ServerState, auth: Any) -> None:
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: adapters served by name at run time, where
+    the server allows it (they read a folder on the server: off unless serve --allow-lora-loading)."""
+
+    async def body(request: HTTPRequest) -> dict[str, Any]:
+        if not state.allow_lora_loading:
+            raise HTTPException(403, "loading LoRA adapters at run time is off (serve --allow-lora-loading)")
+        try:
+            data = json.loads(await state.read_body(request))
+        except ValueError:
+            raise bad(None, "the body is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise bad(None, "the body must be a JSON object")
+        return data
+
+    @app.post("/v1/load_lora_adapter", dependencies=[auth])
+    async def load_lora(request: HTTPRequest) -> Response:
+        data = await body(request)
+        name, folder = data.get("lora_name"), data.get("lora_path")
+        await asyncio.to_thread(state.load_adapter, name, folder)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", dependencies=[auth])
+    async def unload_lora(request: HTTPRequest) -> Response:
+        name = (await body(request)).get("lora_name")
+        state.unload_adapter(name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 #: the chat page's files (serve/static) and their types; nothing else is served from there

@@ -119,6 +119,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--kv", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8"],
                    help="the KV page format (default auto: the model's dtype; int8 about halves the bytes a token "
                         "holds, on the CPU)")
+    p.add_argument("--lora", nargs="+", default=[], metavar="NAME=FOLDER",
+                   help="PEFT LoRA adapter folders over the model, each served as its own model name")
+    p.add_argument("--allow-lora-loading", action="store_true",
+                   help="let clients load and unload adapters at run time (/v1/load_lora_adapter, "
+                        "/v1/unload_lora_adapter; they name folders on this machine)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: info)")
     p.set_defaults(func=cmd_serve)
@@ -185,9 +190,18 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             print("superslm: error: --chat-template is for language models, not encoders", file=sys.stderr)
             return 2
         model.use_chat_template(Path(ns.chat_template).read_text(encoding="utf-8"))
-    engine_kwargs = {"deterministic": ns.deterministic, "speculative": ns.speculative, "kv": ns.kv}
+    engine_kwargs: dict[str, Any] = {"deterministic": ns.deterministic, "speculative": ns.speculative, "kv": ns.kv}
+    lora = {}
+    for item in ns.lora:
+        name, sep, folder = item.partition("=")
+        if not sep or not name or not folder:
+            print(f"superslm: error: --lora takes NAME=FOLDER, not {item!r}", file=sys.stderr)
+            return 2
+        lora[name] = folder
+    if lora or ns.allow_lora_loading:
+        engine_kwargs.update(lora=lora, allow_lora_loading=ns.allow_lora_loading)
     if kind != "decoder":
-        given = [f"--{k}" for k, v in engine_kwargs.items() if v not in (False, None, "auto")]
+        given = [f"--{k.replace('_', '-')}" for k, v in engine_kwargs.items() if v not in (False, None, "auto", {})]
         if given:
             print(f"superslm: error: {', '.join(given)} configure a language model's engine, not an {kind}",
                   file=sys.stderr)
@@ -237,7 +251,7 @@ def _run(app: Any, ns: argparse.Namespace, drain: Any) -> None:
 
 
 #: what a config file's model entry may set besides name and model
-SPEC_KEYS = ("slots", "context", "kv", "speculative", "deterministic", "device", "dtype")
+SPEC_KEYS = ("slots", "context", "kv", "speculative", "deterministic", "device", "dtype", "lora")
 
 
 def read_config(path: str) -> dict[str, Any]:

@@ -132,7 +132,7 @@ async def completions(state: ServerState, request: HTTPRequest) -> Response:
     body = await state.read_body(request)
     req = parse(CompletionRequest, body)
     check_completion(req)
-    model_name = state.check_model(req.model)
+    model_name = state.check_model(req.model, adapters=True)
     p = req.prompt
     prompts: list[str | list[int]]
     if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
@@ -172,7 +172,7 @@ async def plan_chat(state: ServerState, req: ChatRequest, compile: bool = True) 
     """Check a chat request, render its prompt and build its Job (and compile its constraint unless
     `compile` is false: counting a prompt's tokens needs no grammar). Raises InvalidArgument & co."""
     check_chat(req)
-    model_name = state.check_model(req.model)
+    model_name = state.check_model(req.model, adapters=True)
     tools = tool_setup(req, state.model)
     constraint, param = request_constraint(req, state.model, tools)
     messages, template_tools = prompt_inputs(chat_messages(req.messages), tools, state.model.chat_template)
@@ -306,7 +306,8 @@ async def run(state: ServerState, request: HTTPRequest, req: CompletionRequest |
         for i in range(req.n):
             # every prompt's choice i gets seed + i (as vLLM): a batch answers as single requests do
             sampling = to_sampling(req, logprobs, seed_offset=i, grammar=grammar)
-            requests.append(Request(prompt=ids, max_tokens=max_tokens, sampling=sampling))
+            requests.append(Request(prompt=ids, max_tokens=max_tokens, sampling=sampling,
+                                    adapter=state.adapter_for(job.model_name)))
     for r in requests:  # the checks engine.add makes, here so that they fail as a 400 before any work
         try:
             r.sampling.validate(state.engine.vocab)

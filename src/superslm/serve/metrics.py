@@ -16,7 +16,7 @@ import bisect
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from superslm.serve.loop import EngineStats
 
@@ -80,6 +80,8 @@ class Metrics:
         self.encoder_inputs = dict.fromkeys(ENCODER_ENDPOINTS, 0)
         self.encoder_tokens = dict.fromkeys(ENCODER_ENDPOINTS, 0)
         self.ttft = Histogram(TTFT_BUCKETS)
+        #: (adapters live requests use, adapters loaded): set by the server that serves adapters
+        self.lora_info: Callable[[], tuple[list[str], int]] = lambda: ([], 0)
         self.tpot = Histogram(TPOT_BUCKETS)
 
     # --- from the event loop ----------------------------------------------------------------------
@@ -207,9 +209,11 @@ class Metrics:
         family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", s.waiting)
         family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", usage)
         family("vllm:gpu_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage (older name).", usage)
-        # no adapters are served by name yet: none running or waiting
+        # the adapters live requests use (running or waiting: one list), and how many are loaded
+        used, loaded = self.lora_info()
+        running = _escape(",".join(used))
         family("vllm:lora_requests_info", "gauge", "Running stats on lora requests.", float(time.time()),
-               ',running_lora_adapters="",waiting_lora_adapters="",max_lora="0"')
+               f',running_lora_adapters="{running}",waiting_lora_adapters="",max_lora="{loaded}"')
         family("vllm:num_preemptions", "counter", "Cumulative number of preemptions from the engine.", s.preemptions)
         with self._lock:
             family("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", self.prompt_tokens)

@@ -78,7 +78,7 @@ def load_spec(spec: ModelSpec, server: dict[str, Any]) -> Any:
 
 
 #: settings only a language model's engine takes
-ENGINE_KEYS = ("slots", "context", "kv", "speculative", "deterministic", "kv_budget", "page_size")
+ENGINE_KEYS = ("slots", "context", "kv", "speculative", "deterministic", "kv_budget", "page_size", "lora")
 
 
 class Router:
@@ -157,7 +157,13 @@ class Router:
 
         @app.get("/v1/models", dependencies=need_key)
         async def models() -> Response:
-            return JSONResponse({"object": "list", "data": [self._card(h) for h in self.hosted.values()]})
+            cards = [self._card(h) for h in self.hosted.values()]
+            for h in self.hosted.values():  # the adapters loaded models serve
+                if h.app is not None:
+                    cards += [{"id": n, "object": "model", "created": self.created, "owned_by": "superslm",
+                               "root": folder, "parent": h.spec.name, "status": {"value": "loaded"}}
+                              for n, (_, folder) in h.app.state.server.adapters.items()]
+            return JSONResponse({"object": "list", "data": cards})
 
         @app.get("/v1/models/{name:path}", dependencies=need_key)
         async def model_card(name: str) -> Response:
@@ -181,6 +187,9 @@ class Router:
         if name is None:
             return self.hosted[self.first]
         hosted = self.hosted.get(name) if isinstance(name, str) else None
+        if hosted is None and isinstance(name, str):  # a LoRA adapter a loaded model serves
+            hosted = next((h for h in self.hosted.values() if h.app is not None
+                           and name in h.app.state.server.adapters), None)
         if hosted is None:
             e = ModelNotFound(f"the model {str(name)[:100]!r} does not exist; this server serves "
                               f"{list(self.hosted)}")
