@@ -13,6 +13,7 @@ import time
 
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -206,3 +207,36 @@ def test_serve_several_from_the_command_line(folders, tmp_path) -> None:
     out = subprocess.run([sys.executable, "-m", "superslm.cli", "serve", "--config", str(bad)], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and 'models[0] needs "model"' in out.stderr
+
+
+def test_the_official_clients_through_a_router(folders) -> None:
+    """Chat, the Responses API (streamed, with a forced function call) and the Messages API (streamed, with a
+    forced tool_use) through one router serving two models, then one of them unloaded by the idle rule."""
+    from tests.test_server_anthropic import WEATHER, WEATHER_SCHEMA
+    from tests.test_server_responses import WEATHER as RESPONSES_WEATHER
+
+    grammar_ends = {"temperature": 1.0, "seed": 7}  # seeded: greedy fills every whitespace gap JSON allows
+    with LiveServer(Router(specs(folders, context=2048), idle_unload=4.0)) as s:
+        oai = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0, timeout=120)
+        claude = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0, timeout=120)
+        chat = oai.chat.completions.create(model="b", messages=ASK, max_tokens=4, temperature=0)
+        assert chat.model == "b"
+        events = list(oai.responses.create(model="a", input="Weather in Paris?", tools=[RESPONSES_WEATHER],
+                                           tool_choice="required", max_output_tokens=400, stream=True,
+                                           extra_body=grammar_ends))
+        calls = [i for i in events[-1].response.output if i.type == "function_call"]
+        assert calls, events[-1].response
+        call = calls[0]
+        jsonschema.validate(json.loads(call.arguments), WEATHER_SCHEMA)
+        with claude.messages.stream(model="a", messages=ASK, max_tokens=400, tools=[WEATHER],
+                                    tool_choice={"type": "any"}, extra_body=grammar_ends) as stream:
+            final = stream.get_final_message()
+        assert final.stop_reason == "tool_use" and final.model == "a"
+        jsonschema.validate(final.content[-1].input, WEATHER_SCHEMA)
+        claude.messages.create(model="b", messages=ASK, max_tokens=2)  # b used again: both are fresh
+        assert status(s.url) == {"a": "loaded", "b": "loaded"}
+        deadline = time.monotonic() + 15
+        while status(s.url)["b"] == "loaded" and time.monotonic() < deadline:
+            oai.completions.create(model="a", prompt="hi", max_tokens=1)
+            time.sleep(0.2)
+        assert status(s.url) == {"a": "loaded", "b": "unloaded"}
