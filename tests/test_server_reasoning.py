@@ -162,3 +162,35 @@ def test_responses_reasoning_items(oai) -> None:
     off = oai.responses.create(reasoning={"effort": "none"}, **{**kw, "extra_body": {
         "seed": 3, "guided_regex": ANSWER_ONLY}})
     assert [i.type for i in off.output] == ["message"]
+
+
+def test_a_grammar_starts_after_the_thinking(server) -> None:
+    """A schema (or tools) constrains the answer after the thinking block the prompt opened; with thinking
+    off (an empty block closed in the prompt) it constrains the answer from its first token; a grammar that
+    names the closing tag shapes the thinking too."""
+    import asyncio
+
+    from superslm.grammar import GrammarCompiler
+    from superslm.serve.generate import plan_chat
+    from superslm.serve.protocol import ChatRequest
+
+    state = server.app.state.server
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    form = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+    def constraint(**kw):
+        return asyncio.run(plan_chat(state, ChatRequest(model="thinker", messages=ASK, **kw))).constraint
+
+    compiler = GrammarCompiler(state.model.tokenizer)
+
+    def accepts(c, text: str) -> bool:
+        m = compiler.compile(c).new_matcher()
+        ok = m.consume_tokens(state.model.tokenizer.encode(text, add_special_tokens=False))
+        return bool(ok) and not m.is_error() and m.is_accepting()
+
+    after = constraint(response_format=form)
+    assert after.thinking == "open"
+    assert accepts(after, 'so, a number </think>\n\n{"a": 5}') and not accepts(after, '{"a": 5}')
+    off = constraint(response_format=form, chat_template_kwargs={"enable_thinking": False})
+    assert off.thinking == "" and accepts(off, '{"a": 5}')
+    assert constraint(guided_regex=THOUGHT_THEN_ANSWER).thinking == ""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from superslm.errors import GrammarError, InvalidArgument
@@ -72,7 +72,14 @@ class Constraint:
     """JSON kinds only: longest run of whitespace between JSON tokens; 0 means compact JSON,
     None unbounded (llguidance's default). Always None for regex, lark and choice."""
 
+    thinking: str = ""
+    """"open": the answer starts inside a thinking block (the prompt opened `<think>`), so free text up to
+    `</think>` comes before what the constraint describes; "optional": the answer may open such a block
+    first; "": no thinking."""
+
     def __post_init__(self) -> None:
+        if self.thinking not in THINKING_MODES:
+            raise InvalidArgument(f"thinking must be one of {THINKING_MODES}, got {self.thinking!r}")
         if self.kind not in KINDS:
             raise InvalidArgument(f"constraint kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         value = self.value
@@ -137,7 +144,17 @@ class Constraint:
         """True for json_schema and json_object (their output parses as JSON)."""
         return self.kind in ("json_schema", "json_object")
 
+    def after_thinking(self, mode: str) -> Constraint:
+        """This constraint after a model's thinking block (see `thinking`)."""
+        return replace(self, thinking=mode)
+
     def grammar(self, canonical_keys: bool = True) -> str:
+        """This constraint as an llguidance grammar: JSON text, or Lark text for a plain Lark grammar (see
+        `_grammar`), after the thinking block its `thinking` mode allows."""
+        answer = self._grammar(canonical_keys)
+        return answer if not self.thinking else thinking_first(answer, self.thinking == "open")
+
+    def _grammar(self, canonical_keys: bool = True) -> str:
         """This constraint as an llguidance grammar (its JSON text; no tokenizer involved). A JSON schema
         is rewritten first (grammar/rewrite.py: exact leap seconds and, with `canonical_keys`, additional
         keys that cannot spell a declared name with escapes).
@@ -189,17 +206,21 @@ class Constraint:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready plain data: {"kind", "value", "max_whitespace"} (a choice's value as a list)."""
         value: Any = list(self.value) if isinstance(self.value, tuple) else self.value
-        return {"kind": self.kind, "value": value, "max_whitespace": self.max_whitespace}
+        out = {"kind": self.kind, "value": value, "max_whitespace": self.max_whitespace}
+        if self.thinking:
+            out["thinking"] = self.thinking
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Constraint:
         """Rebuild from `to_dict()` output (unknown keys raise InvalidArgument)."""
-        unknown = set(data) - {"kind", "value", "max_whitespace"}
+        unknown = set(data) - {"kind", "value", "max_whitespace", "thinking"}
         if unknown:
             raise InvalidArgument(f"unknown constraint fields: {sorted(unknown)}")
         if "kind" not in data:
             raise InvalidArgument("a constraint needs a kind")
-        return cls(data["kind"], data.get("value"), data.get("max_whitespace", DEFAULT_MAX_WHITESPACE))
+        return cls(data["kind"], data.get("value"), data.get("max_whitespace", DEFAULT_MAX_WHITESPACE),
+                   data.get("thinking", ""))
 
     @classmethod
     def from_response_format(cls, response_format: Mapping[str, Any] | None) -> Constraint | None:
@@ -222,6 +243,50 @@ class Constraint:
             schema = spec.get("schema", spec.get("json_schema", {"type": "object"}))
             return cls.json_schema(schema)
         raise InvalidArgument(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+
+
+THINKING_MODES = ("", "open", "optional")
+#: the tags of a thinking block (Qwen3, DeepSeek-R1 and their kind)
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def _escaped(c: str) -> str:
+    return "\\" + c if c in "\\/^$.|?*+()[]{}-" else c
+
+
+def never_containing(word: str) -> str:
+    """A regex (llguidance's syntax) of every string that does not contain `word`, whose first character
+    appears nowhere else in it: runs of other characters, and at each occurrence of the first one a partial
+    `word` that ends where the next character breaks it (or where another first character, or the end, comes)."""
+    first = word[0]
+    if first in word[1:] or len(word) < 2:
+        raise ValueError(f"{word!r}: its first character must not recur")
+
+    def level(j: int) -> str:
+        stop = f"[^{_escaped(word[j])}{_escaped(first)}][^{_escaped(first)}]*"
+        return f"(|{stop})" if j == len(word) - 1 else f"(|{stop}|{_escaped(word[j])}{level(j + 1)})"
+
+    return f"[^{_escaped(first)}]*({_escaped(first)}{level(1)})*"
+
+
+def thinking_first(answer: str, opened: bool) -> str:
+    """llguidance's grammar of a thinking block (free text without its closing tag, then the tag and a few
+    spaces or newlines), required (`opened`: the prompt opened it) or optional, then the grammar `answer`."""
+    top = json.loads(answer) if answer.lstrip().startswith("{") else {"grammars": [{"lark_grammar": answer}]}
+    grammars = top["grammars"]
+    name = grammars[0].get("name") or "answer"
+    grammars[0]["name"] = name
+    thought = never_containing(THINK_CLOSE) + _escaped_all(THINK_CLOSE) + "[ \\n]{0,4}"
+    if opened:
+        lark = f"start: THINK @{name}\nTHINK: /{thought}/"
+    else:
+        lark = f"start: THINK? @{name}\nTHINK: /[ \\n]{{0,4}}{_escaped_all(THINK_OPEN)}{thought}/"
+    top["grammars"] = [{"name": "thinking", "lark_grammar": lark}, *grammars]
+    return json.dumps(top)
+
+
+def _escaped_all(text: str) -> str:
+    return "".join(_escaped(c) for c in text)
 
 
 def _as_lark(text: str) -> str:

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from superslm.engine import Request
 from superslm.errors import ContextLengthExceeded, SuperSLMError, TokenOutOfRange
 from superslm.grammar import Constraint
+from superslm.grammar.spec import THINK_CLOSE
 from superslm.serve.loop import Event, Submission
 from superslm.serve.output import Job
 from superslm.serve.protocol import (
@@ -37,7 +38,7 @@ from superslm.serve.protocol import (
     parse,
     to_sampling,
 )
-from superslm.serve.reasoning import effort_switch, has_reasoning, opens_thinking
+from superslm.serve.reasoning import effort_switch, has_reasoning, prompt_thinking
 from superslm.serve.structured import compile_constraint, prompt_inputs, request_constraint, tool_setup
 
 if TYPE_CHECKING:
@@ -189,12 +190,16 @@ async def plan_chat(state: ServerState, req: ChatRequest, compile: bool = True) 
                                        continue_final_message=req.continue_final_message,
                                        enable_thinking=enable_thinking, **kwargs)
 
-    if constraint is not None and compile:
-        await compile_constraint(state, constraint, param)
     ids = _truncated(req, await asyncio.to_thread(render), state)
     # a reasoning template's answer has its thinking split off; the prompt's end says whether it starts inside
-    reasoning = opens_thinking(state.model.tokenizer.decode(ids[-16:])) if has_reasoning(
+    thinking = prompt_thinking(state.model.tokenizer.decode(ids[-24:])) if has_reasoning(
         state.model.chat_template) else None
+    reasoning = None if thinking is None else thinking == "open"
+    # the grammar starts where the thinking ends, unless it names the closing tag (then it shapes the thinking too)
+    if constraint is not None and thinking in ("open", "maybe") and THINK_CLOSE not in str(constraint.value or ""):
+        constraint = constraint.after_thinking("open" if thinking == "open" else "optional")
+    if constraint is not None and compile:
+        await compile_constraint(state, constraint, param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     # vLLM's chat echo: the answer continues the last message's role (no generation prompt): its content first
     echo = None

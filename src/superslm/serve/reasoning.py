@@ -30,6 +30,17 @@ def opens_thinking(prompt_text: str) -> bool:
     return prompt_text.rfind(START) > prompt_text.rfind(END)
 
 
+def prompt_thinking(prompt_text: str) -> str:
+    """How a reasoning template's prompt ends: "open" (inside a thinking block the generation prompt opened),
+    "closed" (right after an empty block it closed: thinking is off) or "maybe" (the model may open one)."""
+    if opens_thinking(prompt_text):
+        return "open"
+    end = prompt_text.rfind(END)
+    if end >= 0 and not prompt_text[end + len(END):].strip():
+        return "closed"
+    return "maybe"
+
+
 def _held(text: str, tag: str) -> int:
     """How many characters at the end of `text` may begin `tag` (held back until the next piece)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
