@@ -164,7 +164,7 @@ def test_responses_reasoning_items(oai) -> None:
     assert [i.type for i in off.output] == ["message"]
 
 
-def test_a_grammar_starts_after_the_thinking(server) -> None:
+def test_a_grammar_starts_after_the_thinking(server, monkeypatch) -> None:
     """A schema (or tools) constrains the answer after the thinking block the prompt opened; with thinking
     off (an empty block closed in the prompt) it constrains the answer from its first token; a grammar that
     names the closing tag shapes the thinking too."""
@@ -178,8 +178,11 @@ def test_a_grammar_starts_after_the_thinking(server) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     form = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
 
+    def plan(**kw):
+        return asyncio.run(plan_chat(state, ChatRequest(model="thinker", messages=ASK, **kw)))
+
     def constraint(**kw):
-        return asyncio.run(plan_chat(state, ChatRequest(model="thinker", messages=ASK, **kw))).constraint
+        return plan(**kw).constraint
 
     compiler = GrammarCompiler(state.model.tokenizer)
 
@@ -194,3 +197,10 @@ def test_a_grammar_starts_after_the_thinking(server) -> None:
     off = constraint(response_format=form, chat_template_kwargs={"enable_thinking": False})
     assert off.thinking == "" and accepts(off, '{"a": 5}')
     assert constraint(guided_regex=THOUGHT_THEN_ANSWER).thinking == ""
+    assert plan(response_format=form).after is None
+    # where the closing tag is one token (Qwen3's, DeepSeek-R1's), the constraint starts after that token instead
+    tok = state.model.tokenizer
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, **kw: [7] if text == "</think>" else encode(text, **kw))
+    one = plan(response_format=form)
+    assert one.after == 7 and one.constraint.thinking == ""

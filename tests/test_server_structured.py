@@ -284,6 +284,9 @@ INVALID = [
     ({"guided_json": "{not json"}, "guided_json", "invalid_grammar"),
     ({"guided_regex": "(ab"}, "guided_regex", "invalid_grammar"),
     ({"guided_regex": "a(?=b)"}, "guided_regex", "invalid_grammar"),
+    # built lazily, past the lexer's limits at the first token: a compile error, every time
+    ({"guided_regex": "((a{100}){100}){100}"}, "guided_regex", "invalid_grammar"),
+    ({"guided_regex": "((a{100}){100}){100}"}, "guided_regex", "invalid_grammar"),
     ({"guided_grammar": "start: undefined_rule"}, "guided_grammar", "invalid_grammar"),
     ({"guided_choice": []}, "guided_choice", "invalid_argument"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "invalid_argument"),

@@ -19,6 +19,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import llguidance as llg
+import numpy as np
 
 from superslm.errors import GrammarError, InvalidArgument, TokenizerError
 from superslm.grammar.rewrite import merged_patterns
@@ -191,7 +192,19 @@ class GrammarCompiler:
 
     def _build(self, grammar: str) -> llg.LLMatcher:
         # log_level 0: errors are read back with get_error(), not printed to stderr
-        return llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self.limits)
+        matcher = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self.limits)
+        if not matcher.get_error():
+            # the first token's mask, on a copy: a grammar built lazily past the lexer's limits (a{100} nested three
+            # deep) fails here, as a compile error, instead of ending its first request with nothing
+            # twice, on two copies: their lexer shares what it built with the template, so a grammar at the limit
+            # passes once and fails from then on (each request's state is such a copy)
+            mask = np.zeros((self.ll_tokenizer.vocab_size + 31) // 32, dtype=np.int32)
+            for _ in range(2):
+                probe = matcher.deep_copy()
+                probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)  # as GrammarState computes its masks
+                if probe.is_error() and "lexer error" in probe.get_error():
+                    return probe
+        return matcher
 
     def __repr__(self) -> str:
         return f"GrammarCompiler(vocab_size={self.vocab_size}, cached={len(self._cache)})"

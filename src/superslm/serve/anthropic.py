@@ -417,7 +417,7 @@ async def messages(state: ServerState, request: HTTPRequest) -> Response:
             raise bad("thinking", "thinking: this model's chat template writes no thinking blocks")
         plan = await plan_chat(state, chat)
         return await run(state, request, chat, plan.job, [plan.ids], plan.asked, None, None, plan.constraint,
-                         AnthropicShape())
+                         AnthropicShape(), after=plan.after)
     except SuperSLMError as e:
         raise renamed(e, RENAMES) from None
 

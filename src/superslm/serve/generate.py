@@ -167,6 +167,8 @@ class ChatPlan:
     constraint: Constraint | None
     asked: int | None
     logprobs: int | None
+    #: the token after which the constraint starts (a reasoning model's end of thinking), None: from the first
+    after: int | None = None
 
 
 async def plan_chat(state: ServerState, req: ChatRequest, compile: bool = True) -> ChatPlan:
@@ -195,9 +197,15 @@ async def plan_chat(state: ServerState, req: ChatRequest, compile: bool = True) 
     thinking = prompt_thinking(state.model.tokenizer.decode(ids[-24:])) if has_reasoning(
         state.model.chat_template) else None
     reasoning = None if thinking is None else thinking == "open"
-    # the grammar starts where the thinking ends, unless it names the closing tag (then it shapes the thinking too)
+    # the grammar starts where the thinking ends, unless it names the closing tag (then it shapes the thinking too):
+    # after the closing tag's token where it is one (nothing to mask while the model thinks), else in the grammar
+    after = None
     if constraint is not None and thinking in ("open", "maybe") and THINK_CLOSE not in str(constraint.value or ""):
-        constraint = constraint.after_thinking("open" if thinking == "open" else "optional")
+        close = state.model.tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
+        if thinking == "open" and len(close) == 1:
+            after = close[0]
+        else:
+            constraint = constraint.after_thinking("open" if thinking == "open" else "optional")
     if constraint is not None and compile:
         await compile_constraint(state, constraint, param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -212,7 +220,7 @@ async def plan_chat(state: ServerState, req: ChatRequest, compile: bool = True) 
               tools=tools.tools if tools else None, forced_call=bool(tools and tools.forced),
               include_stop=_include_stop(req), prompt_logprobs=req.prompt_logprobs, echo=echo, reasoning=reasoning)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return ChatPlan(ids, job, constraint, asked, logprobs)
+    return ChatPlan(ids, job, constraint, asked, logprobs, after)
 
 
 async def chat_completions(state: ServerState, request: HTTPRequest) -> Response:
@@ -220,7 +228,8 @@ async def chat_completions(state: ServerState, request: HTTPRequest) -> Response
     body = await state.read_body(request)
     req = parse(ChatRequest, body)
     plan = await plan_chat(state, req)
-    return await run(state, request, req, plan.job, [plan.ids], plan.asked, None, plan.logprobs, plan.constraint)
+    return await run(state, request, req, plan.job, [plan.ids], plan.asked, None, plan.logprobs, plan.constraint,
+                     after=plan.after)
 
 
 class Writer(Protocol):
@@ -293,7 +302,7 @@ COMPLETIONS, CHAT = OpenAIShape("completions"), OpenAIShape("chat_completions")
 
 async def run(state: ServerState, request: HTTPRequest, req: CompletionRequest | ChatRequest, job: Job,
               prompts: list[list[int]], asked: int | None, default: int | None, logprobs: int | None,
-              grammar: Constraint | None = None, shape: Shape | None = None) -> Response:
+              grammar: Constraint | None = None, shape: Shape | None = None, after: int | None = None) -> Response:
     """Submit every choice (each constrained by `grammar`, compiled already), then answer with
     the whole body or a stream in `shape` (default: OpenAI's for the job's endpoint)."""
     shape = shape or (CHAT if job.chat else COMPLETIONS)
@@ -310,7 +319,7 @@ async def run(state: ServerState, request: HTTPRequest, req: CompletionRequest |
         max_tokens = budget(len(ids), asked, default, state.engine.context, "messages" if job.chat else "prompt")
         for i in range(req.n):
             # every prompt's choice i gets seed + i (as vLLM): a batch answers as single requests do
-            sampling = to_sampling(req, logprobs, seed_offset=i, grammar=grammar)
+            sampling = to_sampling(req, logprobs, seed_offset=i, grammar=grammar, after=after)
             requests.append(Request(prompt=ids, max_tokens=max_tokens, sampling=sampling,
                                     adapter=state.adapter_for(job.model_name)))
     for r in requests:  # the checks engine.add makes, here so that they fail as a 400 before any work

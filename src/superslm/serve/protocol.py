@@ -298,9 +298,10 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def to_sampling(req: _Generate, logprobs: int | None, seed_offset: int, grammar: Constraint | None = None) -> Sampling:
+def to_sampling(req: _Generate, logprobs: int | None, seed_offset: int, grammar: Constraint | None = None,
+                after: int | None = None) -> Sampling:
     """The engine's Sampling for one choice (choice i of a seeded request gets seed + i), its
-    output constrained by `grammar` when given."""
+    output constrained by `grammar` when given (from the token after `after`, when given)."""
     try:
         return Sampling(
             temperature=req.temperature,
@@ -323,6 +324,7 @@ def to_sampling(req: _Generate, logprobs: int | None, seed_offset: int, grammar:
             allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
             bad_words=tuple(req.bad_words or ()),
             grammar=grammar,
+            after=after if grammar is not None else None,
         )
     except InvalidArgument as e:
         raise bad(param_of(str(e)), str(e)) from None

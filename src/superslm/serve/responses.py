@@ -462,7 +462,8 @@ async def create(state: ServerState, request: HTTPRequest) -> Response:
         chat, conversation = to_chat(req, earlier)
         plan = await plan_chat(state, chat)
         shape = ResponsesShape(req, state.responses, conversation)
-        return await run(state, request, chat, plan.job, [plan.ids], plan.asked, None, None, plan.constraint, shape)
+        return await run(state, request, chat, plan.job, [plan.ids], plan.asked, None, None, plan.constraint, shape,
+                         after=plan.after)
     except SuperSLMError as e:
         raise renamed(e, RENAMES) from None
 
