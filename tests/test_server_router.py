@@ -240,3 +240,21 @@ def test_the_official_clients_through_a_router(folders) -> None:
             oai.completions.create(model="a", prompt="hi", max_tokens=1)
             time.sleep(0.2)
         assert status(s.url) == {"a": "loaded", "b": "unloaded"}
+
+
+def test_a_memory_budget_unloads_to_fit(folders) -> None:
+    from superslm.serve.router import _Hosted, _weight_bytes
+
+    sizes = {name: _weight_bytes(_Hosted(ModelSpec(name, str(f)))) for name, f in folders.items()}
+    assert all(n > 0 for n in sizes.values())
+    # room for either model, not both: loading b unloads a
+    with LiveServer(Router(specs(folders), memory_budget=max(sizes.values()) + 1)) as s:
+        for name in ("a", "b"):
+            r = httpx.post(f"{s.url}/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2}, timeout=120)
+            assert r.status_code == 200
+        assert status(s.url) == {"a": "unloaded", "b": "loaded"}
+    # room for both: both stay
+    with LiveServer(Router(specs(folders), memory_budget=sum(sizes.values()) + 1)) as s:
+        for name in ("a", "b"):
+            httpx.post(f"{s.url}/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2}, timeout=120)
+        assert status(s.url) == {"a": "loaded", "b": "loaded"}

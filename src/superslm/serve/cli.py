@@ -63,6 +63,9 @@ def add_parser(sub: Any) -> None:
                         "\"models_max\", \"idle_unload\"}")
     p.add_argument("--models-max", type=_count(1), default=None,
                    help="with several models: the most loaded at once (default: no limit)")
+    p.add_argument("--models-memory", type=float, default=None, metavar="GIB",
+                   help="with several models: the GiB their weights may take together; loading one more first unloads "
+                        "the least recently used idle ones (default: no limit)")
     p.add_argument("--idle-unload", type=float, default=None, metavar="SECONDS",
                    help="with several models: unload one after this many seconds without a request (default: never)")
     p.add_argument("--model", "-m", default=None,
@@ -318,7 +321,8 @@ def _serve_several(ns: argparse.Namespace, given: list[str]) -> int:
         raise InvalidArgument("with several models, name each one NAME=MODEL (or in --config); --served-model-name "
                               "and --chat-template are for one model")
     try:
-        router = Router(specs, models_max=models_max, idle_unload=idle, api_key=ns.api_key,
+        memory = None if ns.models_memory is None else int(ns.models_memory * 2**30)
+        router = Router(specs, models_max=models_max, idle_unload=idle, memory_budget=memory, api_key=ns.api_key,
                         max_body_bytes=ns.max_body_bytes, max_waiting=ns.max_waiting,
                         allowed_hosts=ns.allowed_hosts or (None if is_loopback(ns.host) else ["*"]),
                         cors_origins=ns.cors_origins)

@@ -84,9 +84,12 @@ ENGINE_KEYS = ("slots", "context", "kv", "speculative", "deterministic", "kv_bud
 class Router:
     """The ASGI app serving `specs` (names must differ). `loader(spec)` builds one model's app (default:
     `load_spec` with the shared keywords); `models_max`: most models loaded at once (None: no limit);
-    `idle_unload`: seconds without a request before a model unloads (None: never)."""
+    `idle_unload`: seconds without a request before a model unloads (None: never); `memory_budget`: bytes the
+    loaded models' weights may take together (each counted as its files on disk; a model larger than the budget
+    still loads, alone)."""
 
     def __init__(self, specs: Sequence[ModelSpec], *, models_max: int | None = None, idle_unload: float | None = None,
+                 memory_budget: int | None = None,
                  api_key: str | None = None, max_body_bytes: int = 4 << 20, max_waiting: int = 256,
                  allowed_hosts: Iterable[str] | None = None, cors_origins: Iterable[str] = (),
                  loader: Callable[[ModelSpec], Any] | None = None) -> None:
@@ -99,7 +102,7 @@ class Router:
             raise ValueError(f"models_max must be at least 1, got {models_max}")
         self.hosted = {s.name: _Hosted(s) for s in specs}
         self.first = names[0]
-        self.models_max, self.idle_unload = models_max, idle_unload
+        self.models_max, self.idle_unload, self.memory_budget = models_max, idle_unload, memory_budget
         self.api_key, self.max_body_bytes = api_key, max_body_bytes
         shared = {"api_key": api_key, "max_body_bytes": max_body_bytes, "max_waiting": max_waiting,
                   "allowed_hosts": allowed_hosts, "cors_origins": cors_origins}
@@ -310,7 +313,7 @@ class Router:
                     if self.draining:
                         raise QueueFull("the server is shutting down")
                     async with self._room:
-                        await self._make_room()
+                        await self._make_room(hosted)
                         hosted.in_flight += 1  # held while it loads: no one unloads it before its request runs
                         try:
                             app = await asyncio.to_thread(self.loader, hosted.spec)
@@ -329,14 +332,21 @@ class Router:
         hosted.in_flight += 1
         return hosted.app
 
-    async def _make_room(self) -> None:
-        """Unload least recently used idle models until one more fits under models_max."""
-        if self.models_max is None:
-            return
-        while sum(h.app is not None for h in self.hosted.values()) >= self.models_max:
+    async def _make_room(self, coming: _Hosted) -> None:
+        """Unload least recently used idle models until `coming` fits under models_max and memory_budget."""
+        def over() -> bool:
+            loaded = [h for h in self.hosted.values() if h.app is not None]
+            if self.models_max is not None and len(loaded) >= self.models_max:
+                return True
+            if self.memory_budget is None:
+                return False
+            return bool(loaded) and sum(map(_weight_bytes, loaded)) + _weight_bytes(coming) > self.memory_budget
+
+        while over():
             idle = [h for h in self.hosted.values() if h.app is not None and h.in_flight == 0]
             if not idle:
-                raise QueueFull(f"all {self.models_max} loaded models are busy; try again when one is idle")
+                raise QueueFull("every loaded model is busy and another does not fit beside them; try again when "
+                                "one is idle")
             await self._unload(min(idle, key=lambda h: h.last_used))
 
     async def _unload(self, hosted: _Hosted) -> None:
@@ -357,6 +367,23 @@ class Router:
                     async with self._room:
                         if hosted.app is not None and hosted.in_flight == 0:
                             await self._unload(hosted)
+
+
+def _weight_bytes(hosted: _Hosted) -> int:
+    """A model's weights as its files on disk (a GGUF file, or a folder's files; a known name: its cached file)."""
+    from pathlib import Path
+
+    path = Path(hosted.spec.model)
+    if not path.exists():
+        try:
+            from superslm.hub import fetch
+
+            path = fetch(hosted.spec.model, progress=False)
+        except Exception:  # an unknown name fails at load with its own error
+            return 0
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 class _Refusal(Exception):
