@@ -11,19 +11,12 @@ fixed-order product (`fixed_order_dot`): every output element sums its products 
 ..., one IEEE operation at a time, so its bits depend on its row and column alone, on any CPU. A
 difference between a row alone and the same row in a larger step can then only come from the kernel's
 own tiling and reduction order, which is what the invariance tests check.
-
-Two of the interpreter's own costs are cut while the fixture runs, without changing what it computes: a
-device function called from a kernel (a @triton.jit helper) no longer re-patches triton.language on every
-call when the kernel's launch has patched it already (`patch_lang_once`: the re-patch lists every member of
-tl, tl.core, tl.math and tl.tensor, about a quarter of an interpreted engine's time), and the triton-to-numpy
-dtype map is looked up once per type (`cached_np_dtype`).
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-import inspect
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
@@ -82,64 +75,13 @@ def fixed_order_dot(original: Callable) -> Callable:
     return create_dot
 
 
-def patch_lang_once(original: Callable) -> Callable:
-    """The interpreter's `_patch_lang(fn)` that returns an empty scope for a device function whose
-    triton.language modules the launch in progress has patched: calling `original` again would set the same
-    attributes to equal closures (and its nested scopes are never restored). A launch's restore forgets them."""
-    import triton.language as tl
-    from triton.runtime.interpreter import _LangPatchScope
-
-    patched: set[int] = set()  # the language modules the launch in progress patched
-
-    def patch_lang(fn):  # noqa: ANN001, ANN202 - triton's function and scope
-        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
-        if langs and langs <= patched:
-            return _LangPatchScope()
-        scope = original(fn)
-        patched.update(langs)
-        restore = scope.restore
-
-        def restore_and_forget() -> None:
-            restore()
-            patched.clear()
-
-        scope.restore = restore_and_forget
-        return scope
-
-    patch_lang.once = True
-    return patch_lang
-
-
-def cached_np_dtype(original: Callable) -> Callable:
-    """The interpreter's `_get_np_dtype` (which builds its table on every call) looked up once per scalar type
-    (a block's is its element's, a pointer's uint64 either way)."""
-    import triton.language as tl
-
-    cache: dict = {}
-
-    def get_np_dtype(tt_dtype):  # noqa: ANN001, ANN202
-        key = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
-        try:
-            return cache[key]
-        except KeyError:
-            cache[key] = got = original(key)
-            return got
-        except TypeError:  # an unhashable type: as the interpreter does it
-            return original(tt_dtype)
-
-    return get_np_dtype
-
-
 def interpret() -> Iterator[None]:
     """TRITON_INTERPRET=1 and the fixed-order tl.dot for the duration of a test module on a CPU (the body of
     the conftest fixture)."""
     with pytest.MonkeyPatch.context() as mp:
         if not ON_GPU:
-            from triton.runtime import interpreter
             from triton.runtime.interpreter import InterpreterBuilder
 
             mp.setenv("TRITON_INTERPRET", "1")
             mp.setattr(InterpreterBuilder, "create_dot", fixed_order_dot(InterpreterBuilder.create_dot))
-            mp.setattr(interpreter, "_patch_lang", patch_lang_once(interpreter._patch_lang))
-            mp.setattr(interpreter, "_get_np_dtype", cached_np_dtype(interpreter._get_np_dtype))
         yield
