@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.test_server_helpers import LiveServer, metrics, tiny_folder
+from tests.test_server_helpers import LiveServer, metrics, slow_steps, tiny_folder
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 playwright = pytest.importorskip("playwright.sync_api", reason="the chat page test needs playwright")
@@ -25,19 +25,6 @@ THINKING_TEMPLATE = (
     "{% for m in messages %}<s>{{ m.role }}\n{{ m.content }}</s>{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant\n<think>\n{% endif %}{# </think> closes it #}"
 )
-
-
-def slowed(app, seconds: float):
-    """`app` with each engine step slowed, so a reply streams long enough to be stopped."""
-    engine = app.state.server.engine
-    step = engine.advance
-
-    def slow():
-        time.sleep(seconds)
-        return step()
-
-    engine.advance = slow
-    return app
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +61,8 @@ def test_reply_streams_stops_and_persists(browser, tmp_path: Path) -> None:
     from superslm.serve import create_app
 
     folder, _ = tiny_folder("llama")
-    app = slowed(create_app(superslm.load(folder), slots=2, context=512, served_model_name="tiny"), 0.03)
+    app = create_app(superslm.load(folder), slots=2, context=512, served_model_name="tiny")
+    slow_steps(app, 0.03)  # a reply streams long enough to be stopped
     with LiveServer(app) as s:
         page, errors = open_page(browser, s.url)
         assert page.eval_on_selector("#model", "e => e.value") == "tiny"

@@ -6,7 +6,6 @@ an adapter in use, run-time loading where the server does not allow it."""
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import openai
@@ -14,7 +13,7 @@ import pytest
 
 import superslm
 from tests.test_lora import make_adapter
-from tests.test_server_helpers import LiveServer, metrics, wait_for
+from tests.test_server_helpers import LiveServer, metrics, slow_steps, wait_for
 from tests.tiny_models import build_hf_model, hf_greedy
 
 PROMPT = "The quick brown fox"
@@ -45,14 +44,7 @@ def test_adapters_by_name_answer_as_peft(base) -> None:
     ids = model.tokenizer.encode(PROMPT)
     app = create_app(model, slots=2, context=128, served_model_name="base", lora={"a1": str(folder / "a1")},
                      allow_lora_loading=True)
-    engine = app.state.server.engine
-    step = engine.advance
-
-    def slow():
-        time.sleep(0.01)
-        return step()
-
-    engine.advance = slow
+    slow_steps(app, 0.01)
     with LiveServer(app) as s:
         c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0, timeout=60)
         cards = {m.id: m for m in c.models.list().data}

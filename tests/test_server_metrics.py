@@ -10,7 +10,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_server_helpers import LiveServer, tiny_folder
+from tests.test_server_helpers import LiveServer, slow_steps, tiny_folder
 
 FIXED = {"ignore_eos": True}
 
@@ -73,13 +73,7 @@ def test_running_and_kv_usage_mid_answer() -> None:
     folder, _ = tiny_folder("llama")
     app = create_app(superslm.load(folder), slots=1, context=256, served_model_name="tiny")
     engine = app.state.server.engine
-    step = engine.advance
-
-    def slow_step():
-        time.sleep(0.02)
-        return step()
-
-    engine.advance = slow_step
+    slow_steps(app, 0.02)
     tiny = (("model_name", "tiny"),)
     body = {"model": "tiny", "prompt": "abc " * 20, "max_tokens": 60, "stream": True, **FIXED}
     with LiveServer(app) as s, httpx.Client(timeout=60) as http:

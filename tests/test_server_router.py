@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import superslm
 from superslm import Request, Sampling
 from superslm.serve.router import ModelSpec, Router
-from tests.test_server_helpers import LiveServer, tiny_folder, wait_for
+from tests.test_server_helpers import LiveServer, slow_steps, tiny_folder, wait_for
 
 ASK = [{"role": "user", "content": "Hello there"}]
 
@@ -90,14 +90,7 @@ def test_busy_models_are_not_unloaded(folders) -> None:
         from superslm.serve.router import load_spec
 
         app = load_spec(spec, {})
-        engine = app.state.server.engine
-        step = engine.advance
-
-        def slow():
-            time.sleep(0.02)
-            return step()
-
-        engine.advance = slow
+        slow_steps(app, 0.02)
         return app
 
     with LiveServer(Router(specs(folders), models_max=1, loader=slow_loader)) as s:

@@ -256,8 +256,9 @@ def _tool_choice(choice: dict[str, Any]) -> tuple[str | dict[str, Any], bool | N
 # --- the answer ----------------------------------------------------------------------------------
 
 
-def _failure(c: Choice) -> SuperSLMError | None:
-    """Why a finished choice has no Anthropic stop_reason (it was cut short), or None."""
+def cut_short(c: Choice) -> SuperSLMError | None:
+    """Why a finished choice was cut short (its grammar died, or the server cancelled it), or None: the
+    Messages and Responses APIs have no finish reason for it, so it ends the request as an error."""
     reason = c.finish_reason
     if reason == "error":
         return InternalError("the answer stopped early: its grammar allowed no token, or the model's logits "
@@ -308,7 +309,7 @@ class AnthropicShape:
 
     def body(self, job: Job) -> dict[str, Any]:
         c = job.choices[0]
-        failure = _failure(c)
+        failure = cut_short(c)
         if failure is not None:
             raise failure
         text = "".join(c.text) if c.tools is None else c.tools.content
@@ -390,7 +391,7 @@ class _Stream:
 
     def end(self) -> list[str]:
         c = self.job.choices[0]
-        failure = _failure(c)
+        failure = cut_short(c)
         if failure is not None:
             return self._close() + self.error(failure)
         stop_reason, stop_sequence = _stop(c)

@@ -29,7 +29,8 @@ from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
-from superslm.errors import InternalError, QueueFull, SuperSLMError, UnknownRequest
+from superslm.errors import SuperSLMError, UnknownRequest
+from superslm.serve.anthropic import cut_short
 from superslm.serve.generate import Writer, plan_chat, run, sse
 from superslm.serve.output import Choice, Job
 from superslm.serve.protocol import REASONING_EFFORTS, ChatRequest, bad, parse, renamed
@@ -252,15 +253,6 @@ def _format(form: Any) -> dict[str, Any]:
 # --- the answer ----------------------------------------------------------------------------------
 
 
-def _failure(c: Choice) -> SuperSLMError | None:
-    if c.finish_reason == "error":
-        return InternalError("the answer stopped early: its grammar allowed no token, or the model's logits were "
-                             "not finite")
-    if c.finish_reason == "abort":
-        return QueueFull("the server cancelled the request")
-    return None
-
-
 class ResponsesShape:
     """One request's Response object and stream (a single choice); stores the response when it is done."""
 
@@ -331,7 +323,7 @@ class ResponsesShape:
     def finish(self, job: Job) -> dict[str, Any]:
         """The finished response (stored unless store is false), or the error that cut it short."""
         c = job.choices[0]
-        failure = _failure(c)
+        failure = cut_short(c)
         if failure is not None:
             raise failure
         body = self.response(job, "incomplete" if c.finish_reason == "length" else "completed", self.items(c))
