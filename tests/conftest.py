@@ -21,9 +21,29 @@ REAL_MODELS = ("smollm2_gguf", "gemma3_gguf", "minilm_folder")
 
 _CPP_TIMES: list[tuple[str, float, bool]] = []
 
+#: SUPERSLM_TEST_KV=int8 runs every engine the tests build with kv="auto" in that page format instead (.ci/run runs
+#: the engine contract tests once more this way); engines that name a format keep it
+_TEST_KV = os.environ.get("SUPERSLM_TEST_KV")
+if _TEST_KV:
+    from superslm.engine.engine import Engine
+
+    _engine_init = Engine.__init__
+
+    def _init_with_test_kv(self: Engine, *args: object, kv: str = "auto", **kwargs: object) -> None:
+        _engine_init(self, *args, kv=_TEST_KV if kv == "auto" else kv, **kwargs)  # type: ignore[arg-type]
+
+    Engine.__init__ = _init_with_test_kv  # type: ignore[method-assign]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "float_kv: checks an engine against a float reference (transformers) within "
+                            "float rounding; skipped where SUPERSLM_TEST_KV runs the engines on quantized pages")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
+        if _TEST_KV and item.get_closest_marker("float_kv"):
+            item.add_marker(pytest.mark.skip(reason=f"a float reference; the engines run on {_TEST_KV} KV pages"))
         spec = getattr(item, "callspec", None)
         # a real model's fixture asked for by name, or by a parameter a test hands to request.getfixturevalue
         params = [] if spec is None else [v for v in spec.params.values() if isinstance(v, str)]

@@ -44,6 +44,7 @@ def test_prefix_handle_is_shared_and_never_recomputed(tiny) -> None:
         engine.add(Request(a, 8, prefix=pre))
 
 
+@pytest.mark.float_kv
 def test_hidden_states_equal_transformers(tiny) -> None:
     model, hf = tiny
     p = prompts(1, seed=51, lo=20, hi=20)[0]
@@ -57,6 +58,7 @@ def test_hidden_states_equal_transformers(tiny) -> None:
         assert (got[i] - want[i][0]).abs().max() <= 1e-4, f"layer {i}"
 
 
+@pytest.mark.float_kv
 def test_prefill_hidden_and_stats(tiny) -> None:
     model, hf = tiny
     p = prompts(1, seed=52, lo=12, hi=12)[0]

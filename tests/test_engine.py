@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -85,11 +86,14 @@ def test_preemption_resumes_identically(tiny) -> None:
     assert engine.pool.num_used == 0
 
 
-def engine_page_bytes(model: superslm.Model, page_size: int) -> int:
+def engine_page_bytes(model: superslm.Model, page_size: int, kv: str | None = None) -> int:
+    """Bytes of one KV page of an engine the tests build for `model` in format `kv` (None: SUPERSLM_TEST_KV's
+    format where set, else the model's dtype)."""
     from superslm.cache.kv import KVCache
 
     a = model.arch
-    return KVCache.page_bytes(a.layers, page_size, a.kv_heads, a.head_dim, model.dtype)
+    kv = kv or os.environ.get("SUPERSLM_TEST_KV") or "auto"
+    return KVCache.page_bytes(model.net.kv_layers, page_size, a.kv_heads, a.head_dim, model.dtype, kv)
 
 
 def test_request_that_can_never_fit_ends_with_length(tiny) -> None:
@@ -116,6 +120,7 @@ def test_seeded_sampling_is_batch_invariant(tiny) -> None:
     assert len(unseeded[0].tokens) == 16
 
 
+@pytest.mark.float_kv
 def test_sampled_frequencies_match_shaped_distribution(tiny) -> None:
     """Chi-square of 2,000 first tokens (distinct seeds) against softmax(top-k(logits / T))."""
     model, hf = tiny
@@ -139,6 +144,7 @@ def test_sampled_frequencies_match_shaped_distribution(tiny) -> None:
     assert chi2 < 24.32, (chi2, counts.tolist(), expected.tolist())
 
 
+@pytest.mark.float_kv
 def test_logprobs_equal_transformers(tiny) -> None:
     model, hf = tiny
     p = prompts(1, seed=8)[0]
@@ -265,6 +271,7 @@ def test_complete_from_text(tiny, tmp_path: Path) -> None:
     assert text == model.tokenizer.decode(greedy(model, [ids], 5)[0])
 
 
+@pytest.mark.float_kv
 def test_low_level_step_equals_requests(tiny) -> None:
     model, hf = tiny
     a, b = prompts(2, seed=13)

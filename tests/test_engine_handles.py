@@ -10,7 +10,7 @@ import pytest
 
 from superslm import Request, Sampling
 from superslm.errors import ContextLengthExceeded, InvalidArgument
-from tests.test_engine import prompts, tiny  # noqa: F401  (the module's fixture)
+from tests.test_engine import engine_page_bytes, prompts, tiny  # noqa: F401  (the module's fixture)
 
 S = Sampling(ignore_eos=True)
 
@@ -118,13 +118,6 @@ def test_the_scheduler_alone_grants_and_frees_pages(tiny, monkeypatch) -> None: 
     assert i >= 0 and engine.scheduler.num_preemptions >= 1
     assert callers == {"superslm.engine.scheduler"}, callers
     _clean(engine)
-
-
-def engine_page_bytes(model, page_size: int) -> int:
-    from superslm.cache.kv import KVCache
-
-    a = model.arch
-    return KVCache.page_bytes(len(model.net.layers), page_size, a.kv_heads, a.head_dim, model.dtype)
 
 
 def test_jump_forward_is_the_output_processors(tiny) -> None:  # noqa: F811

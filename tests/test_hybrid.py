@@ -15,7 +15,7 @@ from superslm.errors import StateCorrupted, UnsupportedModel
 from superslm.kernels import delta_rule
 from superslm.models.loader import materialize, open_source
 from superslm.models.transformer import Transformer
-from tests.test_engine import prompts
+from tests.test_engine import engine_page_bytes, prompts
 from tests.tiny_models import SingleSequence, build_hf_model, hf_greedy
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_moe"]
@@ -100,6 +100,7 @@ def test_logits_equal_transformers(family: str, built) -> None:
     assert (got - want).abs().max().item() <= 1e-4
 
 
+@pytest.mark.float_kv
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_greedy_64_steps_equals_transformers(family: str, built) -> None:
     hf, folder = built[family]
@@ -214,18 +215,14 @@ def test_deterministic_mode_is_bit_identical(model) -> None:
 def test_preemption_and_the_prefix_cache(model) -> None:
     """Preempted sequences recompute from their start (a delta-rule state restarts from zeros) and answer as
     alone, and every state row comes back."""
-    from superslm.cache.kv import KVCache
-
     ps = prompts(6, seed=21, lo=20, hi=30)
     alone = [_greedy(model, [p], 20, slots=1)[0] for p in ps]
-    a = model.arch
-    page = KVCache.page_bytes(model.net.kv_layers, 4, a.kv_heads, a.head_dim, model.dtype)
-    engine = model.engine(slots=6, context=160, page_size=4, kv_budget=30 * page)
+    engine = model.engine(slots=6, context=160, page_size=4, kv_budget=30 * engine_page_bytes(model, 4))
     got = engine.generate([Request(p, 20, Sampling(ignore_eos=True)) for p in ps])
     assert engine.scheduler.num_preemptions > 0
     assert [c.tokens for c in got] == alone
     assert engine.pool.num_used == 0
-    if a.hybrid:
+    if model.arch.hybrid:
         assert sorted(engine.scheduler.free_states) == list(range(6))  # every state row came back
     again = engine.generate([Request(ps[0], 20, Sampling(ignore_eos=True))])[0]
     assert again.tokens == alone[0]
@@ -285,6 +282,7 @@ def test_save_restore_and_prefix_handles(model) -> None:
     assert c.tokens == want and c.cached == 37
 
 
+@pytest.mark.float_kv
 def test_hidden_and_low_level_steps_equal_transformers(model, built) -> None:
     family = "qwen3_5" if model.arch.hybrid else "qwen3_moe"
     hf = built[family][0]

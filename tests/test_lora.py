@@ -53,6 +53,7 @@ def check(completion, prompt, logits_fn) -> None:
         assert lp.token == int(full[len(prompt) - 1 + i].argmax())
 
 
+@pytest.mark.float_kv
 def test_adapters_match_peft_alone_and_mixed(setup) -> None:
     model, base, logits_a, logits_b, _ = setup
     a1, a2 = model.adapter(base / "a1"), model.adapter(base / "a2")
@@ -186,6 +187,7 @@ def test_a_salt_cannot_read_an_adapters_cached_pages(setup) -> None:
     assert e.generate([Request(p, 2, s, adapter=model.adapter(base / "a2"))])[0].cached == 0
 
 
+@pytest.mark.float_kv
 def test_an_adapter_of_fused_modules_matches_peft(tmp_path) -> None:
     """Phi-3 stores q/k/v and gate/up fused, so PEFT adapts `qkv_proj` and `gate_up_proj` as one module each:
     the adapter's A and B are then the fused linears' own (not blocks of parts), and the answer is PEFT's."""

@@ -39,21 +39,23 @@ def collect(engine, rid: int, steps: int | None = None) -> tuple[list[int], str,
     return tokens, text, lps
 
 
-def test_restored_sequence_continues_exactly(model) -> None:
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_restored_sequence_continues_exactly(model, kv: str) -> None:
+    """Float pages and int8 rows alike: the blob carries the pages as stored, so the answer goes on exactly."""
     p = prompts(1, seed=31, lo=30, hi=30)[0]
-    ref_engine = model.engine(slots=2, context=128, deterministic=True)
+    ref_engine = model.engine(slots=2, context=128, deterministic=True, kv=kv)
     want = collect(ref_engine, ref_engine.add(Request(p, 20, SAMPLING)))
 
-    engine = model.engine(slots=2, context=128, deterministic=True)
+    engine = model.engine(slots=2, context=128, deterministic=True, kv=kv)
     rid = engine.add(Request(p, 20, SAMPLING))
     head = collect(engine, rid, steps=6)
     blob = engine.save(rid)
     engine.cancel(rid)
     assert engine.pool.num_used == 0
     # into a fresh engine, and into one whose pool is too full to take it at once
-    for fresh in (model.engine(slots=2, context=128, deterministic=True),
-                  model.engine(slots=1, context=128, deterministic=True, page_size=4,
-                               kv_budget=14 * engine_page_bytes(model, 4))):
+    for fresh in (model.engine(slots=2, context=128, deterministic=True, kv=kv),
+                  model.engine(slots=1, context=128, deterministic=True, page_size=4, kv=kv,
+                               kv_budget=14 * engine_page_bytes(model, 4, kv if kv != "auto" else None))):
         other = None
         if fresh.slots == 1:
             other = fresh.add(Request(prompts(1, seed=32, lo=20, hi=20)[0], 8, Sampling(ignore_eos=True)))
@@ -63,6 +65,29 @@ def test_restored_sequence_continues_exactly(model) -> None:
         tail = collect(fresh, new)
         assert (head[0] + tail[0], head[1] + tail[1], head[2] + tail[2]) == want
         assert other is None or fresh.pool.num_used == 0
+
+
+def test_blobs_keep_their_page_format(model) -> None:
+    """An int8 engine's blob holds its int8 rows (codes and scales, not values) and says so; a blob restores only
+    into an engine of its page format, anything else refused before a page is taken."""
+    blobs, engines = {}, {}
+    for kv in ("fp32", "int8"):
+        engine = engines[kv] = model.engine(slots=2, context=128, kv=kv)
+        rid = engine.add(Request(prompts(1, seed=35)[0], 10, SAMPLING))
+        engine.advance()
+        blobs[kv] = engine.save(rid)
+        saved = persist.decode(blobs[kv], model.fingerprint)
+        assert saved.header["kv_format"] == ("int8" if kv == "int8" else "float")
+        assert saved.k.dtype == engine.kv.k.dtype and saved.k.shape[-1] == engine.kv.k.shape[-1]
+        engine.cancel(rid)
+        engine.advance()
+    for blob, kv in ((blobs["fp32"], "int8"), (blobs["int8"], "fp32")):
+        engine = engines[kv]
+        with pytest.raises(StateModelMismatch, match="KV pages"):
+            engine.restore(blob)
+        assert not engine.busy() and engine.pool.num_used == 0
+    # a float blob restores into float pages named otherwise
+    assert model.engine(slots=1, context=128, kv=persist.dtype_name(model.dtype)).restore(blobs["fp32"]) >= 0
 
 
 def test_bad_blobs_are_refused_with_their_own_error(model, tmp_path) -> None:
@@ -143,7 +168,7 @@ def test_every_released_version_stays_readable() -> None:
     for version in range(1, persist.VERSION + 1):
         blob = (data / f"sequence-v{version}.bin").read_bytes()
         want = json.loads((data / f"sequence-v{version}.json").read_text())
-        engine = model.engine(slots=1, context=128, deterministic=True)
+        engine = model.engine(slots=1, context=128, deterministic=True, kv=persist.dtype_name(model.dtype))
         rid = engine.restore(blob)
         done = len(engine.output.seqs[rid].output)
         tokens, text, _ = collect(engine, rid)

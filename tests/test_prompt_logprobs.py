@@ -22,6 +22,7 @@ def _collect(engine, ids: list[int]) -> dict[int, list]:
     return got
 
 
+@pytest.mark.float_kv
 def test_prompt_logprobs_match_transformers(tiny) -> None:  # noqa: F811
     """Chunked over pages (chunk 7, pages of 4), a warm prefix cache (the prompt is computed whole anyway), and
     the top 3: the logprob, rank and most likely ids of every prompt token as transformers' log_softmax gives."""

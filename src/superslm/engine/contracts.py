@@ -21,6 +21,7 @@ from superslm.errors import (
     PrefixInUse,
     SequenceBusy,
     StateCorrupted,
+    StateModelMismatch,
     UnknownRequest,
 )
 from superslm.kernels.attention import AttnMetadata
@@ -115,13 +116,19 @@ class ContractsMixin:
             raise SequenceBusy(f"request {request_id} is mid-step; advance until its step completes")
         slots = self._slots_of(seq, seq.num_computed_tokens)
         state = persist.sequence_state(seq)
-        header = {"model": self.model.fingerprint, "page_size": self.page_size, "sequence": state}
+        header = {"model": self.model.fingerprint, "page_size": self.page_size, "kv_format": self._page_format(),
+                  "sequence": state}
         extra: dict[str, torch.Tensor] = {}
         if self.states is not None and seq.num_computed_tokens:
             # the delta-rule layers' states after the computed tokens, beside their KV
             assert seq.state_slot is not None
             extra["conv"], extra["ssm"] = self.states.rows([seq.state_slot])
         return persist.encode(header, self.kv.k[:, slots], self.kv.v[:, slots], extra)
+
+    def _page_format(self: Engine) -> str:
+        """The KV page format a blob names: a quantized format by its name; float pages of any dtype are "float"
+        (their values convert exactly enough between float dtypes, and the model fingerprint pins the dtype)."""
+        return self.kv.format.name if self.kv.format.quantized else "float"
 
     def restore(self: Engine, blob: bytes, adapter: Any = None) -> int:
         """A new live request continuing a saved one exactly; returns its id. With no free slot or no
@@ -148,6 +155,10 @@ class ContractsMixin:
         if len(seq.output) >= seq.max_tokens:
             raise ContextLengthExceeded(f"the saved sequence has {seq.num_tokens} tokens; the context holds "
                                         f"{self.context} (prompt and answer)")
+        saved_format = saved.header.get("kv_format", "float")  # blobs before quantized pages held float values
+        if saved_format != self._page_format():
+            raise StateModelMismatch(f"the sequence was saved with {saved_format} KV pages; this engine keeps "
+                                     f"{self._page_format()} pages (restore it into an engine of that kv format)")
         n = saved.k.shape[1]
         want = (self.kv.k.shape[0], n, *self.kv.k.shape[2:])
         if tuple(saved.k.shape) != want or tuple(saved.v.shape) != want or n > seq.num_tokens:

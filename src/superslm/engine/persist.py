@@ -7,7 +7,9 @@ Layout (version 2), all integers little-endian:
     length  u64      of the JSON header
     header  JSON     model fingerprint, KV layout, the sequence's state (tokens, computed count,
                      sampler RNG and penalty counts, detokenizer and stop-string state, stats)
-    kv      bytes    keys then values of the computed tokens: [layers, tokens, kv_heads, head_dim]
+    kv      bytes    keys then values of the computed tokens as their pages store them: [layers, tokens,
+                     kv_heads, width] (float values, or quantized rows: codes and their scale; the header's
+                     `kv_format` names the page format, and a blob restores only into an engine of that format)
     extra   bytes    (version 2) the header's `extra` tensors in its order: a delta-rule model's recurrent
                      states after the computed tokens (conv, ssm)
     sha256  32 bytes of everything before it
@@ -34,7 +36,11 @@ VERSION = 2
 _HEAD = struct.Struct("<8sIQ")
 _DIGEST = 32
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "int8": torch.int8, "uint8": torch.uint8}
+#: numpy twins of the dtypes numpy has (bf16 travels as int16 bit patterns)
+_NUMPY = {torch.float32: np.float32, torch.float16: np.int16, torch.bfloat16: np.int16, torch.int8: np.int8,
+          torch.uint8: np.uint8}
 
 
 @dataclass
@@ -62,9 +68,7 @@ def _raw(t: torch.Tensor) -> bytes:
 
 
 def _tensor(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    if dtype in (torch.bfloat16, torch.float16):
-        return torch.from_numpy(np.frombuffer(data, dtype=np.int16).copy()).view(dtype).reshape(shape)
-    return torch.from_numpy(np.frombuffer(data, dtype=np.float32).copy()).reshape(shape)
+    return torch.from_numpy(np.frombuffer(data, dtype=_NUMPY[dtype]).copy()).view(dtype).reshape(shape)
 
 
 def encode(header: dict[str, Any], k: torch.Tensor, v: torch.Tensor,
