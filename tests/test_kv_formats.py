@@ -15,8 +15,8 @@ import torch
 import superslm
 from superslm import Request, Sampling
 from superslm.cache.kv import KVCache, dequantize_rows, kv_format, quantize_rows, read_rows, slot_mapping
-from superslm.errors import InvalidArgument, SuperSLMError, UnsupportedModel
-from superslm.kernels import cpu_decode, dispatch
+from superslm.errors import InvalidArgument, SuperSLMError
+from superslm.kernels import cpu_decode
 from superslm.kernels.attention import AttnMetadata, paged_attention, store_kv
 from superslm.kernels.attention_invariant import paged_attention_invariant
 from superslm.models.loader import materialize, open_source
@@ -155,15 +155,6 @@ def test_attention_over_int8_pages_is_close_to_float_pages(window: int | None) -
     assert 0 < (ref8 - ref).abs().max() <= 0.02
     assert (inv8 - ref8).abs().max() <= 1e-5  # the batch-invariant reference reads the same rows
     assert (inv - ref).abs().max() <= 1e-5
-
-
-def test_triton_backend_refuses_int8_pages(monkeypatch) -> None:
-    kv = KVCache(1, 4, PS, 1, 16, kv="int8")
-    monkeypatch.setattr(dispatch, "triton_kernels", lambda device: object())  # as if the Triton kernels ran here
-    with pytest.raises(UnsupportedModel, match="int8 KV"):
-        dispatch.store_kv(kv.k[0], kv.v[0], torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), torch.tensor([0]))
-    floats = KVCache(1, 4, PS, 1, 16)
-    assert dispatch._kv_kernels(torch.device("cpu"), floats.k[0], floats.v[0]) is not None
 
 
 # --- the C++ plan ------------------------------------------------------------------------------------------

@@ -92,12 +92,13 @@ def triton_kernels(device: torch.device) -> ModuleType | None:
 
 
 def _kv_kernels(device: torch.device, *caches: torch.Tensor) -> ModuleType | None:
-    """`triton_kernels(device)` for a call that reads or writes these KV caches. The Triton kernels take float
-    pages only: int8 pages (cache/kv.py) on the Triton backend are refused, never read as floats, and not handed
-    to the references either (decode graphs replay static metadata the references would read wrong)."""
+    """`triton_kernels(device)` for a call that reads or writes these KV caches: float pages or int8 rows
+    (cache/kv.py), which the Triton kernels store and read themselves. A page format they do not know is refused,
+    never read as floats, and not handed to the references either (decode graphs replay static metadata the
+    references would read wrong)."""
     t = triton_kernels(device)
-    if t is not None and any(c.dtype == torch.int8 for c in caches):
-        raise UnsupportedModel(f"int8 KV pages have no Triton kernels yet: use {ENV}=torch or float KV pages")
+    if t is not None and any(not c.is_floating_point() and c.dtype != torch.int8 for c in caches):
+        raise UnsupportedModel(f"{caches[0].dtype} KV pages have no Triton kernels: use {ENV}=torch")
     return t
 
 

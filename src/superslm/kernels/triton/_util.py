@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from superslm.cache.kv import SCALE_BYTES
+
 #: the activation dtypes the kernels compute from (float32 inside)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -18,6 +20,12 @@ def next_pow2(n: int) -> int:
 def gemv_block_n(n_out: int) -> int:
     """Outputs a GEMV program takes on a GPU so that one row fills ~256 programs (an H100/H200 has 132 SMs), 2 to 16."""
     return max(2, min(16, 1 << max(0, (n_out // 256).bit_length() - 1)))
+
+
+def page_head_dim(cache: torch.Tensor) -> int:
+    """head_dim of a KV cache [slots, kv_heads, width]: width for float pages, width - 4 for int8 rows (their
+    codes, then the float32 scale: cache/kv.py)."""
+    return cache.shape[-1] - (SCALE_BYTES if cache.dtype == torch.int8 else 0)
 
 
 def interpreted(t: torch.Tensor) -> bool:

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from superslm.kernels import fused as ref
 from superslm.kernels.attention import AttnMetadata, QKVSpec
-from superslm.kernels.triton._util import FLOATS, gemv_block_n, interpreted, next_pow2, round_to
+from superslm.kernels.triton._util import FLOATS, gemv_block_n, interpreted, next_pow2, page_head_dim, round_to
 from superslm.kernels.triton.hadamard import h_scale, hadamard_config, hadamard_rotate, rotated_input
 from superslm.kernels.triton.norm_rotate import rotation_ok
 from superslm.kernels.triton.paged_args import paged_args
@@ -87,7 +87,7 @@ def attention_linear(
     the attention kernel (preparing q, k, v itself) and `_merge_gemv_kernel`; otherwise prepare_attention and
     torch's matmul."""
     n, heads = qkv.shape[0], spec.heads
-    head_dim = k_cache.shape[-1]
+    head_dim = page_head_dim(k_cache)
     args = paged_args(meta, qkv.device)
     prep = prep_for(qkv, spec, cos, sin, k_cache, v_cache, meta, args)
     dense_w = w.dim() == 2 and w.shape[1] == heads * head_dim and w.dtype == qkv.dtype and w.stride(-1) == 1
@@ -163,7 +163,7 @@ def attention_rotate(
     """Same signature and meaning as kernels.fused.attention_rotate. A decode step whose attention splits its keys:
     the attention kernel and `_merge_rotate_kernel`; otherwise the attention, then the Hadamard kernel."""
     n, heads = qkv.shape[0], spec.heads
-    head_dim = k_cache.shape[-1]
+    head_dim = page_head_dim(k_cache)
     width, k = heads * head_dim, signs.shape[0]
     args = paged_args(meta, qkv.device)
     prep = prep_for(qkv, spec, cos, sin, k_cache, v_cache, meta, args)

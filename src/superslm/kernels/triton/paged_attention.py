@@ -19,11 +19,22 @@ import triton.language as tl
 
 from superslm.errors import InvalidArgument
 from superslm.kernels.attention import AttnMetadata, QKVSpec
-from superslm.kernels.triton._util import interpreted, next_pow2, round_to
+from superslm.kernels.triton._util import interpreted, next_pow2, page_head_dim, round_to
 from superslm.kernels.triton.fused import _fits, _heads, prepare_qkv
 from superslm.kernels.triton.paged_args import PagedArgs, paged_args
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _page_rows(row_ptrs, d, m, row_ok, head_dim, T: tl.constexpr, INT8: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] values of the page rows starting at row_ptrs [BLOCK_N]: float values, or int8 codes times
+    their row's float32 scale (the scale after the codes), rounded to T as cache.kv.dequantize_rows does."""
+    if INT8:
+        codes = tl.load(row_ptrs[:, None] + d[None, :], mask=m, other=0).to(tl.float32)
+        scale = tl.load((row_ptrs + head_dim).to(tl.pointer_type(tl.float32)), mask=row_ok, other=0.0)
+        return round_to(codes * scale[:, None], T)
+    return tl.load(row_ptrs[:, None] + d[None, :], mask=m, other=0.0)
 
 
 @triton.jit
@@ -36,6 +47,7 @@ def _attn_kernel(
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
     PREP: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, WEIGHT_IN_FLOAT: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ):  # fmt: skip
     item = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -107,7 +119,7 @@ def _attn_kernel(
         slot = page * page_size + kp % page_size
         kv_m = k_ok[:, None] & d_ok[None, :]
         # [BLOCK_N, BLOCK_D]: key positions kp of this KV head
-        k = tl.load(k_ptr + slot[:, None] * k_slot + kvh * k_head + d[None, :], mask=kv_m, other=0.0)
+        k = _page_rows(k_ptr + slot * k_slot + kvh * k_head, d, kv_m, k_ok, head_dim, T, KV_INT8)
         s = tl.dot(q, tl.trans(k.to(dot_ty)), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         vis = k_ok[None, :] & (kp[None, :] <= qpos[:, None])
         vis = vis & ((window <= 0) | (kp[None, :] > qpos[:, None] - window))
@@ -118,7 +130,7 @@ def _attn_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slot[:, None] * v_slot + kvh * v_head + d[None, :], mask=kv_m, other=0.0)
+        v = _page_rows(v_ptr + slot * v_slot + kvh * v_head, d, kv_m, k_ok, head_dim, T, KV_INT8)
         acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v.to(dot_ty), input_precision="ieee")
         m_i = m_new
 
@@ -228,14 +240,19 @@ def attend(
     float32 (acc [rows, heads, splits, D], (max, sum) [rows, heads, splits, 2]) for `_merge_kernel`'s combine.
     Arguments as `paged_attention_args`.
     """
-    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    kv_heads, head_dim = k_cache.shape[1], page_head_dim(k_cache)
+    int8 = k_cache.dtype == torch.int8
+    if int8 != (v_cache.dtype == torch.int8) or (int8 and prep is not None):
+        # keys and values in one format; a kernel that prepares its own k and v stores floats
+        raise InvalidArgument(f"attention over {k_cache.dtype} keys and {v_cache.dtype} values"
+                              + (" preparing its own q, k, v" if prep is not None else ""))
     if prep is not None:
         n, heads = q.shape[0], q.shape[1] // head_dim - 2 * kv_heads
         if args.max_query_len != 1:
             raise InvalidArgument("attention with prepare_qkv inside takes decode steps only")
     else:
         n, heads, _ = q.shape
-        if k_cache.shape[2] != q.shape[2]:
+        if head_dim != q.shape[2]:
             raise InvalidArgument(f"q {tuple(q.shape)} does not match caches {tuple(k_cache.shape)}")
     if heads <= 0 or heads % kv_heads or v_cache.shape[1] != kv_heads:
         raise InvalidArgument(f"q {tuple(q.shape)} does not match caches {tuple(k_cache.shape)}")
@@ -280,7 +297,7 @@ def attend(
         G=groups, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(max(head_dim, 16)),
         SPLIT=split, F32_DOT=interp or q.dtype == torch.float32,
         PREP=p is not None, HAS_BIAS=p is not None and p.bias is not None, NORM=norm,
-        WEIGHT_IN_FLOAT=p is not None and p.norm_float,
+        WEIGHT_IN_FLOAT=p is not None and p.norm_float, KV_INT8=int8,
         # prepare_qkv's roundings step by step: no fused multiply-adds where it prepares
         num_warps=num_warps, enable_fp_fusion=p is None,
     )  # fmt: skip
