@@ -19,7 +19,7 @@ from superslm.formats.gguf import GGUFFile
 # would be inf/nan, so the tests write finite values
 F16_FIELDS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
-    "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+    "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0],
 }  # fmt: skip
 N_BLOCKS = 700  # more than one dequantize chunk for the 32-element types
 
@@ -44,7 +44,7 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> None:
 
 def test_registry_matches_ggml_sizes() -> None:
     expected = {"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64", "Q4_0", "Q4_1", "Q5_0", "Q5_1"}
-    expected |= {"Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K"}
+    expected |= {"Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ4_NL", "IQ4_XS"}
     assert {bt.name for bt in BLOCK_TYPES.values()} == expected
     for type_id, bt in BLOCK_TYPES.items():
         assert bt.type_id == type_id
@@ -52,7 +52,7 @@ def test_registry_matches_ggml_sizes() -> None:
         assert (bt.block_size, bt.type_size) == gguf.GGML_QUANT_SIZES[QT(type_id)]
         assert block_type(type_id) is bt
         assert getattr(blocks, bt.name) is bt
-    for bad in (99, 16, -1, 2**32):
+    for bad in (99, 16, 22, -1, 2**32):
         with pytest.raises(GGUFError, match="unknown block type"):
             block_type(bad)
 

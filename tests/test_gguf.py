@@ -426,3 +426,43 @@ def test_long_arrays_stay_in_the_map(tmp_path: Path) -> None:
     cut.write_bytes(data[: data.find(b"tok4000")])
     with pytest.raises(GGUFError, match="truncated"):
         GGUFFile(cut)
+
+
+@pytest.mark.slow  # fetches llama-cpp-python's source distribution from PyPI once
+@pytest.mark.parametrize("ftype,block", [("IQ4_XS", "IQ4_XS"), ("IQ4_NL", "IQ4_NL")])
+def test_iq4_files_from_llama_cpp_load_and_answer_as_llama_cpp(ftype: str, block: str, tmp_path) -> None:
+    """llama.cpp's converter and quantizer write an IQ4 file (rows of 256 so its linears keep the IQ4 type): it
+    loads, its linears say where they came from, and its logits follow llama.cpp's own on the same file."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import superslm
+    from tests.llama_cpp_convert import convert
+    from tests.tiny_models import CONFIGS, SingleSequence, build_hf_model
+
+    cls, kwargs = CONFIGS["llama"]
+    folder = tmp_path / "hf"
+    build_hf_model("llama", folder, spec=(cls, dict(kwargs, hidden_size=256, intermediate_size=512,
+                                                    head_dim=64, num_attention_heads=4, num_key_value_heads=2)))
+    f32 = convert(folder, tmp_path / "f32.gguf")
+    out = tmp_path / f"{ftype}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), params) == 0
+    types = {t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    assert block in types, types
+    model = superslm.load(out)
+    assert any(f"from {block}" in name for name in model.info()["linears"]), model.info()["linears"]
+    tokens = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ours = SingleSequence(model.net).step(tokens)[-1].double()
+        dense = SingleSequence(superslm.load(out, dtype=torch.float32).net).step(tokens)[-1].double()
+    from benchmarks.kv_speed import _no_extra_buffer_types
+
+    _no_extra_buffer_types()  # llama.cpp's AMX buffers crash on some CPUs (see there)
+    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    llm.eval(tokens)
+    theirs = torch.tensor(np.asarray(llm.scores[len(tokens) - 1]), dtype=torch.float64)
+    # the file's IQ4 values in float32 (dense) against llama.cpp's 8-bit activations; ours run them as int8 per
+    # channel with bf16 activations
+    for got in (dense, ours):
+        assert int(got.argmax()) == int(theirs.argmax())
+        assert torch.corrcoef(torch.stack([got, theirs]))[0, 1] > 0.995

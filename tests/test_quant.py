@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType, quants
 from safetensors.torch import load_file, save_file
 
 from superslm.errors import FormatError, InvalidArgument, UnsupportedModel
-from superslm.formats.blocks import Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0
+from superslm.formats.blocks import IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0
 from superslm.quant import (
     FORMATS,
     ConcatLinear,
@@ -222,7 +222,7 @@ def gguf_bytes(block: type, w: np.ndarray) -> np.ndarray:
         n_blocks = w.size // block.block_size
         raw = rng.integers(0, 256, (n_blocks, block.type_size), dtype=np.uint8)
         # the f16 fields (d, dmin) set to sane magnitudes; every other bit pattern is a valid block
-        fields = {"Q4_K": (0, 2), "Q6_K": (208,)}[block.name]
+        fields = {"Q4_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}[block.name]
         for at in fields:
             raw[:, at : at + 2] = (rng.random((n_blocks, 1)) * 0.01 + 1e-3).astype(np.float16).view(np.uint8)
         return raw.reshape(-1)
@@ -261,8 +261,8 @@ def test_gguf_fused_parts_and_nearest_formats() -> None:
     alone = torch.cat([GGUFInt4Linear.from_gguf(q, Q4_K, (64, 256)).dequantize(),
                        GGUFInt4Linear.from_gguf(k, Q4_K, (32, 256)).dequantize()])  # fmt: skip
     assert torch.equal(native.dequantize(), alone)
-    # Q8_0 / Q6_K (and Q5_0 without the C++ kernels): re-quantized to int8 per channel, and said so
-    for block in (Q8_0,) if int5_runs() else (Q5_0, Q8_0):
+    # Q8_0 / Q6_K / IQ4 (and Q5_0 without the C++ kernels): re-quantized to int8 per channel, and said so
+    for block in (Q8_0, IQ4_NL, IQ4_XS) if int5_runs() else (Q5_0, Q8_0, IQ4_NL, IQ4_XS):
         raw = gguf_bytes(block, rng.standard_normal((32, 256)).astype(np.float32))
         m = linear_from_gguf([(raw, block, (32, 256), None)])
         assert isinstance(m, Int8Linear) and f"from {block.name}" in m.describe()

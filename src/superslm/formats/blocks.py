@@ -362,16 +362,47 @@ class Q8_K(BlockType):
         np.multiply(blocks[:, 4:260].view(np.int8), blocks[:, :4].view("<f4"), out=out)
 
 
+#: the 16 values of IQ4_NL's non-linear 4-bit codes (ggml's kvalues_iq4nl), shared by IQ4_XS
+_IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+class IQ4_NL(BlockType):
+    """32 values: f16 d, 16 bytes of 4-bit codes (low nibbles first); value = d * kvalues[code]."""
+
+    type_id, name, block_size, type_size = 20, "IQ4_NL", 32, 18
+
+    @classmethod
+    def _dequantize_into(cls, blocks: np.ndarray, out: np.ndarray) -> None:
+        q = _IQ4_VALUES[_nibbles(blocks[:, 2:], 16).reshape(blocks.shape[0], 32)]
+        np.multiply(_f16(blocks, 0), q, out=out)
+
+
+class IQ4_XS(BlockType):
+    """256 values: f16 d, u16 high scale bits, 4 bytes low scale bits, 128 bytes codes; sub-block b of 32 values has
+    the 6-bit scale ls_b and value = (d * (ls_b - 32)) * kvalues[code]."""
+
+    type_id, name, block_size, type_size = 23, "IQ4_XS", QK_K, 136
+
+    @classmethod
+    def _dequantize_into(cls, blocks: np.ndarray, out: np.ndarray) -> None:
+        n = blocks.shape[0]
+        low = (blocks[:, 4:8].reshape(n, 4, 1) >> np.array([0, 4], dtype=np.uint8)).reshape(n, 8) & np.uint8(0x0F)
+        high = (blocks[:, 2:4].copy().view("<u2") >> np.arange(0, 16, 2, dtype=np.uint16)) & np.uint16(3)  # [n, 8]
+        ls = (low.astype(np.int16) | (high.astype(np.int16) << 4)) - 32
+        dl = (_f16(blocks, 0) * ls.astype(np.float32))[..., None]  # [n, 8, 1]
+        np.multiply(dl, _IQ4_VALUES[_nibbles(blocks[:, 8:], 16)], out=out.reshape(n, 8, 32))
+
+
 BLOCK_TYPES: dict[int, type[BlockType]] = {
     t.type_id: t
-    for t in (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K)
+    for t in (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K, IQ4_NL, IQ4_XS)
     + (I8, I16, I32, I64, F64, BF16)
 }
 
 # ggml types SuperSLM does not read, named so that a refusal says what the file holds
 _UNSUPPORTED_NAMES = {
-    9: "Q8_1", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S",
-    22: "IQ2_S", 23: "IQ4_XS", 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4", 41: "Q1_0",
+    9: "Q8_1", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 21: "IQ3_S", 22: "IQ2_S", 29: "IQ1_M",
+    34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4", 41: "Q1_0",
 }  # fmt: skip
 
 
