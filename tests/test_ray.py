@@ -294,3 +294,15 @@ def test_scale_down_lets_streams_finish(cluster: ScaleOut) -> None:
     assert len({r for r, _ in results.values()}) == 2, results
     assert all(n == 64 for _, n in results.values()), results  # the drained replica's streams finished whole
     _wait_replicas(cluster, 1)
+
+
+def test_cli_refuses_what_replicas_cannot_serve(tmp_path: Any, capsys: Any) -> None:
+    from superslm.cli import main
+
+    # several models, or a config file with a wrong key: a clear error, exit 2, before any Ray starts
+    assert main(["serve", "--replicas", "2", "a.gguf", "b.gguf"]) == 2
+    assert "one language model" in capsys.readouterr().err
+    bad = tmp_path / "c.json"
+    bad.write_text('{"model": "m.gguf", "replicaz": 2}')
+    assert main(["ray-deploy", str(bad)]) == 2
+    assert "unknown keys ['replicaz']" in capsys.readouterr().err

@@ -347,9 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
     from superslm.cache_cli import add_parsers as add_cache
     from superslm.convert import add_parser as add_convert
     from superslm.embed_cli import add_parser as add_embed
+    from superslm.ray.cli import add_parsers as add_ray
     from superslm.serve.cli import add_parser as add_serve
 
     add_serve(sub)
+    add_ray(sub)  # serve's --replicas and ray-deploy (Ray itself is imported only when they run)
     add_embed(sub)
     add_convert(sub)
     add_bench(sub)
