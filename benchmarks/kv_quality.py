@@ -1,11 +1,14 @@
-"""KV page formats: what int8 pages cost in quality and save in memory, against the model dtype's pages.
+"""KV page formats: what int8 and 4-bit pages cost in quality and save in memory, against the model dtype's pages.
 
     python benchmarks/kv_quality.py [--models smollm2-135m-instruct,gemma-3-270m] [--tokens 20480]
                                     [--window 2048] [--steps 1000] [--threads 2]
+                                    [--formats int8,k8v4,k4v4,k4v4-plain]
 
 Per model (loaded as `superslm.load(name)` loads it: GGUF blocks as they are, bf16 activations) and KV format
-("bf16" = the model's dtype on the CPU, what "auto" gives; "int8" = codes and a float32 scale per token and kv
-head):
+("bf16" = the model's dtype on the CPU, what "auto" gives where the pages fit; "int8" = codes and a float32 scale
+per token and kv head; "k8v4" / "k4v4" = int8 keys or 4-bit keys, 4-bit values: each head rotated by a Hadamard
+transform, then 4-bit codes and a float32 scale; "k4v4-plain" = the same 4-bit rows without the rotation, a
+measured comparison only, not a format users can name), each against bf16:
 - perplexity on a fixed text: the text's first `--tokens` tokens (tokenized without special tokens) in windows
   of `--window` - 1 text tokens, each window a fresh sequence from position 0 that starts with the model's BOS
   where its tokenizer adds one (Gemma), so every text token is scored; the executor the engine would pick (SDPA
@@ -39,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 import superslm
+from superslm.cache import kv as kvmod
 from superslm.cache.kv import KVCache
 from superslm.kernels.attention import AttnMetadata
 
@@ -48,7 +52,9 @@ MODULES = ("argparse", "collections", "json", "functools", "itertools", "pathlib
            "abc", "io", "os", "random", "math", "struct", "zipfile", "tarfile", "email.message", "http.client",
            "urllib.parse", "unittest.case", "difflib", "pprint", "inspect", "ast", "asyncio.tasks", "sqlite3",
            "socket", "selectors", "hashlib", "hmac", "base64", "codecs", "locale", "gettext", "calendar")
-FORMATS = ("bf16", "int8")
+FORMATS = ("int8", "k8v4", "k4v4", "k4v4-plain")
+#: the comparison that stores 4-bit rows without their rotation (not a user format)
+PLAIN = "-plain"
 CONTEXTS = (2048, 4096, 8192, 32768)
 PAGE = 16
 
@@ -70,6 +76,23 @@ def stdlib_text() -> str:
             if d and d not in parts[-1:]:
                 parts.append(f"{attr}: {d}")
     return "\n\n".join(parts)
+
+
+class Rows:
+    """`with Rows(fmt) as name:` the KVCache format name of `fmt`; for a "-plain" comparison the 4-bit rows' rotation
+    is off inside the block (cache/kv.py _ROTATE: the readers then take the rows as stored, unrotated)."""
+
+    def __init__(self, fmt: str) -> None:
+        self.fmt = fmt
+
+    def __enter__(self) -> str:
+        if self.fmt.endswith(PLAIN):
+            kvmod._ROTATE = False
+            return self.fmt[: -len(PLAIN)]
+        return self.fmt
+
+    def __exit__(self, *exc: object) -> None:
+        kvmod._ROTATE = True
 
 
 def perplexity(net: torch.nn.Module, tokens: list[int], window: int, fmt: str,
@@ -126,7 +149,7 @@ def decode(net: torch.nn.Module, prompt: list[int], steps: int, fmt: str,
 
 
 def near(differ: list[int], margin: list[float]) -> str:
-    """The bf16 run's top-1 - top-2 logit margin at the steps where the int8 run's argmax differs (max, and
+    """The bf16 run's top-1 - top-2 logit margin at the steps where the other format's argmax differs (max, and
     the median over every step for scale): a disagreement at a near tie is rounding, not damage."""
     at = sorted(margin[i] for i in differ)
     every = sorted(margin)[len(margin) // 2]
@@ -143,7 +166,9 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=2048, help="rows per perplexity window (default 2048)")
     ap.add_argument("--steps", type=int, default=1000, help="decode steps compared (default 1000)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--formats", default=",".join(FORMATS), help="the formats compared with bf16")
     args = ap.parse_args()
+    formats = args.formats.split(",")
     superslm.set_threads(args.threads)
     text = stdlib_text()
     print(f"text: docstrings of {len(MODULES)} stdlib modules, Python {platform.python_version()}, "
@@ -156,40 +181,45 @@ def main() -> None:
         model = superslm.load(name, device="cpu")
         net, a, tok = model.net, model.arch, model.tokenizer
         if model.dtype != torch.bfloat16:
-            sys.exit(f"{name} loads as {model.dtype}: this comparison is bf16 pages (the CPU's 'auto') against int8")
+            sys.exit(f"{name} loads as {model.dtype}: this comparison is bf16 pages (the CPU's 'auto') against the "
+                     "quantized formats")
         bos = tok.bos_id if tok.add_bos else None
         tokens = tok.encode(text, add_special_tokens=False)
         if len(tokens) < args.tokens:
             sys.exit(f"the text has {len(tokens)} tokens for {name}, fewer than --tokens {args.tokens}")
         tokens = tokens[: args.tokens]
-        ppl, top = {}, {}
-        for fmt in FORMATS:
-            ppl[fmt], scored, top[fmt] = perplexity(net, tokens, args.window, fmt, bos)
-        same = (top["bf16"] == top["int8"]).float().mean().item()
+        base, scored, base_top = perplexity(net, tokens, args.window, "bf16", bos)
         prompt = ([bos] if bos is not None else []) + tokens[:64]
         ref, margin = decode(net, prompt, args.steps, "bf16")
-        forced, _ = decode(net, prompt, args.steps, "int8", forced=ref)
-        differ = [i for i, (x, y) in enumerate(zip(ref[1:], forced[1:])) if x != y]
-        agree = args.steps - len(differ)
-        free, _ = decode(net, prompt, args.steps, "int8")
-        first = next((i for i, (x, y) in enumerate(zip(ref[1:], free[1:])) if x != y), None)
-        rel = ppl["int8"] / ppl["bf16"] - 1
-        load = f"{os.getloadavg()[0]:.2f}"
-        quality.append(f"| {name} | {scored} ({args.window}-row windows{', BOS each' if bos is not None else ''}) | "
-                       f"{ppl['bf16']:.4f} | {ppl['int8']:.4f} | {100 * rel:+.3f}% | {100 * same:.2f}% | "
-                       f"{agree} / {args.steps} ({100 * agree / args.steps:.1f}%) | {near(differ, margin)} | "
-                       f"{'none' if first is None else first} | {time.perf_counter() - t0:.0f} s, load {load} |")
-        print(quality[-1], flush=True)
-        for fmt in ("fp32", "bf16", "int8"):
+        print(f"{name}: bf16 KV perplexity {base:.4f} over {scored} tokens", flush=True)
+        for fmt in formats:
+            t1 = time.perf_counter()
+            with Rows(fmt) as rows:
+                ppl, _, top = perplexity(net, tokens, args.window, rows, bos)
+                forced, _ = decode(net, prompt, args.steps, rows, forced=ref)
+                free, _ = decode(net, prompt, args.steps, rows)
+            same = (base_top == top).float().mean().item()
+            differ = [i for i, (x, y) in enumerate(zip(ref[1:], forced[1:])) if x != y]
+            agree = args.steps - len(differ)
+            first = next((i for i, (x, y) in enumerate(zip(ref[1:], free[1:])) if x != y), None)
+            quality.append(f"| {name} | {fmt} | {scored} ({args.window}-row windows"
+                           f"{', BOS each' if bos is not None else ''}) | {base:.4f} | {ppl:.4f} | "
+                           f"{100 * (ppl / base - 1):+.3f}% | {100 * same:.2f}% | "
+                           f"{agree} / {args.steps} ({100 * agree / args.steps:.1f}%) | {near(differ, margin)} | "
+                           f"{'none' if first is None else first} | {time.perf_counter() - t1:.0f} s, "
+                           f"load {os.getloadavg()[0]:.2f} |")
+            print(quality[-1], flush=True)
+        for fmt in ("fp32", "bf16", "int8", "k8v4", "k4v4"):
             page = KVCache.page_bytes(net.kv_layers, PAGE, a.kv_heads, a.head_dim, model.dtype, fmt)
             fits = [2**30 // (page * -(-c // PAGE)) for c in CONTEXTS]
             memory.append(f"| {name} | {net.kv_layers} x {a.kv_heads} x {a.head_dim} | {fmt} | {page // PAGE} | "
                           f"{page} | {2**30 // page * PAGE} | " + " | ".join(str(f) for f in fits) + " |")
+        print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
         del model, net
-    print("\n| model | text tokens scored | ppl bf16 KV | ppl int8 KV | int8 vs bf16 | same argmax (ppl pass) |"
+    print("\n| model | format | text tokens scored | ppl bf16 KV | ppl | vs bf16 | same argmax (ppl pass) |"
           " greedy top-1 agreement, teacher-forced | bf16 top-1 - top-2 logit where they differ (all steps: median) |"
-          " int8 free run's first differing step | time, load |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          " free run's first differing step | time, load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(quality))
     print("\n| model | KV layers x kv heads x head_dim | format | KV bytes per token | bytes per 16-token page | "
           "tokens in 1 GiB | " + " | ".join(f"slots of {c} in 1 GiB" for c in CONTEXTS) + " |")

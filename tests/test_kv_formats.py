@@ -1,8 +1,10 @@
-"""KV page formats (cache/kv.py): int8 rows (codes and a float32 scale per token and kv head) against float pages,
-on the CPU (int8 pages are refused on a GPU until the Triton kernels read them).
+"""KV page formats (cache/kv.py): int8 rows (codes and a float32 scale per token and kv head) and rotated 4-bit rows
+(each head through a Hadamard rotation, then 4-bit codes and a scale) against float pages, on the CPU (quantized
+pages are refused on a GPU until the Triton kernels read them); and what "auto" chooses.
 
 Quantized as written (store_kv, the C++ plan's own store), read without a dense copy of the cache (the torch
-references dequantize the rows they gather; the C++ plan multiplies codes by their row's scale).
+references dequantize the rows they gather; the C++ plan multiplies codes by their row's scale; 4-bit rows are
+attended in their rotated basis).
 """
 
 from __future__ import annotations
@@ -14,9 +16,23 @@ import torch
 
 import superslm
 from superslm import Request, Sampling
-from superslm.cache.kv import KVCache, dequantize_rows, kv_format, quantize_rows, read_rows, slot_mapping
+from superslm.cache import kv as kvmod
+from superslm.cache.kv import (
+    KVCache,
+    choose_format,
+    dequantize_rows,
+    dequantize_rows4,
+    kv_format,
+    quantize_rows,
+    quantize_rows4,
+    read_rows,
+    rotate,
+    slot_mapping,
+    unrotate,
+    write_rows,
+)
 from superslm.errors import InvalidArgument, SuperSLMError
-from superslm.kernels import cpu_decode
+from superslm.kernels import cpu_decode, hadamard
 from superslm.kernels.attention import AttnMetadata, paged_attention, store_kv
 from superslm.kernels.attention_invariant import paged_attention_invariant
 from superslm.models.loader import materialize, open_source
@@ -47,16 +63,25 @@ def test_format_names() -> None:
     assert kv_format("int8") == kv_format("K8V8") == kv_format("k8v8")
     assert kv_format("int8").quantized and not kv_format("auto").quantized and not kv_format(None).quantized
     assert kv_format("bf16").dtype == torch.bfloat16 and kv_format("auto").dtype is None
-    for bad in ("k8v4", "k4v4", "int4"):
-        with pytest.raises(InvalidArgument, match="rotation"):
-            kv_format(bad)
-    for bad in ("int7", "", 8):
+    assert kv_format("int4") == kv_format("K4V4")
+    assert (kv_format("k4v4").key_bits, kv_format("k4v4").value_bits) == (4, 4)
+    assert (kv_format("k8v4").key_bits, kv_format("k8v4").value_bits) == (8, 4)
+    assert (kv_format("k4v8").key_bits, kv_format("k4v8").value_bits) == (4, 8)
+    for bad in ("int7", "", "k4v2", 8):
         with pytest.raises(InvalidArgument):
             kv_format(bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="multiple of 4"):
         KVCache(1, 2, PS, 1, 6, kv="int8")
     with pytest.raises(InvalidArgument, match="CPU"):
         KVCache(1, 2, PS, 1, 64, kv="int8", device="cuda")  # refused before any allocation
+    for fmt in ("k8v4", "k4v8", "k4v4"):
+        with pytest.raises(InvalidArgument, match="multiple of 32"):
+            KVCache(1, 2, PS, 1, 48, kv=fmt)  # 48: a Hadamard block of 16, too small to spread an outlier
+        with pytest.raises(InvalidArgument, match="CPU"):
+            KVCache(1, 2, PS, 1, 64, kv=fmt, device="cuda")
+    KVCache(1, 2, PS, 1, 48, kv="int8")  # int8 rows are not rotated: any multiple of 4
+    kv = KVCache(1, 2, PS, 2, 96, kv="k8v4")  # 96: three blocks of 32
+    assert (kv.k.dtype, kv.k.shape[-1], kv.v.dtype, kv.v.shape[-1]) == (torch.int8, 100, torch.uint8, 52)
 
 
 def test_page_bytes_about_halve() -> None:
@@ -67,6 +92,11 @@ def test_page_bytes_about_halve() -> None:
     kv = KVCache(30, 2, 16, 3, 64, torch.bfloat16, kv="int8")
     assert 2 * (kv.k.numel() * kv.k.element_size()) == 2 * int8  # what is allocated is what page_bytes says
     assert KVCache.page_bytes(2, 4, 1, 32, torch.float32, "fp32") == KVCache.page_bytes(2, 4, 1, 32, torch.float32)
+    # 4-bit rows: 32 bytes of codes + a 4-byte scale for a head of 64; k8v4 mixes the two widths
+    assert KVCache.page_bytes(30, 16, 3, 64, torch.bfloat16, "k4v4") == 30 * 16 * 3 * 2 * 36
+    assert KVCache.page_bytes(30, 16, 3, 64, torch.bfloat16, "k8v4") == 30 * 16 * 3 * (68 + 36)
+    kv4 = KVCache(30, 2, 16, 3, 64, torch.bfloat16, kv="k4v4")
+    assert 2 * kv4.k.numel() * kv4.k.element_size() == KVCache.page_bytes(30, 16, 3, 64, torch.bfloat16, "k4v4") * 2
 
 
 def test_same_budget_holds_about_twice_the_pages(folders) -> None:
@@ -77,8 +107,8 @@ def test_same_budget_holds_about_twice_the_pages(folders) -> None:
     d = model.arch.head_dim
     assert plain.kv.num_pages == 200 and small.kv.num_pages == 200 * 2 * d // (d + 4)
     assert small.kv.k.dtype == torch.int8 and small.kv.k.shape[-1] == d + 4
-    with pytest.raises(InvalidArgument):
-        model.engine(slots=2, context=64, kv="k4v4")
+    with pytest.raises(InvalidArgument, match="multiple of 32"):
+        model.engine(slots=2, context=64, kv="k4v4")  # the tiny llama's heads are 16 wide
 
 
 # --- rows, store and read ----------------------------------------------------------------------------------
@@ -113,6 +143,68 @@ def test_store_and_read_only_the_gathered_rows() -> None:
     untouched = torch.ones(kv.k.shape[1], dtype=torch.bool)
     untouched[slots] = False
     assert not kv.k[0][untouched].any()
+
+
+def test_rotation_is_the_seeded_block_hadamard() -> None:
+    g = torch.Generator().manual_seed(7)
+    for d, block in ((64, 64), (96, 32), (256, 256), (512, 256)):
+        x = torch.randn(9, 2, d, generator=g)
+        r = rotate(x)
+        # the independent reference: kernels/hadamard.py's rotation with the same seed and block
+        assert (r - hadamard.rotate_activation(x, kvmod.ROTATION_SEED, block)).abs().max() <= 1e-5
+        assert (unrotate(r) - x).abs().max() <= 1e-5
+        assert torch.allclose(r.norm(dim=-1), x.norm(dim=-1), rtol=1e-5)  # orthogonal
+        # butterflies, not a matmul: a row's bits do not depend on the rows beside it
+        assert torch.equal(rotate(x[3:4, 1:2]), r[3:4, 1:2])
+
+
+def _unpack4(rows: torch.Tensor) -> tuple[list[int], float]:
+    """One 4-bit row read byte by byte in plain Python: (codes - 8, scale)."""
+    b = rows.tolist()
+    codes = []
+    for byte in b[:-4]:
+        codes += [(byte & 15) - 8, (byte >> 4) - 8]
+    return codes, float(rows[-4:].contiguous().view(torch.float32))
+
+
+def test_4bit_rows_round_trip_within_half_a_step() -> None:
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(40, 3, 64, generator=g) * torch.logspace(-3, 2, 40)[:, None, None]
+    x[:, :, 5] *= 30  # an outlier channel, as keys have: the rotation spreads it over the head
+    r = rotate(x)
+    rows = quantize_rows4(r)
+    assert rows.dtype == torch.uint8 and rows.shape == (40, 3, 36)
+    scale = rows[..., 32:].contiguous().view(torch.float32)
+    assert torch.equal(scale, r.abs().amax(-1, keepdim=True) / 7)
+    for i, h in ((0, 0), (17, 2), (39, 1)):  # the layout: element 2i in byte i's low nibble, code + 8
+        codes, sc = _unpack4(rows[i, h])
+        assert codes == (r[i, h] / sc).round().clamp(-7, 7).int().tolist() and sc == scale[i, h].item()
+    err = dequantize_rows4(rows, torch.float32) - r
+    assert (err.abs() <= scale * 0.5 * (1 + 1e-6)).all() and err.abs().max() > 0
+    # read_rows gives the values back: the rotation is orthogonal, so the error's length is the rotated one's
+    cache = torch.zeros(50, 3, 36, dtype=torch.uint8)
+    slots = torch.randperm(50, generator=g)[:40]
+    write_rows(cache, slots, x)
+    back = read_rows(cache, slots, torch.float32)
+    assert ((back - x).norm(dim=-1) <= err.norm(dim=-1) * (1 + 1e-4) + 1e-6).all()
+    assert ((back - x).norm(dim=-1) <= 0.5 * scale[..., 0] * 8 * (1 + 1e-5)).all()  # sqrt(64) half steps
+    zero = quantize_rows4(torch.zeros(2, 32))
+    assert (zero[:, :16] == 0x88).all() and torch.equal(dequantize_rows4(zero, torch.float32), torch.zeros(2, 32))
+    nan = torch.zeros(1, 32)
+    nan[0, 3] = float("nan")
+    bad = quantize_rows4(nan)
+    assert (bad[0, :16] == 0x88).all() and dequantize_rows4(bad, torch.float32).isnan().all()
+
+
+def test_4bit_rows_beat_plain_4bit_on_outlier_keys() -> None:
+    """The reason for the rotation: keys with a few large channels lose far less through rotated 4-bit rows
+    than through the same rows unrotated."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(200, 64, generator=g)
+    x[:, [3, 40]] *= 20
+    rotated = (unrotate(dequantize_rows4(quantize_rows4(rotate(x)), torch.float32)) - x).norm(dim=-1)
+    plain = (dequantize_rows4(quantize_rows4(x), torch.float32) - x).norm(dim=-1)
+    assert rotated.mean() < 0.5 * plain.mean()
 
 
 def _filled(kv: KVCache, lengths: list[int], heads: int, g: torch.Generator) -> AttnMetadata:
@@ -155,6 +247,36 @@ def test_attention_over_int8_pages_is_close_to_float_pages(window: int | None) -
     assert 0 < (ref8 - ref).abs().max() <= 0.02
     assert (inv8 - ref8).abs().max() <= 1e-5  # the batch-invariant reference reads the same rows
     assert (inv - ref).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["k8v4", "k4v8", "k4v4"])
+@pytest.mark.parametrize("window", [None, 7])
+def test_attention_over_4bit_pages_is_close_to_float_pages(fmt: str, window: int | None) -> None:
+    heads, kvh, d = 4, 2, 64
+    outs = {}
+    for name in ("auto", fmt):
+        g = torch.Generator().manual_seed(2)
+        kv = KVCache(1, 40, PS, kvh, d, torch.float32, kv=name)
+        meta = _filled(kv, [3, 20, 37, 50], heads, g)
+        q = torch.randn(meta.query_start[-1], heads, d, generator=g)
+        outs[name] = (paged_attention(q, kv.k[0], kv.v[0], meta, window, d**-0.5),
+                      paged_attention_invariant(q, kv.k[0], kv.v[0], meta, window, d**-0.5), q, kv, meta)
+    ref = outs["auto"][0]
+    got, inv, q, kv, meta = outs[fmt]
+    # 4-bit rows: up to 1/14 of each rotated row's largest value per element; the softmax averages those errors
+    err = (got - ref).abs()
+    assert 0.005 < err.max() <= 0.35 and err.mean() <= 0.08, (err.max(), err.mean())  # a wrong read is off by O(1)
+    # paged_attention attends in the rotated basis; the batch-invariant reference un-rotates every row it reads
+    assert (inv - got).abs().max() <= 1e-5
+    # and both are the plain attention over the values read_rows gives back
+    for s in range(meta.num_seqs):
+        a, b = meta.query_start[s], meta.query_start[s + 1]
+        first, mask = meta.mask(s, window)
+        slots = meta.key_slots(s)[first:]
+        k = read_rows(kv.k[0], slots, torch.float32).transpose(0, 1).repeat_interleave(2, 0)
+        v = read_rows(kv.v[0], slots, torch.float32).transpose(0, 1).repeat_interleave(2, 0)
+        p = torch.softmax((q[a:b].transpose(0, 1) @ k.transpose(1, 2)) * d**-0.5 + (~mask) * -1e30, -1)
+        assert (got[a:b] - (p @ v).transpose(0, 1)).abs().max() <= 1e-5
 
 
 # --- the C++ plan ------------------------------------------------------------------------------------------
@@ -256,12 +378,109 @@ def test_plan_reads_int8_pages_bfloat16(family: str, fmt: str | None, folders) -
     assert torch.nn.functional.cosine_similarity(got, generic, dim=-1).min().item() > 0.999
 
 
+@cpp
+def test_plan_refuses_4bit_pages_and_the_reference_runs_them(folders) -> None:
+    """The C++ plan reads float and int8 rows only: a cache with 4-bit rows (uint8) takes the torch path, whose
+    steps read them as the generic path does."""
+    src = open_source(folders["qwen3"])
+    net = Transformer(src.arch, materialize(src, torch.float32))
+    h = torch.zeros(1, net.arch.dim)
+    for fmt in ("k8v4", "k4v8", "k4v4"):
+        kv = KVCache(len(net.layers), 4, PS, net.arch.kv_heads, net.arch.head_dim, net.dtype, kv=fmt)
+        assert not cpu_decode.plan_reads(h, kv.k, kv.v) and not cpu_decode.usable(net, h, kv.k)
+    ways = _ways(net, [3, 9, 14, 40], "k4v4")
+    (generic, _), (ref, _), (got, _) = ways["generic"], ways["reference"], ways["cpp"]
+    assert torch.equal(got, ref)  # decode_layers fell back to its reference
+    assert (ref - generic).abs().max().item() <= 1e-4
+    floats = _ways(net, [3, 9, 14, 40], "auto")["cpp"][0]
+    err = (got - floats).abs().max().item()
+    assert 0 < err <= 0.25 * floats.abs().max().item()
+
+
+# --- "auto" ------------------------------------------------------------------------------------------------
+
+
+def _fits(budget: int, pages: int, layers: int = 30, kv_heads: int = 3, head_dim: int = 64):
+    return lambda fmt: budget // KVCache.page_bytes(layers, 16, kv_heads, head_dim, torch.bfloat16, fmt) >= pages
+
+
+def test_auto_picks_the_most_precise_format_that_fits(monkeypatch) -> None:
+    # SmolLM2-135M's shape: 8 slots of 4,096 tokens = 2,048 pages of 16
+    pages, small = 2048, 135_000_000
+    per = {f: KVCache.page_bytes(30, 16, 3, 64, torch.bfloat16, f) for f in ("auto", "int8", "k8v4", "k4v4")}
+    monkeypatch.setitem(kvmod.MEASURED_LOSS, "<1B", {"int8": 0.003, "k8v4": 0.01, "k4v4": 0.02})
+    for budget, want in ((per["auto"] * pages, "auto"), (per["auto"] * pages - 1, "int8"),
+                         (per["int8"] * pages, "int8"), (per["k8v4"] * pages, "k8v4"),
+                         (per["k4v4"] * pages, "k4v4"), (per["k4v4"] * 10, "k4v4")):
+        assert choose_format(small, 64, "cpu", _fits(budget, pages)).name == want, (budget, want)
+    # a 4-bit format measured above +3% for the size is never picked: the most tokens then come from k8v4
+    monkeypatch.setitem(kvmod.MEASURED_LOSS, "<1B", {"int8": 0.003, "k8v4": 0.01, "k4v4": 0.031})
+    assert choose_format(small, 64, "cpu", _fits(per["k4v4"] * pages, pages)).name == "k8v4"
+    assert choose_format(small, 64, "cpu", _fits(per["int8"] * pages - 1, pages)).name == "k8v4"
+    monkeypatch.setitem(kvmod.MEASURED_LOSS, "<1B", {"int8": 0.003, "k8v4": 0.05, "k4v4": 0.2})
+    assert choose_format(small, 64, "cpu", _fits(per["k4v4"] * pages, pages)).name == "int8"
+    # unmeasured sizes: int8 rows, never 4-bit
+    assert "1-4B" not in kvmod.MEASURED_LOSS
+    assert choose_format(2_000_000_000, 64, "cpu", _fits(per["k4v4"] * pages, pages)).name == "int8"
+    # formats the head or the device cannot take are skipped: heads of 48 have no 4-bit rows, a GPU no quantized
+    per48 = {f: KVCache.page_bytes(30, 16, 3, 48, torch.bfloat16, f) for f in ("auto", "int8")}
+    monkeypatch.setitem(kvmod.MEASURED_LOSS, "<1B", {"int8": 0.003, "k8v4": 0.01, "k4v4": 0.02})
+    assert choose_format(small, 48, "cpu", _fits(per48["int8"] // 2 * pages, pages, head_dim=48)).name == "int8"
+    assert choose_format(small, 64, "cuda", _fits(per["k4v4"] * pages, pages)).name == "auto"
+
+
+def test_auto_measured_table_keeps_4bit_within_the_threshold() -> None:
+    """The shipped table: "auto" may pick exactly the formats measured within +3% (docs/benchmarks.md)."""
+    for cls, losses in kvmod.MEASURED_LOSS.items():
+        for name, loss in losses.items():
+            assert kv_format(name).quantized and loss >= 0
+            params = {"<1B": 10**8, "1-4B": 2 * 10**9, ">=4B": 10**10}[cls]
+            assert kvmod.auto_allowed(name, params) == (loss <= kvmod.AUTO_MAX_LOSS)
+
+
+def test_engine_auto_keeps_float_pages_unless_they_do_not_fit(folders, monkeypatch) -> None:
+    from superslm.engine import engine as engine_mod
+
+    model = superslm.load(folders["qwen3"], device="cpu", dtype=torch.bfloat16)
+    a = model.arch
+    page = {f: KVCache.page_bytes(model.net.kv_layers, 16, a.kv_heads, a.head_dim, model.dtype, f)
+            for f in ("auto", "int8", "k8v4", "k4v4")}
+    want = 4 * (256 // 16)
+    assert model.engine(slots=4, context=256).kv.k.dtype == torch.bfloat16  # this machine's memory holds them
+    monkeypatch.setitem(kvmod.MEASURED_LOSS, "<1B", {"int8": 0.003, "k8v4": 0.01, "k4v4": 0.02})
+    for free, dtype in ((2 * page["auto"] * want, torch.bfloat16), (2 * page["int8"] * want, torch.int8),
+                        (2 * page["k4v4"] * want, torch.uint8)):
+        monkeypatch.setattr(engine_mod, "_available_memory", lambda device, free=free: free)
+        e = model.engine(slots=4, context=256)  # half the free memory is the budget
+        assert e.kv.k.dtype == dtype and e.kv.num_pages == want
+    # a budget in bytes is sized in the model dtype's pages: "auto" keeps them, fewer pages
+    e = model.engine(slots=4, context=256, kv_budget=page["k4v4"] * want)
+    assert e.kv.k.dtype == torch.bfloat16 and e.kv.num_pages == page["k4v4"] * want // page["auto"]
+    # named formats are what they say, whatever fits
+    assert model.engine(slots=4, context=256, kv="k4v4").kv.format.name == "k4v4"
+
+
 # --- engines -----------------------------------------------------------------------------------------------
 
 
 def _greedy(model: superslm.Model, ps: list[list[int]], n: int, **kw) -> list[list[int]]:
     engine = model.engine(**{"slots": 8, "context": 160, **kw})
     return [c.tokens for c in engine.generate([Request(p, n, Sampling(ignore_eos=True)) for p in ps])]
+
+
+def test_4bit_pages_in_an_engine(folders) -> None:
+    model = superslm.load(folders["qwen3"], device="cpu", dtype=torch.float32)
+    ps = prompts(4, seed=3, lo=10, hi=60)
+    floats = _greedy(model, ps, 16)
+    k8v4 = _greedy(model, ps, 16, kv="k8v4")
+    same = sum(a == b for x, y in zip(floats, k8v4) for a, b in zip(x, y))
+    assert same >= 0.5 * 4 * 16, (same, floats, k8v4)
+    # a warm prefix cache reads the same 4-bit rows the cold run wrote
+    engine = model.engine(slots=2, context=160, kv="k4v4")
+    assert engine.kv.k.dtype == engine.kv.v.dtype == torch.uint8
+    cold = engine.generate([Request(ps[0], 12, Sampling(ignore_eos=True))])[0]
+    warm = engine.generate([Request(ps[0], 12, Sampling(ignore_eos=True))])[0]
+    assert warm.cached > 0 and warm.tokens == cold.tokens
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_5"])
@@ -279,13 +498,14 @@ def test_greedy_tokens_mostly_equal(family: str, folders) -> None:
     assert warm.cached > 0 and warm.tokens == cold.tokens
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-def test_deterministic_mode_holds_with_int8_pages(family: str, folders) -> None:
+@pytest.mark.parametrize(("family", "kv"), [("qwen3", "int8"), ("gemma3", "int8"), ("qwen3", "k4v4"),
+                                             ("gemma3", "k8v4")])
+def test_deterministic_mode_holds_with_quantized_pages(family: str, kv: str, folders) -> None:
     model = superslm.load(folders[family], device="cpu", dtype=torch.bfloat16)
     ps = prompts(6, seed=21, lo=5, hi=40)
 
     def run(batch: list[list[int]], **kw) -> list[tuple]:
-        engine = model.engine(**{"slots": 8, "context": 128, "deterministic": True, "kv": "int8", **kw})
+        engine = model.engine(**{"slots": 8, "context": 128, "deterministic": True, "kv": kv, **kw})
         ss = [Sampling(temperature=0.9, seed=sum(p), logprobs=3, ignore_eos=True) for p in batch]
         done = engine.generate([Request(p, 8, s) for p, s in zip(batch, ss)])
         return [tuple((x.token, x.logprob, x.top) for x in c.logprobs) for c in done]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from superslm.cache import PagePool
-from superslm.cache.kv import KVCache
+from superslm.cache.kv import KVCache, KVFormat, choose_format, kv_format
 from superslm.cache.state import Checkpoints, RecurrentStates
 from superslm.engine.contracts import ContractsMixin, Prefix
 from superslm.engine.manual import ManualSlots
@@ -98,8 +98,12 @@ class Engine(SequenceMixin, ContractsMixin):
     in deterministic mode), fewer steps where the answer repeats its context; `stats()` counts the drafts. It
     launches no step ahead (overlap: the next step's drafts come from this step's tokens), and a model with
     delta-rule layers refuses it (their states cannot roll back a rejected draft).
-    `kv`: the KV page format (cache/kv.py kv_format): "auto" (the model's dtype), "bf16", "fp16", "fp32", or "int8"
-    (codes and a scale per token and head: about half the bytes, so the same kv_budget holds ~2x the tokens).
+    `kv`: the KV page format (cache/kv.py kv_format): "bf16", "fp16", "fp32", "int8" (codes and a scale per token
+    and head: about half the bytes, so the same kv_budget holds ~2x the tokens), "k8v4", "k4v8", "k4v4" (4-bit
+    rows of each head rotated by a Hadamard transform: about a quarter), or "auto": the model dtype's pages where
+    they hold every slot's whole context in the budget (and always with a kv_budget in bytes), else the most
+    precise quantized format that does and whose measured perplexity loss for the model's size is within +3%
+    (cache/kv.py choose_format).
     """
 
     def __init__(
@@ -137,21 +141,32 @@ class Engine(SequenceMixin, ContractsMixin):
         device, dtype = model.device, model.dtype
         layers = self.net.kv_layers  # delta-rule layers keep a recurrent state per slot instead of KV pages
         self.states = self._recurrent_states(slots, dtype, device)
-        page_bytes = KVCache.page_bytes(max(layers, 1), page_size, a.kv_heads, a.head_dim, dtype, kv)
         want = slots * -(-context // page_size)
         if kv_budget is None:
-            pages = min(want, _available_memory(device) // 2 // page_bytes)
+            budget = _available_memory(device) // 2
         elif isinstance(kv_budget, float):
             if not 0 < kv_budget <= 1:
                 raise InvalidArgument(f"a fractional kv_budget must be in (0, 1], got {kv_budget}")
-            pages = int(_available_memory(device) * kv_budget) // page_bytes
-        elif isinstance(kv_budget, int) and kv_budget > 0:
-            pages = kv_budget // page_bytes
+            budget = int(_available_memory(device) * kv_budget)
+        elif isinstance(kv_budget, int) and not isinstance(kv_budget, bool) and kv_budget > 0:
+            budget = kv_budget
         else:
             raise InvalidArgument(f"kv_budget must be bytes, a fraction or None, got {kv_budget!r}")
+
+        def page_bytes_of(fmt: str | KVFormat) -> int:
+            return KVCache.page_bytes(max(layers, 1), page_size, a.kv_heads, a.head_dim, dtype, fmt)
+
+        fmt = kv_format(kv)
+        if fmt.auto and not isinstance(kv_budget, int):
+            # quantized pages only where the model dtype's would not hold every slot's whole context in the
+            # budget taken from the machine; a budget in bytes was sized in the model dtype's pages (float pages)
+            fmt = choose_format(model.source.parameter_count(), a.head_dim, device,
+                                lambda f: budget // page_bytes_of(f) >= want)
+        page_bytes = page_bytes_of(fmt)
+        pages = budget // page_bytes if kv_budget is not None else min(want, budget // page_bytes)
         if pages < 1:
             raise InvalidArgument(f"kv_budget holds no KV page ({page_bytes} bytes each)")
-        self.kv = KVCache(layers, pages, page_size, a.kv_heads, a.head_dim, dtype, device, kv)
+        self.kv = KVCache(layers, pages, page_size, a.kv_heads, a.head_dim, dtype, device, fmt)
         self.pool = PagePool(pages, page_size)
         self.deterministic = bool(deterministic)
         self._graphs = self._decode_graphs(graphs)

@@ -3,8 +3,10 @@
 A step is a flat list of rows (tokens) from several sequences: prefill chunks and decode tokens
 alike. Each sequence's rows are contiguous (`query_start`), its keys live in the pages of its
 block_table, and every row's K/V is written to `slot_mapping[row]` (page * page_size + offset).
-The caches are in a page format of cache/kv.py (float rows, or int8 codes with a scale per token and head):
-written through `write_rows`, read through `read_rows`, which dequantizes only the rows a sequence gathers.
+The caches are in a page format of cache/kv.py (float rows, int8 codes with a scale per token and head, or
+rotated 4-bit codes with a scale): written through `write_rows`, read through `read_stored`, which dequantizes only
+the rows a sequence gathers. 4-bit rows stay in their rotated basis: the query is rotated once per head where the
+keys are rotated, and the output rotated back once per head where the values are (`_Basis`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from superslm.cache.kv import read_rows, write_rows
+from superslm.cache.kv import read_stored, rotate, rotated, unrotate, write_rows
 
 _MISSING = object()
 
@@ -149,9 +151,23 @@ def store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Write k, v [N, kv_heads, head_dim] into the caches [slots, kv_heads, width] at slot_mapping, each in its
-    page format (int8 rows: quantized per token and head, cache.kv.quantize_rows)."""
+    page format (int8 rows: quantized per token and head, cache.kv.quantize_rows; 4-bit rows rotated first)."""
     write_rows(k_cache, slot_mapping, k)
     write_rows(v_cache, slot_mapping, v)
+
+
+class _Basis:
+    """Where the caches' rows are rotated (4-bit rows, cache/kv.py): q into the keys' basis, each output head
+    out of the values' basis; both identities for float and int8 rows."""
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.keys, self.values = rotated(k_cache), rotated(v_cache)
+
+    def query(self, q: torch.Tensor) -> torch.Tensor:
+        return rotate(q).to(q.dtype) if self.keys else q
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        return unrotate(o).to(o.dtype) if self.values else o
 
 
 def paged_attention(
@@ -164,23 +180,26 @@ def paged_attention(
 ) -> torch.Tensor:
     """Reference: gather each sequence's keys and run SDPA. q [N, heads, D] -> [N, heads, D].
 
-    One sequence at a time, so a row's arithmetic never depends on the other sequences of the step. Int8
-    pages: each sequence's gathered rows are dequantized to q's dtype, never the whole cache.
+    One sequence at a time, so a row's arithmetic never depends on the other sequences of the step. Int8 and
+    4-bit pages: each sequence's gathered rows are dequantized to q's dtype, never the whole cache; 4-bit rows
+    are attended in their rotated basis (q rotated, the output rotated back: a rotation per head, not per key).
     """
+    basis = _Basis(k_cache, v_cache)
     out = torch.empty_like(q)
+    q = basis.query(q)
     groups = q.shape[1] // k_cache.shape[1]
     batched = meta.decode_batch(window)
     if batched is not None:
         # every decoding sequence in one SDPA call, keys padded to the longest
         rows, idx, visible = batched
-        k = read_rows(k_cache, idx, q.dtype).transpose(1, 2)  # [D, kv_heads, L, D]
-        v = read_rows(v_cache, idx, q.dtype).transpose(1, 2)
+        k = read_stored(k_cache, idx, q.dtype).transpose(1, 2)  # [D, kv_heads, L, D]
+        v = read_stored(v_cache, idx, q.dtype).transpose(1, 2)
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
         qd = q.index_select(0, rows)[:, :, None, :]  # [D, heads, 1, D]
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=visible[:, None, None, :], scale=scale)
-        out[rows] = o[:, :, 0]
+        out[rows] = basis.output(o[:, :, 0])
     single = set(batched[0].tolist()) if batched is not None else set()
     for s in range(meta.num_seqs):
         a, b = meta.query_start[s], meta.query_start[s + 1]
@@ -190,19 +209,19 @@ def paged_attention(
             # a whole prompt from position 0: SDPA's own causal mask takes its fused kernel, which never
             # holds the [heads, rows, keys] scores (9 MB a layer at 512 tokens) nor repeats kv heads
             slots = meta.key_slots(s)
-            k = read_rows(k_cache, slots, q.dtype).transpose(0, 1)[None]  # [1, kv_heads, L, D]
-            v = read_rows(v_cache, slots, q.dtype).transpose(0, 1)[None]
+            k = read_stored(k_cache, slots, q.dtype).transpose(0, 1)[None]  # [1, kv_heads, L, D]
+            v = read_stored(v_cache, slots, q.dtype).transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k, v, is_causal=True, scale=scale,
                                                enable_gqa=groups > 1)
-            out[a:b] = o[0].transpose(0, 1)
+            out[a:b] = basis.output(o[0].transpose(0, 1))
             continue
         first, mask = meta.mask(s, window)
         slots = meta.key_slots(s)[first:]
-        k = read_rows(k_cache, slots, q.dtype).transpose(0, 1)  # [kv_heads, L, D]
-        v = read_rows(v_cache, slots, q.dtype).transpose(0, 1)
+        k = read_stored(k_cache, slots, q.dtype).transpose(0, 1)  # [kv_heads, L, D]
+        v = read_stored(v_cache, slots, q.dtype).transpose(0, 1)
         if groups > 1:
             k = k.repeat_interleave(groups, dim=0)  # [heads, L, D]
             v = v.repeat_interleave(groups, dim=0)
         o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k, v, attn_mask=mask, scale=scale)
-        out[a:b] = o.transpose(0, 1)
+        out[a:b] = basis.output(o.transpose(0, 1))
     return out

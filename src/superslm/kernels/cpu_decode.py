@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from superslm import cext
-from superslm.cache.kv import read_rows
+from superslm.cache.kv import read_rows, values_dtype
 from superslm.cext import extension
 from superslm.kernels.attention import store_kv
 from superslm.kernels.rope import apply_rope
@@ -345,14 +345,17 @@ def greedy_head(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None
 
 def plan_reads(h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None = None) -> bool:
     """Whether the C++ plan reads these KV caches: float pages of h's dtype, or int8 rows (codes and a float32
-    scale per token and head, cache/kv.py) for both keys and values. Other formats take the reference path."""
-    caches = (k_cache,) if v_cache is None else (k_cache, v_cache)
-    return all(c.dtype == h.dtype for c in caches) or all(c.dtype == torch.int8 for c in caches)
+    scale per token and head, cache/kv.py) for both keys and values. Other formats (4-bit rows, uint8; a mix of
+    int8 and 4-bit rows) take the torch path. Without `v_cache`, the values' dtype KVCache noted on k_cache."""
+    v_dtype = values_dtype(k_cache) if v_cache is None else v_cache.dtype
+    dtypes = (k_cache.dtype, v_dtype)
+    return all(d == h.dtype for d in dtypes) or all(d == torch.int8 for d in dtypes)
 
 
 def usable(net: Any, h: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the C++ plan runs this model's steps here: CPU, bf16 or fp32 with the cache in that dtype or in
-    int8 rows (`plan_reads`), the extension built, and no request for the torch kernels (SUPERSLM_KERNELS=torch)."""
+    """Whether the C++ plan runs this model's steps here: CPU, bf16 or fp32 with the caches in that dtype or in
+    int8 rows (`plan_reads`; never 4-bit rows, whose steps, deterministic ones too, keep the torch path), the
+    extension built, and no request for the torch kernels (SUPERSLM_KERNELS=torch)."""
     if h.device.type != "cpu" or h.dtype not in (torch.float32, torch.bfloat16) or not plan_reads(h, k_cache):
         return False
     if cext.torch_kernels_forced():
