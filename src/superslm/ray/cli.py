@@ -66,13 +66,18 @@ def cmd_replicas(ns: argparse.Namespace) -> int:
                    cors_origins=ns.cors_origins, num_cpus=max(1, cores // max(1, ns.replicas)), threads=ns.threads,
                    drain_timeout=ns.drain_timeout, host=ns.host, port=ns.port)
     cfg.check()
+    stop = threading.Event()
+
+    def catch() -> None:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, lambda *_: stop.set())
+
+    catch()  # before Ray starts: a signal while it deploys still drains
     start(cfg, num_cpus=max(cores, ns.replicas), object_store_bytes=256 << 20)
+    catch()  # again: ray.init installs its own SIGTERM handler, which exits without draining
     shown = f"[{ns.host}]" if ":" in ns.host else ns.host
     print(f"superslm serve: {ns.replicas} replicas of {cfg.model or 'the default model'} on a local Ray, "
           f"router {cfg.router}, http://{shown}:{ns.port}/v1", file=sys.stderr, flush=True)
-    stop = threading.Event()
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, lambda *_: stop.set())
     stop.wait()
     from ray import serve
 
