@@ -39,9 +39,9 @@ def collect(engine, rid: int, steps: int | None = None) -> tuple[list[int], str,
     return tokens, text, lps
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8"])
+@pytest.mark.parametrize("kv", ["auto", "int8", "k8v4", "k4v4"])
 def test_restored_sequence_continues_exactly(model, kv: str) -> None:
-    """Float pages and int8 rows alike: the blob carries the pages as stored, so the answer goes on exactly."""
+    """Float pages, int8 and 4-bit rows alike (keys and values each as stored): the answer goes on exactly."""
     p = prompts(1, seed=31, lo=30, hi=30)[0]
     ref_engine = model.engine(slots=2, context=128, deterministic=True, kv=kv)
     want = collect(ref_engine, ref_engine.add(Request(p, 20, SAMPLING)))

@@ -161,7 +161,8 @@ class ContractsMixin:
                                      f"{self._page_format()} pages (restore it into an engine of that kv format)")
         n = saved.k.shape[1]
         want = (self.kv.k.shape[0], n, *self.kv.k.shape[2:])
-        if tuple(saved.k.shape) != want or tuple(saved.v.shape) != want or n > seq.num_tokens:
+        want_v = (self.kv.v.shape[0], n, *self.kv.v.shape[2:])
+        if tuple(saved.k.shape) != want or tuple(saved.v.shape) != want_v or n > seq.num_tokens:
             raise StateCorrupted(f"saved KV {tuple(saved.k.shape)} does not fit this engine's cache {want} and "
                                  f"{seq.num_tokens} tokens")
         states = self._saved_states(saved, n)

@@ -75,7 +75,9 @@ def encode(header: dict[str, Any], k: torch.Tensor, v: torch.Tensor,
            extra: dict[str, torch.Tensor] | None = None) -> bytes:
     """The blob of a sequence: header JSON plus its KV tensors and any `extra` named tensors, checksummed."""
     extra = extra or {}
-    header = dict(header, kv_shape=list(k.shape), kv_dtype=dtype_name(k.dtype),
+    # values may be stored otherwise than keys (e.g. int8 keys beside 4-bit values): their own shape and dtype
+    header = dict(header, kv_shape=list(k.shape), kv_dtype=dtype_name(k.dtype), v_shape=list(v.shape),
+                  v_dtype=dtype_name(v.dtype),
                   extra=[[name, list(t.shape), dtype_name(t.dtype)] for name, t in extra.items()])
     text = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     body = _HEAD.pack(MAGIC, VERSION, len(text)) + text + _raw(k) + _raw(v) + b"".join(_raw(t) for t in extra.values())
@@ -101,20 +103,22 @@ def decode(blob: bytes, fingerprint: str) -> SavedSequence:
         header = json.loads(blob[_HEAD.size : end])
         shape = tuple(int(x) for x in header["kv_shape"])
         dtype = _DTYPES[header["kv_dtype"]]
+        v_shape = tuple(int(x) for x in header.get("v_shape", shape))  # blobs before v_shape: keys' layout
+        v_dtype = _DTYPES[header.get("v_dtype", header["kv_dtype"])]
         extras = [(str(n), tuple(int(x) for x in s), _DTYPES[d]) for n, s, d in header.get("extra", [])]
     except (ValueError, KeyError, TypeError) as e:
         raise StateCorrupted(f"saved sequence header is malformed ({e})") from e
     if header.get("model") != fingerprint:
         raise StateModelMismatch("the sequence was saved from another model (weights, format or dtype differ)")
-    if any(d < 0 for _, s, _ in extras for d in s) or min(shape, default=0) < 0:
+    if any(d < 0 for _, s, _ in extras for d in s) or min((*shape, *v_shape), default=0) < 0:
         raise StateCorrupted("saved sequence header has a negative dimension")
-    size = _size(shape, dtype)
+    size, v_size = _size(shape, dtype), _size(v_shape, v_dtype)
     sizes = [_size(s, d) for _, s, d in extras]
-    if end + 2 * size + sum(sizes) != len(blob) - _DIGEST:
+    if end + size + v_size + sum(sizes) != len(blob) - _DIGEST:
         raise StateCorrupted("saved sequence KV size does not match its header")
     k = _tensor(blob[end : end + size], dtype, shape)
-    v = _tensor(blob[end + size : end + 2 * size], dtype, shape)
-    at, out = end + 2 * size, {}
+    v = _tensor(blob[end + size : end + size + v_size], v_dtype, v_shape)
+    at, out = end + size + v_size, {}
     for (name, s, d), n in zip(extras, sizes):
         out[name] = _tensor(blob[at : at + n], d, s)
         at += n
