@@ -119,9 +119,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--speculative", default=None, choices=["ngram"],
                    help="draft tokens by prompt lookup and verify them in one step (same tokens as without; faster "
                         "where answers copy their prompt: code edits, quotes, extraction)")
-    p.add_argument("--kv", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8"],
-                   help="the KV page format (default auto: the model's dtype; int8 about halves the bytes a token "
-                        "holds, on the CPU)")
+    p.add_argument("--kv", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8", "k8v4", "k4v8", "k4v4"],
+                   help="the KV page format (default auto: the model's dtype while every slot's context fits, else "
+                        "the most precise quantized format that fits within +3%% measured perplexity; int8 about "
+                        "halves the bytes a token holds, k8v4 (int8 keys, rotated 4-bit values) cuts them ~2.5x; "
+                        "quantized pages on the CPU)")
     p.add_argument("--lora", nargs="+", default=[], metavar="NAME=FOLDER",
                    help="PEFT LoRA adapter folders over the model, each served as its own model name")
     p.add_argument("--allow-lora-loading", action="store_true",
