@@ -7,8 +7,14 @@
   other keys is rewritten: those other keys become a pattern property whose pattern matches every
   name except the declared ones (`additionalProperties` false), which admits the same objects. Not
   rewritten: an object with pattern properties of its own that admits other keys too, and a schema where
-  llguidance's merging of objects (allOf, `$ref` beside keywords) makes two such patterns overlap
-  (compiled as it was).
+  llguidance's merging of objects (allOf, `$ref` beside keywords) makes two such patterns overlap.
+  There no regex can be written (llguidance wants the complement of the patterns), so that whole
+  schema is compiled with `json_allowed_escapes` without `u`: every string, keys included, has one
+  spelling (raw UTF-8, `\\"`, `\\\\` and `\\b\\f\\n\\r\\t`; `\\/` and surrogate pairs never), so llguidance's
+  raw-text matching of keys is matching of their decoded text. The price, in those schemas only: a
+  string cannot hold the other control characters or DEL. The same holds where a declared name has
+  a control character or DEL beside pattern properties (`a\\u000a` is llguidance's other spelling of
+  "a\\n", matched by a pattern but not excluded as the name), and where `keys` is off.
 - **Times.** llguidance's `time` and `date-time` accept a leap second (`:60`) at any hour; RFC 3339
   has one only at 23:59:60 UTC. Those formats are replaced by a pattern that allows `:60` only where
   the time, less its offset, is 23:59. Its `date` (and a `date-time`'s date) takes 29 February in any
@@ -37,8 +43,47 @@ def for_llguidance(schema: Any, keys: bool = True) -> Any:
     module doc); `schema` itself is not changed. A schema that refers into an `additionalProperties` by
     `$ref` keeps its objects as they are (the rewrite would move what the reference points at)."""
     out = copy.deepcopy(schema)
-    _walk(out, keys and "additionalProperties" not in "".join(_refs(out)))
+    keys = keys and "additionalProperties" not in "".join(_refs(out))
+    closed: set[int] = set()
+    _walk(out, keys, closed=closed)
+    if isinstance(out, dict) and not _exact_keys(out, closed):
+        own = out.get("x-guidance")
+        options = dict(own) if isinstance(own, dict) else {}
+        options["json_allowed_escapes"] = str(options.get("json_allowed_escapes", _ESCAPES)).replace("u", "")
+        out["x-guidance"] = options
     return out
+
+
+#: JSON's escapes but `\\u`: each string then has one spelling, which llguidance's key rules compare
+_ESCAPES = 'nrbtf\\"'
+
+
+def _dicts(node: Any) -> list[dict[str, Any]]:
+    """Every object in `node` (a subschema under any keyword may be a `$ref` target), itself first."""
+    if isinstance(node, dict):
+        return [node] + [d for v in node.values() for d in _dicts(v)]
+    if isinstance(node, list):
+        return [d for v in node for d in _dicts(v)]
+    return []
+
+
+def _exact_keys(schema: dict[str, Any], closed: set[int]) -> bool:
+    """Whether llguidance, given `schema` (rewritten), writes no key whose decoded text could take a
+    declared name's or pattern's place: no object that declares names or patterns leaves other keys to
+    llguidance's own rule (raw JSON text) unless a parent it is merged into refuses them (`closed`), and
+    no name with a control character or DEL (two spellings) sits beside a pattern."""
+    nodes = _dicts(schema)
+    names: set[str] = set()
+    patterns = False
+    for node in nodes:
+        props, required = node.get("properties"), node.get("required")
+        mine = [*(props if isinstance(props, dict) else ()), *(required if isinstance(required, list) else ())]
+        names |= {n for n in mine if isinstance(n, str)}
+        patterns = patterns or bool(node.get("patternProperties"))
+        if (mine or node.get("patternProperties")) and node.get("additionalProperties", True) is not False \
+                and id(node) not in closed:
+            return False
+    return not (patterns and any(re.search("[\\x00-\\x1f\\x7f]", n) for n in names))
 
 
 def merged_patterns(error: str) -> bool:
@@ -60,30 +105,37 @@ _OBJECT_KEYS = ("properties", "required", "additionalProperties", "patternProper
 _MERGED = ("allOf", "anyOf", "oneOf")
 
 
-def _walk(node: Any, keys: bool, merged: bool = False) -> None:
+def _walk(node: Any, keys: bool, merged: bool = False, closed: set[int] | None = None) -> None:
     """Rewrite `node` and its subschemas in place; `merged`: llguidance intersects this node with its
     parent (a branch of allOf, an option beside the parent's own object keywords), so its keys are
-    rewritten at the parent, where all of them are known."""
+    rewritten at the parent, where all of them are known. `closed` gathers the ids of branches merged
+    into a parent that refuses other keys (theirs are refused too)."""
     if not isinstance(node, dict):
         return
+    closed = set() if closed is None else closed
     own = any(k in node for k in _OBJECT_KEYS)
     for k in _ONE:
         if isinstance(node.get(k), dict):
-            _walk(node[k], keys)
+            _walk(node[k], keys, closed=closed)
     for k in _LIST:
         if isinstance(node.get(k), list):
             into = k == "allOf" or (k in _MERGED and own)
             for sub in node[k]:
-                _walk(sub, keys, merged=into)
+                _walk(sub, keys, merged=into, closed=closed)
     if isinstance(node.get("items"), list):  # draft 4-7 tuple items
         for sub in node["items"]:
-            _walk(sub, keys)
+            _walk(sub, keys, closed=closed)
     for k in _MAP:
         if isinstance(node.get(k), dict):
             for sub in node[k].values():
-                _walk(sub, keys)
+                _walk(sub, keys, closed=closed)
     if keys and not merged:
         _canonical_keys(node)
+    if node.get("additionalProperties") is False or id(node) in closed:
+        # llguidance intersects merged branches with this node: other keys are refused in all of them
+        for k in _MERGED:
+            if isinstance(node.get(k), list) and (k == "allOf" or own):
+                closed.update(id(b) for b in node[k] if isinstance(b, dict))
     fmt = node.get("format")
     if fmt in ("time", "date", "date-time"):  # format applies to strings alone, whatever the type says
         del node["format"]
