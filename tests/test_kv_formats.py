@@ -468,34 +468,31 @@ def _greedy(model: superslm.Model, ps: list[list[int]], n: int, **kw) -> list[li
     return [c.tokens for c in engine.generate([Request(p, n, Sampling(ignore_eos=True)) for p in ps])]
 
 
-def test_4bit_pages_in_an_engine(folders) -> None:
-    model = superslm.load(folders["qwen3"], device="cpu", dtype=torch.float32)
+def _agree_and_warm(model: superslm.Model, kv: str, warm_kv: str, steps: int, share: float) -> superslm.Engine:
+    """Greedy tokens on `kv` pages agree with float pages' in at least `share` of 4 x steps places, and a warm prefix
+    cache on `warm_kv` pages reads the rows its cold run wrote (same tokens); returns that engine."""
     ps = prompts(4, seed=3, lo=10, hi=60)
-    floats = _greedy(model, ps, 16)
-    k8v4 = _greedy(model, ps, 16, kv="k8v4")
-    same = sum(a == b for x, y in zip(floats, k8v4) for a, b in zip(x, y))
-    assert same >= 0.5 * 4 * 16, (same, floats, k8v4)
-    # a warm prefix cache reads the same 4-bit rows the cold run wrote
-    engine = model.engine(slots=2, context=160, kv="k4v4")
-    assert engine.kv.k.dtype == engine.kv.v.dtype == torch.uint8
+    floats = _greedy(model, ps, steps)
+    quantized = _greedy(model, ps, steps, kv=kv)
+    same = sum(a == b for x, y in zip(floats, quantized) for a, b in zip(x, y))
+    assert same >= share * 4 * steps, (same, floats, quantized)
+    engine = model.engine(slots=2, context=160, kv=warm_kv)
     cold = engine.generate([Request(ps[0], 12, Sampling(ignore_eos=True))])[0]
     warm = engine.generate([Request(ps[0], 12, Sampling(ignore_eos=True))])[0]
     assert warm.cached > 0 and warm.tokens == cold.tokens
+    return engine
+
+
+def test_4bit_pages_in_an_engine(folders) -> None:
+    model = superslm.load(folders["qwen3"], device="cpu", dtype=torch.float32)
+    engine = _agree_and_warm(model, "k8v4", "k4v4", 16, 0.5)
+    assert engine.kv.k.dtype == engine.kv.v.dtype == torch.uint8
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_5"])
 def test_greedy_tokens_mostly_equal(family: str, folders) -> None:
     model = superslm.load(folders[family], device="cpu", dtype=torch.float32)
-    ps = prompts(4, seed=3, lo=10, hi=60)
-    floats = _greedy(model, ps, 24)
-    int8 = _greedy(model, ps, 24, kv="int8")
-    same = sum(a == b for x, y in zip(floats, int8) for a, b in zip(x, y))
-    assert same >= 0.75 * 4 * 24, (same, floats, int8)
-    # a warm prefix cache reads the same int8 rows the cold run wrote
-    engine = model.engine(slots=2, context=160, kv="int8")
-    cold = engine.generate([Request(ps[0], 12, Sampling(ignore_eos=True))])[0]
-    warm = engine.generate([Request(ps[0], 12, Sampling(ignore_eos=True))])[0]
-    assert warm.cached > 0 and warm.tokens == cold.tokens
+    _agree_and_warm(model, "int8", "int8", 24, 0.75)
 
 
 @pytest.mark.parametrize(("family", "kv"), [("qwen3", "int8"), ("gemma3", "int8"), ("qwen3", "k4v4"),

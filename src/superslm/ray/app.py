@@ -96,16 +96,9 @@ class ScaleOut:
 
 def read_config(path: str) -> tuple[ScaleOut, str | None]:
     """A `ray-deploy` config file (TOML by its .toml suffix, else JSON): the ScaleOut and the cluster address."""
-    text = Path(path).read_text(encoding="utf-8")
-    try:
-        if path.endswith(".toml"):
-            import tomllib
+    from superslm.serve.cli import read_settings
 
-            data = tomllib.loads(text)
-        else:
-            data = json.loads(text)
-    except ValueError as e:
-        raise InvalidArgument(f"{path}: not valid {'TOML' if path.endswith('.toml') else 'JSON'} ({e})") from e
+    data = read_settings(path, path)
     if not isinstance(data, dict):
         raise InvalidArgument(f"{path}: needs a table of settings")
     address = data.get("address")

@@ -259,8 +259,9 @@ def _run(app: Any, ns: argparse.Namespace, drain: Any) -> None:
 SPEC_KEYS = ("slots", "context", "kv", "speculative", "deterministic", "device", "dtype", "lora")
 
 
-def read_config(path: str) -> dict[str, Any]:
-    """A --config file (JSON, or TOML by its .toml suffix) as plain data; raises InvalidArgument."""
+def read_settings(path: str, label: str) -> Any:
+    """A settings file's data: TOML by its .toml suffix, else JSON; InvalidArgument (prefixed `label`) when it does
+    not parse."""
     import json
 
     from superslm.errors import InvalidArgument
@@ -270,11 +271,17 @@ def read_config(path: str) -> dict[str, Any]:
         if path.endswith(".toml"):
             import tomllib
 
-            data = tomllib.loads(text)
-        else:
-            data = json.loads(text)
+            return tomllib.loads(text)
+        return json.loads(text)
     except (ValueError, ImportError) as e:
-        raise InvalidArgument(f"--config {path}: not valid {'TOML' if path.endswith('.toml') else 'JSON'} ({e})") from e
+        raise InvalidArgument(f"{label}: not valid {'TOML' if path.endswith('.toml') else 'JSON'} ({e})") from e
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """A --config file (JSON, or TOML by its .toml suffix) as plain data; raises InvalidArgument."""
+    from superslm.errors import InvalidArgument
+
+    data = read_settings(path, f"--config {path}")
     if not isinstance(data, dict) or not isinstance(data.get("models"), list) or not data["models"]:
         raise InvalidArgument(f'--config {path}: needs "models", a non-empty list of {{"name", "model"}} entries')
     unknown = set(data) - {"models", "models_max", "idle_unload"}
