@@ -105,6 +105,10 @@ def cases(everything: bool = False) -> list[Case]:
         t, f32 = _TY[dt], dt == torch.float32
         kv = dict(k_ptr=t, v_ptr=t, kc_ptr=t, vc_ptr=t, slot_ptr="i64")
         out.append(Case(f"store_kv {t}", _store_kv_kernel, kv, 4, dict(BLOCK_H=2, BLOCK_D=64), False))
+        # int8 pages: codes then the row's float32 scale, written and read in the kernels
+        kv8 = dict(kv, kc_ptr="i8", vc_ptr="i8")
+        out.append(Case(f"store_kv {t} to int8 rows", _store_kv_kernel, kv8, 4,
+                        dict(BLOCK_H=2, BLOCK_D=64, K_INT8=True, V_INT8=True), False))  # fmt: skip
         attn = dict(q_ptr=t, k_ptr=t, v_ptr=t, o_ptr=t, part_ptr="fp32", ml_ptr="fp32", bt_ptr="i32",
                     sl_ptr="i32", qs_ptr="i32", pos_ptr="i64", item_ptr="i32", qb_ptr=t, qn_ptr=t, kn_ptr=t,
                     cos_ptr=t, sin_ptr=t, slot_ptr="i64")  # fmt: skip
@@ -118,6 +122,10 @@ def cases(everything: bool = False) -> list[Case]:
                 kind = "decode, prepares q/k/v" if decode else "mixed"
                 out.append(Case(f"paged_attention {t} G={groups} D={head_dim} {kind}", _attn_kernel, attn,
                                 c["num_warps"], cx, not decode))  # fmt: skip
+                # int8 pages: q, k and v prepared outside (the launcher refuses prepare_qkv on them)
+                out.append(Case(f"paged_attention {t} G={groups} D={head_dim} {'decode' if decode else 'mixed'}"
+                                " on int8 rows", _attn_kernel, dict(attn, k_ptr="i8", v_ptr="i8"), c["num_warps"],
+                                dict(cx, PREP=False, KV_INT8=True), True))  # fmt: skip
                 if decode and everything:  # one split (short contexts); the decode kernel on a prepared q
                     out.append(Case(f"paged_attention {t} G={groups} D={head_dim} decode, one split", _attn_kernel,
                                     attn, c["num_warps"], dict(cx, SPLIT=False), False))  # fmt: skip
@@ -258,7 +266,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ok    {case.name}  (shared memory {k.metadata.shared} B)", flush=True)
         except Exception as e:  # noqa: BLE001 - report every failure, then fail
             failed += 1
-            print(f"FAIL  {case.name}: {type(e).__name__}: {str(e)[-2000:]}", flush=True)
+            # the compiler's reason sits at the end of the innermost error (a jit helper's), not the kernel's
+            inner = e
+            while inner.__cause__ is not None:
+                inner = inner.__cause__
+            print(f"FAIL  {case.name}: {type(e).__name__}: {str(e)[-1500:]}", flush=True)
+            if inner is not e:
+                print(f"      because {type(inner).__name__}: {str(inner)[-1500:]}", flush=True)
     return 1 if failed else 0
 
 

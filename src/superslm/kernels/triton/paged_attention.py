@@ -28,13 +28,16 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _page_rows(row_ptrs, d, m, row_ok, head_dim, T: tl.constexpr, INT8: tl.constexpr):
-    """[BLOCK_N, BLOCK_D] values of the page rows starting at row_ptrs [BLOCK_N]: float values, or int8 codes times
-    their row's float32 scale (the scale after the codes), rounded to T as cache.kv.dequantize_rows does."""
+    """[BLOCK_N, BLOCK_D] float32 values of the page rows starting at row_ptrs [BLOCK_N]: float values, or int8 codes
+    times their row's float32 scale (the scale after the codes), rounded to T as cache.kv.dequantize_rows does."""
+    # one return: the compiler types every return of a jit function alike, even one a constexpr branch skips
     if INT8:
         codes = tl.load(row_ptrs[:, None] + d[None, :], mask=m, other=0).to(tl.float32)
         scale = tl.load((row_ptrs + head_dim).to(tl.pointer_type(tl.float32)), mask=row_ok, other=0.0)
-        return round_to(codes * scale[:, None], T)
-    return tl.load(row_ptrs[:, None] + d[None, :], mask=m, other=0.0)
+        rows = round_to(codes * scale[:, None], T)
+    else:
+        rows = tl.load(row_ptrs[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)  # exact
+    return rows
 
 
 @triton.jit

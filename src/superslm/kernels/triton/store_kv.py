@@ -10,7 +10,7 @@ import triton.language as tl
 from superslm.kernels.triton._util import next_pow2, round_to
 
 #: 1.5 * 2**23: (y + _ROUND) - _ROUND rounds a float32 |y| < 2**22 to the nearest integer, ties to even (torch.round)
-_ROUND = 12582912.0
+_ROUND = tl.constexpr(12582912.0)
 
 
 @triton.jit
