@@ -209,3 +209,28 @@ def test_property_names_is_refused(tok: Tokenizer, compiler: GrammarCompiler) ->
     # llguidance does not implement propertyNames: such a schema is an error, never a looser grammar
     with pytest.raises(GrammarError, match="propertyNames"):
         compiler.compile(Constraint.json_schema({"type": "object", "propertyNames": {"pattern": "^a"}}))
+
+
+def test_lark_json_items_are_exact_too(tok: Tokenizer, compiler: GrammarCompiler) -> None:
+    """A Lark grammar's `%json` schemas get the same rewrite (escaped keys meet the declared name's schema) and the
+    same x-guidance check as a json_schema constraint; `%json` inside a literal, a regex or a comment is text."""
+    lark = 'start: "x=" obj | "%json {}" | /z%json 1/ // %json {"type": "string"}\nobj: %json ' + json.dumps(NUMBER_A)
+    grammar = compiler.compile(Constraint.lark(lark))
+    for text in ('x={"a": 1}', 'x={"\\u0061": "s"}', 'x={"b": "s"}', "%json {}", "z%json 1"):
+        m = grammar.new_matcher()
+        ok = bool(m.consume_tokens(tok.encode(text, add_special_tokens=False))) and m.is_accepting()
+        want = not text.startswith("x=") or valid(NUMBER_A, text[2:])
+        assert ok == want, text
+    with pytest.raises(GrammarError, match="x-guidance"):
+        compiler.compile(Constraint.lark('start: %json {"x-guidance": {"lenient": true}, "type": "object"}'))
+
+
+@pytest.mark.parametrize("name", ["open", "all_of", "all_of_patterns", "pattern_additional_schema", "defs"])
+def test_no_escaped_key_passes_through_lark_json(tok: Tokenizer, compiler: GrammarCompiler, name: str) -> None:
+    """The same schemas embedded in a Lark grammar (as tool calls are): what is admitted is valid, merged
+    patterns included (compiled without the key rewrite, as a json_schema constraint is)."""
+    grammar = compiler.compile(Constraint.lark("start: %json " + json.dumps(SCHEMAS[name])))
+    for text in TEXTS:
+        m = grammar.new_matcher()
+        ok = bool(m.consume_tokens(tok.encode(text, add_special_tokens=False))) and m.is_accepting()
+        assert not ok or valid(SCHEMAS[name], text), (name, text)

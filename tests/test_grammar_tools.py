@@ -243,3 +243,31 @@ def test_forced_call_with_an_id_keeps_its_refs(tok: Tokenizer) -> None:
         ids = tok.encode(text, add_special_tokens=False)
         state = GrammarState(grammar)
         assert (state.accept_many(ids) == len(ids) and state.is_accepting) == ok, text
+
+
+OPEN_ARGS = {"type": "function", "function": {"name": "put", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}}, "required": ["b"]}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("style", ["hermes", "llama3", "json"])
+def test_escaped_keys_cannot_dodge_a_parameter_schema(tok: Tokenizer, style: str) -> None:
+    """Arguments whose other keys are open: a key spelled `\\u0061` decodes to "a" and must meet a's schema, in
+    every call format (the Lark one embeds the schema with %json); jsonschema on the decoded arguments judges."""
+    grammar = compiler_for(tok).compile(tool_call_constraint([OPEN_ARGS], "required", style=style, parallel=False))
+    params = OPEN_ARGS["function"]["parameters"]
+    key = "parameters" if style == "llama3" else "arguments"
+    wrap = "<tool_call>\n{}\n</tool_call>" if style == "hermes" else "{}"
+    # escaped keys narrow to one spelling (never wrongly admitted); canonical valid arguments all pass
+    for arguments in ('{"b": 1, "\\u0061": "x"}', '{"b": "\\u0061", "a": 2.5}', '{"b": 1, "c": "x"}',
+                      '{"b": 1, "a": "x"}', '{"a": 1}', '{"b": [], "c": {"a": "x"}}'):
+        call = f'{{"name": "put", "{key}": {arguments}}}'
+        ids = tok.encode(wrap.format(call), add_special_tokens=False)
+        state = GrammarState(grammar)
+        accepted = state.accept_many(ids) == len(ids) and state.is_accepting
+        try:
+            jsonschema.validate(json.loads(arguments), params)
+            valid = True
+        except jsonschema.ValidationError:
+            valid = False
+        # escapes may narrow to fewer spellings, never admit what the schema refuses
+        assert accepted == valid if "\\" not in arguments else accepted <= valid, (style, arguments)

@@ -173,7 +173,7 @@ class GrammarCompiler:
         grammar = constraint.grammar()
         matcher = self._build_within(constraint, grammar, start)
         error = matcher.get_error()
-        if error and constraint.is_json and merged_patterns(error):
+        if error and (constraint.is_json or constraint.kind == "lark") and merged_patterns(error):
             grammar = constraint.grammar(canonical_keys=False)
             matcher = self._build_within(constraint, grammar, start)
             error = matcher.get_error()

@@ -245,3 +245,38 @@ _DATE = (f"{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11
          f"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29")
 _DATE_TIME = f"(?:{_DATE})[tT](?:{_TIME})"
 _FORMATS = {"time": _TIME, "date": _DATE, "date-time": _DATE_TIME}
+
+
+_JSON = re.compile(r"%json\b\s*")
+_DECODER = __import__("json").JSONDecoder()
+
+
+def lark_json_bodies(text: str) -> list[tuple[int, int, Any]]:
+    """The `%json <schema>` items of a Lark grammar: (start, end, schema) of each schema's JSON text, found
+    outside string literals, regexes and comments, in order. A `%json` not followed by valid JSON is left to
+    llguidance's parser to refuse."""
+    out: list[tuple[int, int, Any]] = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == '"' or (c == "/" and not text.startswith("//", i)):
+            # a string literal or a /regex/: skip to its unescaped closing quote or slash
+            i += 1
+            while i < n and text[i] != c and text[i] != "\n":
+                i += 2 if text[i] == "\\" else 1
+            i += 1
+        elif text.startswith("//", i) or c == "#":
+            i = text.find("\n", i)
+            i = n if i < 0 else i
+        elif c == "%" and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")) and _JSON.match(text, i):
+            start = _JSON.match(text, i).end()  # type: ignore[union-attr]
+            try:
+                schema, end = _DECODER.raw_decode(text, start)
+            except ValueError:
+                i = start
+                continue
+            out.append((start, end, schema))
+            i = end
+        else:
+            i += 1
+    return out

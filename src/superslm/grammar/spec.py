@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from superslm.errors import GrammarError, InvalidArgument
-from superslm.grammar.rewrite import for_llguidance
+from superslm.grammar.rewrite import for_llguidance, lark_json_bodies
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "lark", "choice"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "lark", "choice")
@@ -184,7 +184,7 @@ class Constraint:
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.value)  # type: ignore[arg-type]
         if self.kind == "lark":
-            return LLMatcher.grammar_from_lark(_as_lark(self.value))  # type: ignore[arg-type]
+            return LLMatcher.grammar_from_lark(exact_json_items(_as_lark(self.value), canonical_keys))  # type: ignore[arg-type]
         return LLMatcher.grammar_from_lark(choice_lark(self.value))  # type: ignore[arg-type]
 
     def json_options(self) -> dict[str, Any]:
@@ -297,6 +297,20 @@ def _as_lark(text: str) -> str:
         return any_to_lark(text)
     except Exception as e:  # the converter raises plain exceptions on malformed GBNF
         raise GrammarError(f"invalid grammar: {e}") from e
+
+
+def exact_json_items(lark: str, canonical_keys: bool = True) -> str:
+    """`lark` with each `%json` schema checked and rewritten as a json_schema constraint's is: its own
+    "x-guidance" limited to whitespace settings (GrammarError otherwise), its keys matched by decoded text
+    and its times exact (grammar/rewrite.py)."""
+    parts, last = [], 0
+    for start, end, schema in lark_json_bodies(lark):
+        own = schema.get("x-guidance") if isinstance(schema, dict) else None
+        if own is not None:
+            check_x_guidance(own)
+        parts += [lark[last:start], json.dumps(for_llguidance(schema, canonical_keys), ensure_ascii=False)]
+        last = end
+    return "".join(parts) + lark[last:]
 
 
 def choice_lark(options: Sequence[str]) -> str:
