@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import struct
 from pathlib import Path
 
@@ -11,8 +13,8 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from superslm.errors import GGUFError, InvalidArgument
-from superslm.formats import blocks
-from superslm.formats.blocks import BLOCK_TYPES, BlockType, Int4BlockType, block_type
+from superslm.formats import blocks, iq_blocks
+from superslm.formats.blocks import BLOCK_TYPES, QK_K, BlockType, Int4BlockType, block_type
 from superslm.formats.gguf import GGUFFile
 
 # byte offsets of the float16 scale fields in each block (ggml's block_q* structs): random bytes there
@@ -20,7 +22,10 @@ from superslm.formats.gguf import GGUFFile
 F16_FIELDS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
     "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0],
+    "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0], "IQ3_XXS": [0], "IQ3_S": [0],
 }  # fmt: skip
+# every other byte may be anything: each grid index field of the IQ2/IQ3 types is exactly as wide as its grid
+# is long (test_iq_grids_cover_their_index_fields), and every bit of the rest is a sign or a scale
 N_BLOCKS = 700  # more than one dequantize chunk for the 32-element types
 
 
@@ -45,6 +50,7 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> None:
 def test_registry_matches_ggml_sizes() -> None:
     expected = {"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64", "Q4_0", "Q4_1", "Q5_0", "Q5_1"}
     expected |= {"Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ4_NL", "IQ4_XS"}
+    expected |= {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"}
     assert {bt.name for bt in BLOCK_TYPES.values()} == expected
     for type_id, bt in BLOCK_TYPES.items():
         assert bt.type_id == type_id
@@ -52,7 +58,7 @@ def test_registry_matches_ggml_sizes() -> None:
         assert (bt.block_size, bt.type_size) == gguf.GGML_QUANT_SIZES[QT(type_id)]
         assert block_type(type_id) is bt
         assert getattr(blocks, bt.name) is bt
-    for bad in (99, 16, 22, -1, 2**32):
+    for bad in (99, 19, 29, -1, 2**32):
         with pytest.raises(GGUFError, match="unknown block type"):
             block_type(bad)
 
@@ -69,6 +75,50 @@ def test_dequantize_matches_gguf_py_on_random_blocks(name: str) -> None:
     # a non-contiguous or multi-dimensional input is read the same way
     rows = np.stack([raw, np.zeros_like(raw)], axis=1)[:, 0].reshape(-1, bt.type_size)
     same_bits(bt.dequantize(rows), expected)
+
+
+def ggml_base() -> ctypes.CDLL:
+    """llama-cpp-python's libggml-base (ggml's own quantize and dequantize routines); skips without it."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        pytest.skip("llama-cpp-python is not installed")
+    return ctypes.CDLL(str(Path(spec.origin).parent / "lib" / "libggml-base.so"))
+
+
+@pytest.mark.parametrize("name", list(F16_FIELDS))
+def test_dequantize_matches_ggml_on_random_blocks(name: str) -> None:
+    """ggml's own dequantize_row_* (C, as llama.cpp runs it) gives the same bits as ours."""
+    bt = BLOCK_TYPES[int(QT[name])]
+    symbol = "dequantize_row_" + (name[:-2].lower() + "_K" if name.endswith("_K") else name.lower())
+    dequantize_row = getattr(ggml_base(), symbol)
+    dequantize_row.argtypes, dequantize_row.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
+    raw = random_blocks(bt, seed=5)
+    expected = np.empty(bt.n_elements(raw), dtype=np.float32)
+    dequantize_row(raw.ctypes.data, expected.ctypes.data, expected.size)
+    same_bits(bt.dequantize(raw), expected)
+
+
+def test_iq_grids_cover_their_index_fields() -> None:
+    """Each grid has exactly 2**bits points for its index field's bits, all of finite positive magnitudes, so a
+    block's every bit pattern decodes; the implied eighth sign of a 7-bit sign index keeps minus signs even."""
+    grids = {"IQ2_XXS": (iq_blocks.IQ2XXS_GRID, 8, 8), "IQ2_XS": (iq_blocks.IQ2XS_GRID, 9, 8),
+             "IQ2_S": (iq_blocks.IQ2S_GRID, 10, 8), "IQ3_XXS": (iq_blocks.IQ3XXS_GRID, 8, 4),
+             "IQ3_S": (iq_blocks.IQ3S_GRID, 9, 4)}  # fmt: skip
+    for name, (grid, bits, width) in grids.items():
+        assert grid.shape == (2**bits, width) and grid.dtype == np.float32, name
+        assert (grid > 0).all() and np.isfinite(grid).all(), name
+        assert len(np.unique(grid, axis=0)) == len(grid), name
+    assert iq_blocks.KSIGNS.shape == (128, 8)
+    assert ((iq_blocks.KSIGNS < 0).sum(axis=1) % 2 == 0).all()
+    assert (iq_blocks.SIGNS[0] == 1).all() and (iq_blocks.SIGNS[0x81] == [-1, 1, 1, 1, 1, 1, 1, -1]).all()
+    # a block of all-ones bits (d = 1) reads the last grid point with every sign negative at scale 15
+    factor = {"IQ2_XXS": 15.5 / 4, "IQ2_XS": 15.5 / 4, "IQ2_S": 15.5 / 4, "IQ3_XXS": 15.5 / 2, "IQ3_S": 31.0}
+    for name, (grid, _, width) in grids.items():
+        bt = BLOCK_TYPES[int(QT[name])]
+        raw = np.full(bt.type_size, 0xFF, dtype=np.uint8)
+        raw[:2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+        expected = np.tile(grid[-1], QK_K // width) * np.float32(-factor[name])
+        same_bits(bt.dequantize(raw), expected)
 
 
 @pytest.mark.parametrize(
@@ -101,6 +151,10 @@ def test_q8_k_matches_a_direct_loop() -> None:
 def test_dequantize_refuses_bad_input() -> None:
     with pytest.raises(InvalidArgument, match="whole number"):
         blocks.Q4_K.dequantize(np.zeros(143, dtype=np.uint8))
+    for bt in (blocks.IQ2_XXS, blocks.IQ2_XS, blocks.IQ2_S, blocks.IQ3_XXS, blocks.IQ3_S):
+        for size in (bt.type_size - 1, 3 * bt.type_size + 5):  # a cut block, and whole ones with a tail
+            with pytest.raises(InvalidArgument, match="whole number"):
+                bt.dequantize(np.zeros(size, dtype=np.uint8))
     with pytest.raises(InvalidArgument, match="uint8"):
         blocks.Q4_0.dequantize(np.zeros(18, dtype=np.int8))
     with pytest.raises(TypeError):

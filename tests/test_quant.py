@@ -18,7 +18,21 @@ from gguf import GGMLQuantizationType, quants
 from safetensors.torch import load_file, save_file
 
 from superslm.errors import FormatError, InvalidArgument, UnsupportedModel
-from superslm.formats.blocks import IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0
+from superslm.formats.blocks import (
+    IQ2_S,
+    IQ2_XS,
+    IQ2_XXS,
+    IQ3_S,
+    IQ3_XXS,
+    IQ4_NL,
+    IQ4_XS,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q6_K,
+    Q8_0,
+)
 from superslm.quant import (
     FORMATS,
     ConcatLinear,
@@ -221,8 +235,10 @@ def gguf_bytes(block: type, w: np.ndarray) -> np.ndarray:
         rng = np.random.default_rng(0)
         n_blocks = w.size // block.block_size
         raw = rng.integers(0, 256, (n_blocks, block.type_size), dtype=np.uint8)
-        # the f16 fields (d, dmin) set to sane magnitudes; every other bit pattern is a valid block
-        fields = {"Q4_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}[block.name]
+        # the f16 fields (d, dmin) set to sane magnitudes; every other bit pattern is a valid block (each IQ grid
+        # index field is as wide as its grid is long)
+        fields = {"Q4_K": (0, 2), "Q6_K": (208,)}.get(block.name, (0,) if block.name.startswith("IQ") else None)
+        assert fields is not None, block.name
         for at in fields:
             raw[:, at : at + 2] = (rng.random((n_blocks, 1)) * 0.01 + 1e-3).astype(np.float16).view(np.uint8)
         return raw.reshape(-1)
@@ -261,8 +277,9 @@ def test_gguf_fused_parts_and_nearest_formats() -> None:
     alone = torch.cat([GGUFInt4Linear.from_gguf(q, Q4_K, (64, 256)).dequantize(),
                        GGUFInt4Linear.from_gguf(k, Q4_K, (32, 256)).dequantize()])  # fmt: skip
     assert torch.equal(native.dequantize(), alone)
-    # Q8_0 / Q6_K / IQ4 (and Q5_0 without the C++ kernels): re-quantized to int8 per channel, and said so
-    for block in (Q8_0, IQ4_NL, IQ4_XS) if int5_runs() else (Q5_0, Q8_0, IQ4_NL, IQ4_XS):
+    # Q8_0 / Q6_K / the IQ types (and Q5_0 without the C++ kernels): re-quantized to int8 per channel, and said so
+    iq = (IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_S, IQ2_XS, IQ2_XXS)
+    for block in (Q8_0, *iq) if int5_runs() else (Q5_0, Q8_0, *iq):
         raw = gguf_bytes(block, rng.standard_normal((32, 256)).astype(np.float32))
         m = linear_from_gguf([(raw, block, (32, 256), None)])
         assert isinstance(m, Int8Linear) and f"from {block.name}" in m.describe()

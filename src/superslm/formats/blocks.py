@@ -8,6 +8,7 @@ offer `unpack_int4(raw)`, which exposes their 4-bit codes with one scale and one
 of 32 values so that packed int4 kernels can use GGUF weights without re-quantizing.
 
 Arithmetic follows ggml (and gguf-py) operation for operation in float32, so values are bit-equal.
+The grid-based IQ2/IQ3 types are declared here too; their decoders and lattice tables are in iq_blocks.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import ClassVar
 import numpy as np
 
 from superslm.errors import GGUFError, InvalidArgument
+from superslm.formats import iq_blocks
 
 QK_K = 256
 # Dequantize this many raw bytes at a time: every temporary then stays in L2/L3 cache, which
@@ -393,16 +395,53 @@ class IQ4_XS(BlockType):
         np.multiply(dl, _IQ4_VALUES[_nibbles(blocks[:, 8:], 16)], out=out.reshape(n, 8, 32))
 
 
+# The grid-based IQ types: their byte layouts are described by their decoders in iq_blocks.py.
+
+
+class IQ2_XXS(BlockType):
+    """256 values in 66 bytes, about 2.06 bits each: 8-value grid points, 7-bit sign indices, a scale per 32."""
+
+    type_id, name, block_size, type_size = 16, "IQ2_XXS", QK_K, 66
+    _dequantize_into = staticmethod(iq_blocks.dequantize_iq2_xxs)
+
+
+class IQ2_XS(BlockType):
+    """256 values in 74 bytes, about 2.31 bits each: 9-bit grid indices with 7-bit sign indices, a scale per 16."""
+
+    type_id, name, block_size, type_size = 17, "IQ2_XS", QK_K, 74
+    _dequantize_into = staticmethod(iq_blocks.dequantize_iq2_xs)
+
+
+class IQ2_S(BlockType):
+    """256 values in 82 bytes, about 2.56 bits each: 10-bit grid indices, one sign bit per value, a scale per 16."""
+
+    type_id, name, block_size, type_size = 22, "IQ2_S", QK_K, 82
+    _dequantize_into = staticmethod(iq_blocks.dequantize_iq2_s)
+
+
+class IQ3_XXS(BlockType):
+    """256 values in 98 bytes, about 3.06 bits each: 4-value grid points, 7-bit sign indices, a scale per 32."""
+
+    type_id, name, block_size, type_size = 18, "IQ3_XXS", QK_K, 98
+    _dequantize_into = staticmethod(iq_blocks.dequantize_iq3_xxs)
+
+
+class IQ3_S(BlockType):
+    """256 values in 110 bytes, about 3.44 bits each: 9-bit grid indices, one sign bit per value, a scale per 32."""
+
+    type_id, name, block_size, type_size = 21, "IQ3_S", QK_K, 110
+    _dequantize_into = staticmethod(iq_blocks.dequantize_iq3_s)
+
+
 BLOCK_TYPES: dict[int, type[BlockType]] = {
     t.type_id: t
     for t in (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K, IQ4_NL, IQ4_XS)
-    + (I8, I16, I32, I64, F64, BF16)
+    + (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, I8, I16, I32, I64, F64, BF16)
 }
 
 # ggml types SuperSLM does not read, named so that a refusal says what the file holds
 _UNSUPPORTED_NAMES = {
-    9: "Q8_1", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 21: "IQ3_S", 22: "IQ2_S", 29: "IQ1_M",
-    34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4", 41: "Q1_0",
+    9: "Q8_1", 19: "IQ1_S", 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4", 41: "Q1_0",
 }  # fmt: skip
 
 

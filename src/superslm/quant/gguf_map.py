@@ -28,7 +28,8 @@ NEAREST: dict[str, tuple[str, dict[str, Any]]] = {
     "Q4_0": ("gguf", {}), "Q4_1": ("gguf", {}), "Q4_K": ("gguf", {}),
     "Q5_0": ("gguf5", {}), "Q5_1": ("int8", {}), "Q5_K": ("int8", {}), "Q6_K": ("int8", {}),
     "Q8_0": ("int8", {}), "Q8_K": ("int8", {}), "Q2_K": ("int8", {}), "Q3_K": ("int8", {}),
-    "IQ4_NL": ("int8", {}), "IQ4_XS": ("int8", {}),
+    "IQ4_NL": ("int8", {}), "IQ4_XS": ("int8", {}), "IQ3_S": ("int8", {}), "IQ3_XXS": ("int8", {}),
+    "IQ2_S": ("int8", {}), "IQ2_XS": ("int8", {}), "IQ2_XXS": ("int8", {}),
     "F32": ("bf16", {}), "F16": ("bf16", {}), "BF16": ("bf16", {}), "F64": ("bf16", {}),
 }  # fmt: skip
 
