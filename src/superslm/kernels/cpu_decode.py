@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from superslm import cext
-from superslm.cache.kv import read_rows, values_dtype
+from superslm.cache.kv import read_rows, rotated, rotation_block, rotation_signs, values_dtype
 from superslm.cext import extension
 from superslm.kernels.attention import store_kv
 from superslm.kernels.rope import apply_rope
@@ -52,6 +52,9 @@ def build_plan(net: Any) -> Any:
         return None
     plan = ext.DecodePlan(a.heads, a.kv_heads, a.head_dim, a.rotary_dim, float(a.norm_eps), bool(a.norm_float),
                           act, float(a.attn_scale))
+    if a.head_dim % 32 == 0:
+        # the rotation cache/kv.py writes 4-bit rows in: the plan rotates queries and outputs by it, never the rows
+        plan.set_kv_rotation(rotation_signs(a.head_dim), rotation_block(a.head_dim))
     for i, layer in enumerate(net.layers):
         tensors: list[torch.Tensor | None] = []
         ints: list[int] = []
@@ -126,8 +129,9 @@ def decode_layers_reference(
 
     h [B, dim]; slot_mapping [B]; key_slots [S, L] each sequence's key slots; row_seq [B] each row's
     sequence; seq_lens [B] keys visible to each row; tables[kind] = (cos, sin) [B, rotary_dim]; caches
-    [layers, slots, kv_heads, width] in a page format of cache/kv.py (float rows of h's dtype, or int8 rows:
-    quantized as written, dequantized as read); lora: the step's adapters (adapters/lora.py LoraBatch) or None.
+    [layers, slots, kv_heads, width] in a page format of cache/kv.py (float rows of h's dtype, or int8 or 4-bit rows:
+    quantized as written, dequantized as read, 4-bit rows also rotated back); lora: the step's adapters
+    (adapters/lora.py LoraBatch) or None.
     `deterministic` changes the plan's roundings only.
     """
     from superslm.kernels.fused import gated_act
@@ -343,19 +347,35 @@ def greedy_head(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None
     return union[y.float().argmax(dim=1)]
 
 
+def _rows_read(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the plan reads quantized rows of this dtype: int8 rows, or rotated 4-bit rows (uint8) with
+    head_dim a multiple of 32 (the rotation it was given; the unrotated comparison rows of cache/kv.py are not)."""
+    if dtype == torch.int8:
+        return True
+    return dtype == torch.uint8 and head_dim % 32 == 0 and rotated(torch.empty(0, dtype=torch.uint8))
+
+
 def plan_reads(h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None = None) -> bool:
-    """Whether the C++ plan reads these KV caches: float pages of h's dtype, or int8 rows (codes and a float32
-    scale per token and head, cache/kv.py) for both keys and values. Other formats (4-bit rows, uint8; a mix of
-    int8 and 4-bit rows) take the torch path. Without `v_cache`, the values' dtype KVCache noted on k_cache."""
+    """Whether the C++ plan reads these KV caches: float pages of h's dtype for both keys and values, or keys and
+    values each in int8 rows (codes and a float32 scale per token and head, cache/kv.py) or rotated 4-bit rows
+    (uint8: codes two a byte and a scale, attended in their rotated basis), mixed as "k8v4" and "k4v8" mix them.
+    Anything else takes the torch path. Without `v_cache`, the values' dtype KVCache noted on k_cache."""
     v_dtype = values_dtype(k_cache) if v_cache is None else v_cache.dtype
     dtypes = (k_cache.dtype, v_dtype)
-    return all(d == h.dtype for d in dtypes) or all(d == torch.int8 for d in dtypes)
+    if all(d == h.dtype for d in dtypes):
+        return True
+    if k_cache.dim() < 1:
+        return False
+    # the head_dim from the keys' width: D + 4 for int8 rows, D / 2 + 4 for 4-bit rows
+    width = k_cache.shape[-1] - 4
+    head_dim = width if k_cache.dtype == torch.int8 else 2 * width
+    return all(_rows_read(d, head_dim) for d in dtypes)
 
 
 def usable(net: Any, h: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the C++ plan runs this model's steps here: CPU, bf16 or fp32 with the caches in that dtype or in
-    int8 rows (`plan_reads`; never 4-bit rows, whose steps, deterministic ones too, keep the torch path), the
-    extension built, and no request for the torch kernels (SUPERSLM_KERNELS=torch)."""
+    int8 or rotated 4-bit rows (`plan_reads`), the extension built, and no request for the torch kernels
+    (SUPERSLM_KERNELS=torch)."""
     if h.device.type != "cpu" or h.dtype not in (torch.float32, torch.bfloat16) or not plan_reads(h, k_cache):
         return False
     if cext.torch_kernels_forced():

@@ -73,10 +73,23 @@ class DecodePlan {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // the rotation 4-bit KV rows were written in (cache/kv.py rotation_signs and rotation_block of head_dim):
+  // given once, so the attention rotates each query head into the keys' basis and each output head back
+  void set_kv_rotation(const at::Tensor& signs, int64_t block) {
+    TORCH_CHECK(signs.scalar_type() == at::kFloat && signs.dim() == 1 && signs.numel() == head_dim_ && block > 0 &&
+                    (block & (block - 1)) == 0 && head_dim_ % block == 0,
+                "set_kv_rotation: float signs [head_dim] and a power-of-two block dividing head_dim");
+    const at::Tensor sg = signs.contiguous();
+    kv_signs_.assign(sg.data_ptr<float>(), sg.data_ptr<float>() + head_dim_);
+    for (float x : kv_signs_) TORCH_CHECK(x == 1.f || x == -1.f, "set_kv_rotation: signs are +-1");
+    kv_block_ = block;
+  }
+
   // h [B, dim]; slot_mapping [B]; key_slots [S, L] (each sequence's key slots in position order) and
   // row_seq [B] (the sequence of each row); seq_lens [B] (keys visible to each row: its position + 1);
-  // cos/sin per rope kind [B, rot]; k_cache/v_cache [layers, slots, kv_heads, head_dim] of h's dtype.
-  // Runs layers start..end-1.
+  // cos/sin per rope kind [B, rot]; k_cache/v_cache [layers, slots, kv_heads, width] in a page format of
+  // cache/kv.py: both float rows of h's dtype [.., D], or each int8 rows [.., D + 4] or 4-bit rows (uint8, rotated
+  // by set_kv_rotation's rotation) [.., D / 2 + 4]. Runs layers start..end-1.
   // lora_rows [B] int64: each row's adapter group, -1 for none (empty: no adapters); lora: per group, layer and
   // linear (A, B) as adapters/lora.py Adapter.weights holds them, at ((g * layers + layer) * 4 + linear) * 2
   // (None where the adapter leaves that linear alone)
@@ -86,13 +99,24 @@ class DecodePlan {
                  const at::Tensor& lora_rows, const std::vector<std::optional<at::Tensor>>& lora) {
     TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.size(1) > 0, "h must be a contiguous [B, dim] tensor");
     const int64_t B = h.size(0);
-    // float rows of h's dtype [.., D], or int8 rows of D codes and a float32 scale [.., D + 4] (cache/kv.py)
-    const bool q8 = k_cache.scalar_type() == at::kChar;
-    TORCH_CHECK((q8 || k_cache.scalar_type() == h.scalar_type()) && v_cache.scalar_type() == k_cache.scalar_type() &&
-                    k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
-                    k_cache.dim() == 4 && k_cache.size(0) >= num_layers() && k_cache.size(2) == kv_heads_ &&
-                    k_cache.size(3) == head_dim_ + (q8 ? 4 : 0),
-                "the KV caches must be contiguous [layers, slots, kv, D] of h's dtype, or int8 [.., D + 4]");
+    // float rows of h's dtype [.., D] (keys and values), else each of them int8 rows of D codes and a float32
+    // scale [.., D + 4] or 4-bit rows of D / 2 bytes of codes and a float32 scale [.., D / 2 + 4] (cache/kv.py)
+    const auto kt = k_cache.scalar_type(), vt = v_cache.scalar_type();
+    const bool floats = kt == h.scalar_type() && vt == kt;
+    auto quant = [](at::ScalarType t) { return t == at::kChar || t == at::kByte; };
+    TORCH_CHECK(floats || (quant(kt) && quant(vt)),
+                "the KV caches must both be float rows of h's dtype, or int8 / 4-bit (uint8) rows each");
+    auto width = [&](at::ScalarType t) {
+      return t == at::kChar ? head_dim_ + 4 : t == at::kByte ? head_dim_ / 2 + 4 : head_dim_;
+    };
+    for (const at::Tensor* c : {&k_cache, &v_cache})
+      TORCH_CHECK(c->is_contiguous() && c->dim() == 4 && c->size(0) >= num_layers() && c->size(1) == k_cache.size(1) &&
+                      c->size(2) == kv_heads_ && c->size(3) == width(c->scalar_type()),
+                  "the KV caches must be contiguous [layers, slots, kv, width]: D for float rows, D + 4 for int8 "
+                  "rows, D / 2 + 4 for 4-bit rows");
+    if (kt == at::kByte || vt == at::kByte)
+      TORCH_CHECK(kv_block_ > 0 && head_dim_ % 32 == 0,
+                  "4-bit KV rows need the plan's rotation (set_kv_rotation) and a head_dim that is a multiple of 32");
     for (const at::Tensor* t : {&key_slots, &row_seq, &seq_lens, &slot_mapping})
       TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "slots, rows and lengths must be int64");
     TORCH_CHECK(key_slots.dim() == 2 && row_seq.numel() == B && seq_lens.numel() == B && slot_mapping.numel() == B,
@@ -129,16 +153,10 @@ class DecodePlan {
                     "lora weights: 2-D float32");
     }
     const LoraArgs la{&group_rows, &lora};
-    if (h.scalar_type() == at::kBFloat16)
-      return q8 ? run_t<at::BFloat16, int8_t>(h, slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache,
-                                              start, end, det, la)
-                : run_t<at::BFloat16, at::BFloat16>(h, slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache,
-                                                    v_cache, start, end, det, la);
+    const Args args{h, slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache, start, end, det, la};
+    if (h.scalar_type() == at::kBFloat16) return run_kv<at::BFloat16>(args);
     TORCH_CHECK(h.scalar_type() == at::kFloat, "decode layers run in bfloat16 or float32");
-    return q8 ? run_t<float, int8_t>(h, slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache, start,
-                                     end, det, la)
-              : run_t<float, float>(h, slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache, start,
-                                    end, det, la);
+    return run_kv<float>(args);
   }
 
  private:
@@ -167,12 +185,37 @@ class DecodePlan {
     }
   }
 
-  // T: the model dtype; C: the KV rows' (T, or int8_t: quantized as written, codes times their scale as read)
-  template <typename T, typename C>
-  at::Tensor run_t(at::Tensor h, const at::Tensor& slot_mapping, const at::Tensor& key_slots,
-                   const at::Tensor& row_seq, const at::Tensor& seq_lens, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                   const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t start, int64_t end, bool det,
-                   const LoraArgs& la) {
+  // `run`'s operands, checked
+  struct Args {
+    const at::Tensor& h;
+    const at::Tensor &slot_mapping, &key_slots, &row_seq, &seq_lens;
+    const std::vector<at::Tensor>&cos, &sin;
+    const at::Tensor &k_cache, &v_cache;
+    int64_t start, end;
+    bool det;
+    const LoraArgs& la;
+  };
+
+  // run_t for the caches' formats: float rows of T, or keys and values each int8 or 4-bit rows
+  template <typename T>
+  at::Tensor run_kv(const Args& a) {
+    const auto kt = a.k_cache.scalar_type(), vt = a.v_cache.scalar_type();
+    if (kt != at::kChar && kt != at::kByte) return run_t<T, T, T>(a);
+    if (kt == at::kChar) return vt == at::kChar ? run_t<T, int8_t, int8_t>(a) : run_t<T, int8_t, uint8_t>(a);
+    return vt == at::kChar ? run_t<T, uint8_t, int8_t>(a) : run_t<T, uint8_t, uint8_t>(a);
+  }
+
+  // T: the model dtype; KC, VC: the key and value rows' (T, or int8_t / uint8_t: quantized as written, codes times
+  // their scale as read; 4-bit rows rotated as written and attended in that basis)
+  template <typename T, typename KC, typename VC>
+  at::Tensor run_t(const Args& a) {
+    const at::Tensor &slot_mapping = a.slot_mapping, &key_slots = a.key_slots, &row_seq = a.row_seq;
+    const at::Tensor &seq_lens = a.seq_lens, &k_cache = a.k_cache, &v_cache = a.v_cache;
+    const std::vector<at::Tensor>&cos = a.cos, &sin = a.sin;
+    const int64_t start = a.start, end = a.end;
+    const bool det = a.det;
+    const LoraArgs& la = a.la;
+    at::Tensor h = a.h;
     const int64_t B = h.size(0), dim = h.size(1), D = head_dim_;
     const int64_t qs = heads_ * D, ks = kv_heads_ * D, groups = heads_ / kv_heads_;
     const int64_t L = key_slots.size(1);
@@ -183,7 +226,12 @@ class DecodePlan {
     const int64_t* lens_p = seq_lens.data_ptr<int64_t>();
     const int64_t* rows_p = row_seq.data_ptr<int64_t>();
     const int64_t* map_p = slot_mapping.data_ptr<int64_t>();
-    const int64_t cache_row = kv_heads_ * kv_width<C>(D);  // elements of C per slot
+    const int64_t kwidth = kv_width<KC>(D), vwidth = kv_width<VC>(D);
+    const int64_t krow = kv_heads_ * kwidth, vrow = kv_heads_ * vwidth;  // elements of KC, VC per slot
+    const KVRotation rot{kv_signs_.data(), kv_block_,
+                         static_cast<float>(1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(kv_block_, 1))))};
+    constexpr bool rot_q = is_q4<KC>, rot_o = is_q4<VC>;
+    std::vector<float> store_buf(D);
     for (int64_t i = start; i < end; ++i) {
       const LayerP& p = layers_[i];
       T* hp = h.data_ptr<T>();
@@ -204,13 +252,14 @@ class DecodePlan {
       const T* s = sin[p.rope_kind].data_ptr<T>();
       rope_rows<T>(qkv_p, c, s, B, heads_, D, rot_, qkv_row);
       rope_rows<T>(qkv_p + qs, c, s, B, kv_heads_, D, rot_, qkv_row);
-      C* kc = k_cache[i].data_ptr<C>();
-      C* vc = v_cache[i].data_ptr<C>();
-      const int64_t width = kv_width<C>(D);
+      KC* kc = k_cache[i].data_ptr<KC>();
+      VC* vc = v_cache[i].data_ptr<VC>();
       for (int64_t b = 0; b < B; ++b)
         for (int64_t kvh = 0; kvh < kv_heads_; ++kvh) {
-          store_row<T, C>(qkv_p + b * qkv_row + qs + kvh * D, D, kc + map_p[b] * cache_row + kvh * width);
-          store_row<T, C>(qkv_p + b * qkv_row + qs + ks + kvh * D, D, vc + map_p[b] * cache_row + kvh * width);
+          store_row<T, KC>(qkv_p + b * qkv_row + qs + kvh * D, D, kc + map_p[b] * krow + kvh * kwidth, rot,
+                           store_buf.data());
+          store_row<T, VC>(qkv_p + b * qkv_row + qs + ks + kvh * D, D, vc + map_p[b] * vrow + kvh * vwidth, rot,
+                           store_buf.data());
         }
       T* attn_p = attn.data_ptr<T>();
       const int64_t window = p.window;
@@ -218,30 +267,54 @@ class DecodePlan {
       const int64_t work = B * kv_heads_;
       // split across threads only when there is enough work to pay for waking them
       const int64_t grain = (L * D * heads_ < 32768) ? work : 1;
+      // the vector kernels' lanes (their 4-bit lane order, rowbase.h lane_index), 0 for the scalar one
+#ifdef SUPERSLM_AVX512
+      const int64_t lanes = (D % 16 == 0 && D <= 256 && groups <= 64) ? 16 : 0;
+#elif defined(SUPERSLM_ROWS_AVX2)
+      const int64_t lanes = (D % 8 == 0 && D <= 256 && groups <= 64) ? 8 : 0;
+#else
+      const int64_t lanes = 0;
+#endif
       at::parallel_for(0, work, grain, [&](int64_t lo, int64_t hi) {
-        std::vector<float> scores(L * groups), acc(D), qf(groups * D);
+        std::vector<float> scores(L * groups), acc(D), qf(groups * D), buf(D);
+        // 4-bit keys: the query heads rotated into the keys' basis; 4-bit values: the sums before rotating back
+        std::vector<float> qr(rot_q ? groups * D : 0), of(rot_o ? groups * D : 0);
         for (int64_t w = lo; w < hi; ++w) {
           const int64_t b = w / kv_heads_, kvh = w % kv_heads_;
           const int64_t len = lens_p[b];
           const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
           const T* qg = qkv_p + b * qkv_row + kvh * groups * D;  // this kv head's query heads [groups, D]
           for (int64_t d = 0; d < groups * D; ++d) qf[d] = ld(qg + d);
+          const float* q = qf.data();
+          if constexpr (rot_q) {
+            for (int64_t g = 0; g < groups; ++g) rotate_head(qf.data() + g * D, rot, D, lanes, buf.data(), qr.data() + g * D);
+            q = qr.data();
+          }
+          T* dst = attn_p + b * qs + kvh * groups * D;
+          const int64_t* sl = slots_p + rows_p[b] * L;
+          auto attend_all = [&](auto* out) {
+            using O = std::remove_pointer_t<decltype(out)>;
 #ifdef SUPERSLM_AVX512
-          if (D % 16 == 0 && D <= 256 && groups <= 64) {
-            attend_group16<T, C>(qf.data(), groups, kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale,
-                              scores.data(), attn_p + b * qs + kvh * groups * D, D);
-            continue;
-          }
+            if (lanes == 16) {
+              attend_group16<O, KC, VC>(q, groups, kc, vc, sl, first, len, kvh, kv_heads_, D, scale, scores.data(), out, D);
+              return;
+            }
 #elif defined(SUPERSLM_ROWS_AVX2)
-          if (D % 8 == 0 && D <= 256 && groups <= 64) {
-            attend_group8<T, C>(qf.data(), groups, kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale,
-                             scores.data(), attn_p + b * qs + kvh * groups * D, D);
-            continue;
-          }
+            if (lanes == 8) {
+              attend_group8<O, KC, VC>(q, groups, kc, vc, sl, first, len, kvh, kv_heads_, D, scale, scores.data(), out, D);
+              return;
+            }
 #endif
-          for (int64_t g = 0; g < groups; ++g)
-            attend<T, C>(qf.data() + g * D, kc, vc, slots_p + rows_p[b] * L, first, len, kvh, kv_heads_, D, scale,
-                      scores.data(), acc.data(), attn_p + b * qs + (kvh * groups + g) * D);
+            for (int64_t g = 0; g < groups; ++g)
+              attend<O, KC, VC>(q + g * D, kc, vc, sl, first, len, kvh, kv_heads_, D, scale, scores.data(), acc.data(),
+                                out + g * D);
+          };
+          if constexpr (rot_o) {
+            attend_all(of.data());
+            for (int64_t g = 0; g < groups; ++g) unrotate_head<T>(of.data() + g * D, rot, D, lanes, buf.data(), dst + g * D);
+          } else {
+            attend_all(dst);
+          }
         }
       });
       at::Tensor o = p.o(attn, det);  // [B, dim]
@@ -273,6 +346,8 @@ class DecodePlan {
   int64_t act_;
   double scale_;
   std::vector<LayerP> layers_;
+  std::vector<float> kv_signs_;  // set_kv_rotation's signs and block (0: none given)
+  int64_t kv_block_ = 0;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -281,6 +356,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecodePlan::add_layer)
       .def("add_part", &DecodePlan::add_part)
       .def("num_layers", &DecodePlan::num_layers)
+      .def("set_kv_rotation", &DecodePlan::set_kv_rotation)
       .def("run", &DecodePlan::run, pybind11::call_guard<pybind11::gil_scoped_release>());
   // the block Hadamard rotation of kernels/hadamard.py Rotation, row by row in float, bf16 out
   m.def(
@@ -304,6 +380,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             quantize_row<float>(x.data_ptr<float>() + r * D, D, o + r * (D + 4));
           else
             quantize_row<at::BFloat16>(x.data_ptr<at::BFloat16>() + r * D, D, o + r * (D + 4));
+        }
+        return out;
+      },
+      pybind11::call_guard<pybind11::gil_scoped_release>());
+  // rows [N, D] (float or bf16) -> 4-bit KV rows [N, D / 2 + 4] as the plan writes them: rotated by (signs,
+  // block), then cache/kv.py quantize_rows4's bits
+  m.def(
+      "quantize_kv_rows4",
+      [](const at::Tensor& x, const at::Tensor& signs, int64_t block) {
+        TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0 &&
+                        (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                    "quantize_kv_rows4: a contiguous [N, D] float32 or bfloat16 tensor, D even");
+        const int64_t N = x.size(0), D = x.size(1);
+        TORCH_CHECK(signs.scalar_type() == at::kFloat && signs.is_contiguous() && signs.numel() == D && block > 0 &&
+                        (block & (block - 1)) == 0 && D % block == 0,
+                    "quantize_kv_rows4: float signs [D] and a power-of-two block dividing D");
+        const KVRotation rot{signs.data_ptr<float>(), block,
+                             static_cast<float>(1.0 / std::sqrt(static_cast<double>(block)))};
+        at::Tensor out = at::empty({N, D / 2 + 4}, x.options().dtype(at::kByte));
+        uint8_t* o = out.data_ptr<uint8_t>();
+        std::vector<float> buf(D);
+        for (int64_t r = 0; r < N; ++r) {
+          if (x.scalar_type() == at::kFloat)
+            quantize_row4<float>(x.data_ptr<float>() + r * D, D, rot, buf.data(), o + r * (D / 2 + 4));
+          else
+            quantize_row4<at::BFloat16>(x.data_ptr<at::BFloat16>() + r * D, D, rot, buf.data(), o + r * (D / 2 + 4));
         }
         return out;
       },

@@ -21,24 +21,27 @@
 
 namespace superslm_rows {
 
-// one query row against its keys key_slots[first:len]: scores, softmax and the value sum in float32. C: the
-// cache rows, T (float rows of the model dtype) or int8_t (codes times their row's scale, rowbase.h)
-template <typename T, typename C>
-void attend(const float* q, const C* kc, const C* vc, const int64_t* slots, int64_t first, int64_t len, int64_t kvh,
-            int64_t kv_heads, int64_t head_dim, float scale, float* scores, float* acc, T* out) {
-  const int64_t width = kv_width<C>(head_dim), row = kv_heads * width;
+// one query row against its keys key_slots[first:len]: scores, softmax and the value sum in float32, into out
+// (O: the model dtype, or float for the caller to rotate back). KC, VC: the key and value rows, T (float rows of
+// the model dtype), int8_t or uint8_t (codes times their row's scale, rowbase.h; 4-bit rows in their rotated
+// basis, q rotated as the keys are, the sum left in the values' basis), in element order
+template <typename O, typename KC, typename VC>
+void attend(const float* q, const KC* kc, const VC* vc, const int64_t* slots, int64_t first, int64_t len, int64_t kvh,
+            int64_t kv_heads, int64_t head_dim, float scale, float* scores, float* acc, O* out) {
+  const int64_t kw = kv_width<KC>(head_dim), krow = kv_heads * kw;
+  const int64_t vw = kv_width<VC>(head_dim), vrow = kv_heads * vw;
   float mx = -INFINITY;
   for (int64_t j = first; j < len; ++j) {
-    const C* k = kc + slots[j] * row + kvh * width;
+    const KC* k = kc + slots[j] * krow + kvh * kw;
     // 16 lanes summed in a fixed order: vectorizes without reassociating, the same bits every run
     float lane[16] = {0.f};
     int64_t d = 0;
     for (; d + 16 <= head_dim; d += 16)
-      for (int i = 0; i < 16; ++i) lane[i] += q[d + i] * ld(k + d + i);
-    for (; d < head_dim; ++d) lane[d % 16] += q[d] * ld(k + d);
+      for (int i = 0; i < 16; ++i) lane[i] += q[d + i] * kv_elem(k, d + i);
+    for (; d < head_dim; ++d) lane[d % 16] += q[d] * kv_elem(k, d);
     float s = 0.f;
     for (int i = 0; i < 16; ++i) s += lane[i];
-    if constexpr (is_q8<C>) s *= kv_scale(k, head_dim);
+    if constexpr (is_quant<KC>) s *= kv_scale(k, head_dim);
     s *= scale;
     scores[j - first] = s;
     mx = s > mx ? s : mx;
@@ -50,12 +53,12 @@ void attend(const float* q, const C* kc, const C* vc, const int64_t* slots, int6
   }
   for (int64_t d = 0; d < head_dim; ++d) acc[d] = 0.f;
   for (int64_t j = first; j < len; ++j) {
-    const C* v = vc + slots[j] * row + kvh * width;
+    const VC* v = vc + slots[j] * vrow + kvh * vw;
     float p = scores[j - first];
-    if constexpr (is_q8<C>) p *= kv_scale(v, head_dim);  // sum of p * scale * code
-    for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * ld(v + d);
+    if constexpr (is_quant<VC>) p *= kv_scale(v, head_dim);  // sum of p * scale * code
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * kv_elem(v, d);
   }
-  for (int64_t d = 0; d < head_dim; ++d) out[d] = static_cast<T>(acc[d] / total);
+  for (int64_t d = 0; d < head_dim; ++d) out[d] = static_cast<O>(acc[d] / total);
 }
 
 inline float act_fn(int64_t act, float g) {
@@ -212,38 +215,62 @@ inline __m512 hsum16x16(const float* t) {
                        _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// 32 elements of a 4-bit row (16 bytes) as two vectors: the low nibbles (elements 2i) and the high ones
+// (2i + 1), codes - 8 (exact); the query and the value sums are in that lane order (rowbase.h lane_index)
+inline void load_q4x16(const uint8_t* p, __m512& lo, __m512& hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i eight = _mm512_set1_epi32(8);
+  lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, _mm512_set1_epi32(15)), eight));
+  hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), eight));
+}
+
 // the query heads q [G, D] (float) of one kv head against its keys key_slots[first:len], D % 16 == 0 and
 // D <= 256, G <= 64: each key and value row is loaded once per 4 query heads (once per 16 value lanes). Scores go 16
 // keys at a time through hsum16x16; the value sums keep up to 16 accumulators in flight, not 4 (FMA
-// latency bound). scores: G * (len - first) floats. C: float rows of T, or int8 rows (codes, then a float32
-// scale: a key's dot product and a value's weight are multiplied by its row's scale, one product per row).
-template <typename T, typename C>
-void attend_group16(const float* q, int64_t G, const C* kc, const C* vc, const int64_t* slots, int64_t first,
-                    int64_t len, int64_t kvh, int64_t kv_heads, int64_t D, float scale, float* scores, T* out,
+// latency bound). scores: G * (len - first) floats. KC, VC: float rows of T, int8 or 4-bit rows (a key's dot
+// product and a value's weight are multiplied by its row's scale, one product per row). 4-bit rows (D % 32 == 0)
+// are read in 16-lane order (load_q4x16): q in it where the keys are 4-bit, out (O = float) where the values are.
+template <typename O, typename KC, typename VC>
+void attend_group16(const float* q, int64_t G, const KC* kc, const VC* vc, const int64_t* slots, int64_t first,
+                    int64_t len, int64_t kvh, int64_t kv_heads, int64_t D, float scale, float* scores, O* out,
                     int64_t out_stride) {
-  const int64_t width = kv_width<C>(D), row = kv_heads * width, n = len - first, V = D / 16;
+  const int64_t kw = kv_width<KC>(D), krow = kv_heads * kw, vw = kv_width<VC>(D), vrow = kv_heads * vw;
+  const int64_t n = len - first, V = D / 16;
   alignas(64) float part[4][16][16];  // [query head, key, lane] partial dot products of one block of keys
-  alignas(64) float kscale[16];       // int8 rows: the block's key scales
+  alignas(64) float kscale[16];       // quantized rows: the block's key scales
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int64_t gn = std::min<int64_t>(4, G - g0);
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t jn = std::min<int64_t>(16, n - j0);
       for (int64_t j = 0; j < jn; ++j) {
-        const C* k = kc + slots[first + j0 + j] * row + kvh * width;
-        if (j0 + j + 8 < n) prefetch_row(kc + slots[first + j0 + j + 8] * row + kvh * width, width * sizeof(C));
+        const KC* k = kc + slots[first + j0 + j] * krow + kvh * kw;
+        if (j0 + j + 8 < n) prefetch_row(kc + slots[first + j0 + j + 8] * krow + kvh * kw, kw * sizeof(KC));
         __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int64_t v = 0; v < V; ++v) {
-          const __m512 kv = load16<C>(k + v * 16);
-          for (int64_t g = 0; g < gn; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (g0 + g) * D + v * 16), kv, acc[g]);
+        if constexpr (is_q4<KC>) {
+          for (int64_t v = 0; v < V; v += 2) {
+            __m512 lo, hi;
+            load_q4x16(k + v * 8, lo, hi);
+            for (int64_t g = 0; g < gn; ++g) {
+              const float* qg = q + (g0 + g) * D + v * 16;
+              acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qg), lo, acc[g]);
+              acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16), hi, acc[g]);
+            }
+          }
+        } else {
+          for (int64_t v = 0; v < V; ++v) {
+            const __m512 kv = load16<KC>(k + v * 16);
+            for (int64_t g = 0; g < gn; ++g)
+              acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (g0 + g) * D + v * 16), kv, acc[g]);
+          }
         }
         for (int64_t g = 0; g < gn; ++g) _mm512_store_ps(part[g][j], acc[g]);
-        if constexpr (is_q8<C>) kscale[j] = kv_scale(k, D);
+        if constexpr (is_quant<KC>) kscale[j] = kv_scale(k, D);
       }
       const __mmask16 mk = jn == 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << jn) - 1u);
       for (int64_t g = 0; g < gn; ++g) {
         __m512 dot = hsum16x16(&part[g][0][0]);
-        if constexpr (is_q8<C>) dot = _mm512_mul_ps(dot, _mm512_maskz_load_ps(mk, kscale));
+        if constexpr (is_quant<KC>) dot = _mm512_mul_ps(dot, _mm512_maskz_load_ps(mk, kscale));
         _mm512_mask_storeu_ps(scores + (g0 + g) * n + j0, mk, _mm512_mul_ps(dot, sv));
       }
     }
@@ -269,9 +296,9 @@ void attend_group16(const float* q, int64_t G, const C* kc, const C* vc, const i
     }
     total[g] = _mm512_reduce_add_ps(tot);
   }
-  if constexpr (is_q8<C>) {  // each value row's scale into its weights: once per row and query head
+  if constexpr (is_quant<VC>) {  // each value row's scale into its weights: once per row and query head
     for (int64_t i = 0; i < n; ++i) {
-      const float vs = kv_scale(vc + slots[first + i] * row + kvh * width, D);
+      const float vs = kv_scale(vc + slots[first + i] * vrow + kvh * vw, D);
       for (int64_t g = 0; g < G; ++g) scores[g * n + i] *= vs;
     }
   }
@@ -279,17 +306,23 @@ void attend_group16(const float* q, int64_t G, const C* kc, const C* vc, const i
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int64_t gn = std::min<int64_t>(4, G - g0);
     for (int64_t v0 = 0; v0 < V; v0 += 4) {
-      const int64_t vn = std::min<int64_t>(4, V - v0);
+      const int64_t vn = std::min<int64_t>(4, V - v0);  // 4-bit rows: 2 or 4 (V is even)
       __m512 acc[4][4];
       for (int64_t g = 0; g < 4; ++g)
         for (int64_t v = 0; v < 4; ++v) acc[g][v] = _mm512_setzero_ps();
       for (int64_t i = 0; i < n; ++i) {
-        const C* vr = vc + slots[first + i] * row + kvh * width + v0 * 16;
-        if (i + 8 < n) prefetch_row(vc + slots[first + i + 8] * row + kvh * width + v0 * 16, vn * 16 * sizeof(C));
+        const VC* vr = vc + slots[first + i] * vrow + kvh * vw + kv_offset<VC>(v0 * 16);
+        if (i + 8 < n)
+          prefetch_row(vc + slots[first + i + 8] * vrow + kvh * vw + kv_offset<VC>(v0 * 16),
+                       kv_offset<VC>(vn * 16) * sizeof(VC));
         __m512 vv[4];
-        for (int64_t v = 0; v < vn; ++v) vv[v] = load16<C>(vr + v * 16);
+        if constexpr (is_q4<VC>) {
+          for (int64_t v = 0; v < vn; v += 2) load_q4x16(vr + v * 8, vv[v], vv[v + 1]);
+        } else {
+          for (int64_t v = 0; v < vn; ++v) vv[v] = load16<VC>(vr + v * 16);
+        }
         for (int64_t g = 0; g < gn; ++g) {
-          const float w = scores[(g0 + g) * n + i];  // int8 rows: times the row's scale (above)
+          const float w = scores[(g0 + g) * n + i];  // quantized rows: times the row's scale (above)
           const __m512 p = _mm512_set1_ps(w);
           for (int64_t v = 0; v < vn; ++v) acc[g][v] = _mm512_fmadd_ps(p, vv[v], acc[g][v]);
         }
@@ -297,7 +330,7 @@ void attend_group16(const float* q, int64_t G, const C* kc, const C* vc, const i
       for (int64_t g = 0; g < gn; ++g) {
         const __m512 inv = _mm512_set1_ps(total[g0 + g]);
         for (int64_t v = 0; v < vn; ++v)
-          store16<T>(out + (g0 + g) * out_stride + (v0 + v) * 16, _mm512_div_ps(acc[g][v], inv));
+          store16<O>(out + (g0 + g) * out_stride + (v0 + v) * 16, _mm512_div_ps(acc[g][v], inv));
       }
     }
   }

@@ -86,17 +86,28 @@ inline __m256 hsum8x8(const float* t) {
   return _mm256_add_ps(lo, hi);
 }
 
+// 16 elements of a 4-bit row (8 bytes) as two vectors: the low nibbles (elements 2i) and the high ones (2i + 1),
+// codes - 8 (exact), as rowops.h load_q4x16 in 8 lanes
+inline void load_q4x8(const uint8_t* p, __m256& lo, __m256& hi) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i eight = _mm256_set1_epi32(8);
+  lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(15)), eight));
+  hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight));
+}
+
 // rowops.h attend_group16 in 8 lanes: the query heads q [G, D] (float) of one kv head against its keys
 // key_slots[first:len], D % 8 == 0, D <= 256, G <= 64; each key and value row loaded once per 4 query
-// heads. scores: G * (len - first) floats. C: float rows of T, or int8 rows (a key's dot product and a value's
-// weight multiplied by its row's scale).
-template <typename T, typename C>
-void attend_group8(const float* q, int64_t G, const C* kc, const C* vc, const int64_t* slots, int64_t first,
-                   int64_t len, int64_t kvh, int64_t kv_heads, int64_t D, float scale, float* scores, T* out,
+// heads. scores: G * (len - first) floats. KC, VC: float rows of T, int8 or 4-bit rows (a key's dot product and a
+// value's weight multiplied by its row's scale); 4-bit rows (D % 16 == 0) in 8-lane order (load_q4x8), q in it
+// where the keys are 4-bit, out (O = float) where the values are.
+template <typename O, typename KC, typename VC>
+void attend_group8(const float* q, int64_t G, const KC* kc, const VC* vc, const int64_t* slots, int64_t first,
+                   int64_t len, int64_t kvh, int64_t kv_heads, int64_t D, float scale, float* scores, O* out,
                    int64_t out_stride) {
-  const int64_t width = kv_width<C>(D), row = kv_heads * width, n = len - first, V = D / 8;
+  const int64_t kw = kv_width<KC>(D), krow = kv_heads * kw, vw = kv_width<VC>(D), vrow = kv_heads * vw;
+  const int64_t n = len - first, V = D / 8;
   alignas(32) float part[4][8][8];  // [query head, key, lane] partial dot products of one block of keys
-  alignas(32) float kscale[8];      // int8 rows: the block's key scales
+  alignas(32) float kscale[8];      // quantized rows: the block's key scales
   const __m256 sv = _mm256_set1_ps(scale);
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int64_t gn = std::min<int64_t>(4, G - g0);
@@ -104,21 +115,34 @@ void attend_group8(const float* q, int64_t G, const C* kc, const C* vc, const in
       const int64_t jn = std::min<int64_t>(8, n - j0);
       for (int64_t j = 0; j < 8; ++j) {
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        if constexpr (is_q8<C>) kscale[j] = 0.f;
+        if constexpr (is_quant<KC>) kscale[j] = 0.f;
         if (j < jn) {
-          const C* k = kc + slots[first + j0 + j] * row + kvh * width;
-          for (int64_t v = 0; v < V; ++v) {
-            const __m256 kv = load8<C>(k + v * 8);
-            for (int64_t g = 0; g < gn; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (g0 + g) * D + v * 8), kv, acc[g]);
+          const KC* k = kc + slots[first + j0 + j] * krow + kvh * kw;
+          if constexpr (is_q4<KC>) {
+            for (int64_t v = 0; v < V; v += 2) {
+              __m256 lo, hi;
+              load_q4x8(k + v * 4, lo, hi);
+              for (int64_t g = 0; g < gn; ++g) {
+                const float* qg = q + (g0 + g) * D + v * 8;
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg), lo, acc[g]);
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8), hi, acc[g]);
+              }
+            }
+          } else {
+            for (int64_t v = 0; v < V; ++v) {
+              const __m256 kv = load8<KC>(k + v * 8);
+              for (int64_t g = 0; g < gn; ++g)
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (g0 + g) * D + v * 8), kv, acc[g]);
+            }
           }
-          if constexpr (is_q8<C>) kscale[j] = kv_scale(k, D);
+          if constexpr (is_quant<KC>) kscale[j] = kv_scale(k, D);
         }
         for (int64_t g = 0; g < 4; ++g) _mm256_store_ps(part[g][j], acc[g]);
       }
       for (int64_t g = 0; g < gn; ++g) {
         alignas(32) float s[8];
         __m256 dot = hsum8x8(&part[g][0][0]);
-        if constexpr (is_q8<C>) dot = _mm256_mul_ps(dot, _mm256_load_ps(kscale));
+        if constexpr (is_quant<KC>) dot = _mm256_mul_ps(dot, _mm256_load_ps(kscale));
         _mm256_store_ps(s, _mm256_mul_ps(dot, sv));
         std::memcpy(scores + (g0 + g) * n + j0, s, jn * sizeof(float));
       }
@@ -151,9 +175,9 @@ void attend_group8(const float* q, int64_t G, const C* kc, const C* vc, const in
     }
     total[g] = s;
   }
-  if constexpr (is_q8<C>) {  // each value row's scale into its weights: once per row and query head
+  if constexpr (is_quant<VC>) {  // each value row's scale into its weights: once per row and query head
     for (int64_t i = 0; i < n; ++i) {
-      const float vs = kv_scale(vc + slots[first + i] * row + kvh * width, D);
+      const float vs = kv_scale(vc + slots[first + i] * vrow + kvh * vw, D);
       for (int64_t g = 0; g < G; ++g) scores[g * n + i] *= vs;
     }
   }
@@ -161,15 +185,19 @@ void attend_group8(const float* q, int64_t G, const C* kc, const C* vc, const in
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int64_t gn = std::min<int64_t>(4, G - g0);
     for (int64_t v0 = 0; v0 < V; v0 += 2) {
-      const int64_t vn = std::min<int64_t>(2, V - v0);
+      const int64_t vn = std::min<int64_t>(2, V - v0);  // 4-bit rows: always 2 (V is even)
       __m256 acc[4][2];
       for (int64_t g = 0; g < 4; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
       for (int64_t i = 0; i < n; ++i) {
-        const C* vr = vc + slots[first + i] * row + kvh * width + v0 * 8;
+        const VC* vr = vc + slots[first + i] * vrow + kvh * vw + kv_offset<VC>(v0 * 8);
         __m256 vv[2];
-        for (int64_t v = 0; v < vn; ++v) vv[v] = load8<C>(vr + v * 8);
+        if constexpr (is_q4<VC>) {
+          load_q4x8(vr, vv[0], vv[1]);
+        } else {
+          for (int64_t v = 0; v < vn; ++v) vv[v] = load8<VC>(vr + v * 8);
+        }
         for (int64_t g = 0; g < gn; ++g) {
-          const float w = scores[(g0 + g) * n + i];  // int8 rows: times the row's scale (above)
+          const float w = scores[(g0 + g) * n + i];  // quantized rows: times the row's scale (above)
           const __m256 p = _mm256_set1_ps(w);
           for (int64_t v = 0; v < vn; ++v) acc[g][v] = _mm256_fmadd_ps(p, vv[v], acc[g][v]);
         }
@@ -179,8 +207,8 @@ void attend_group8(const float* q, int64_t G, const C* kc, const C* vc, const in
         alignas(32) float o[8];
         for (int64_t v = 0; v < vn; ++v) {
           _mm256_store_ps(o, _mm256_div_ps(acc[g][v], inv));
-          T* dst = out + (g0 + g) * out_stride + (v0 + v) * 8;
-          for (int i = 0; i < 8; ++i) dst[i] = static_cast<T>(o[i]);
+          O* dst = out + (g0 + g) * out_stride + (v0 + v) * 8;
+          for (int i = 0; i < 8; ++i) dst[i] = static_cast<O>(o[i]);
         }
       }
     }
