@@ -32,12 +32,14 @@ PS = 4
 LENGTHS = [3, 9, 14, 40]  # 41 keys: two full blocks of 16 (five of 8) and a remainder in the vector attention
 
 #: tiny models whose heads 4-bit rows take: q/k norms (qwen3, 32 wide: one Hadamard block of 32), sliding windows
-#: and 4 query heads per kv head (gemma3), heads of 128 (a block whose 1 / sqrt is not a power of two) and 256
+#: and 4 query heads per kv head (gemma3), heads of 128 (a block whose 1 / sqrt is not a power of two), 256, and 512
+#: (two blocks of 256, past the vector kernels: the scalar attention in element order)
 SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": CONFIGS["qwen3"],
     "gemma3": CONFIGS["gemma3"],
     "llama_d128": ("LlamaConfig", dict(SMALL, hidden_size=256, head_dim=128, rope_theta=100000.0)),
     "gemma3_d256": ("Gemma3TextConfig", dict(CONFIGS["gemma3"][1], head_dim=256)),
+    "gemma3_d512": ("Gemma3TextConfig", dict(CONFIGS["gemma3"][1], head_dim=512)),
 }
 
 
