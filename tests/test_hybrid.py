@@ -345,6 +345,53 @@ def test_gguf_from_llama_cpp_converter_matches_transformers(family: str, tmp_pat
         want = hf(torch.tensor([tokens])).logits[0].float()
         got = SingleSequence(Transformer(src.arch, materialize(src, torch.float32))).step(tokens)
     assert (got - want).abs().max().item() <= 1e-4
-    model = superslm.load(gguf, dtype="float32")  # its blocks run dense: the GGUF kernels take plain layers only
+    model = superslm.load(gguf, dtype="float32")  # fp32: dense weights (f32 blocks) in fp32, as transformers runs
     c = model.engine(slots=1, context=256).generate([Request(tokens[:40], 8, Sampling(ignore_eos=True))])[0]
     assert c.tokens == hf_greedy(hf, tokens[:40], 8)
+
+
+@pytest.mark.slow  # llama.cpp's converter and quantizer
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantized_gguf_runs_its_blocks_as_stored(family: str, tmp_path) -> None:
+    """A llama.cpp Q4_0 file of each family loads with its blocks as they are (int4 codes exact; what cannot be
+    taken as stored, stacked experts and value heads tiled along an output's columns, as int8): its logits follow
+    the same file's dense weights and its greedy tokens are those of the dense load."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from tests.llama_cpp_convert import convert
+    from tests.tiny_models import CONFIGS, write_tokenizer
+
+    folder = tmp_path / "hf"
+    cls, kwargs = CONFIGS[family]
+    build_hf_model(family, folder, spec=(cls, dict(kwargs, vocab_size=302, **_GGUF_SPECS.get(family, {}))))
+    write_tokenizer(folder, 300)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    wide = convert(folder, tmp_path / "model.gguf", extra=() if family == "qwen3_moe" else ("--no-mtp",))
+    q4 = tmp_path / "model-q4_0.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    assert llama_cpp.llama_model_quantize(str(wide).encode(), str(q4).encode(), params) == 0
+    stored = superslm.load(q4)  # quant "auto": the blocks on the CPU
+    kinds = stored.info()["linears"]
+    assert any("codes exact" in k for k in kinds) and not any(k.startswith("dense") for k in kinds), kinds
+    if "moe" in family or "next" in family:
+        assert stored.info()["linears"].get("int8", 0) >= 8  # stacked experts: each re-quantized from its rows
+    dense = superslm.load(q4, quant=None, dtype="float32")
+    tokens = _tokens(120, 3)
+    with torch.no_grad():
+        got = SingleSequence(stored.net).step(tokens).float()
+        want = SingleSequence(dense.net).step(tokens).float()
+        int8 = SingleSequence(superslm.load(q4, quant="int8").net).step(tokens).float()
+
+    def corr(x: torch.Tensor) -> float:
+        return torch.corrcoef(torch.stack([x.flatten(), want.flatten()]))[0, 1].item()
+
+    def agree(x: torch.Tensor) -> float:
+        return (x.argmax(-1) == want.argmax(-1)).float().mean().item()
+
+    # close to the dense weights, at least as close as re-quantizing them to int8 is (a tiny random MoE's router
+    # flips experts on small errors, so its bar is that path's, which tests against transformers above)
+    assert corr(got) > min(0.999, corr(int8)), (corr(got), corr(int8))
+    assert agree(got) >= min(0.9, agree(int8)), (agree(got), agree(int8))
+    p = [Request(tokens[:30], 8, Sampling(ignore_eos=True))]
+    c = stored.engine(slots=1, context=128).generate(p)[0]
+    assert len(c.tokens) == 8 and c.tokens[0] == int(want[29].argmax())

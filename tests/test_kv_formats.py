@@ -379,19 +379,19 @@ def test_plan_reads_int8_pages_bfloat16(family: str, fmt: str | None, folders) -
 
 
 @cpp
-def test_plan_refuses_4bit_pages_and_the_reference_runs_them(folders) -> None:
-    """The C++ plan reads float and int8 rows only: a cache with 4-bit rows (uint8) takes the torch path, whose
-    steps read them as the generic path does."""
+def test_plan_reads_4bit_pages_as_the_reference_does(folders) -> None:
+    """The C++ plan reads rotated 4-bit rows as they are stored (tests/test_kv_cpu4.py checks it in depth): its
+    step over k4v4 pages follows the torch reference's, and differs from float pages by the format's rounding."""
     src = open_source(folders["qwen3"])
     net = Transformer(src.arch, materialize(src, torch.float32))
     h = torch.zeros(1, net.arch.dim)
     for fmt in ("k8v4", "k4v8", "k4v4"):
         kv = KVCache(len(net.layers), 4, PS, net.arch.kv_heads, net.arch.head_dim, net.dtype, kv=fmt)
-        assert not cpu_decode.plan_reads(h, kv.k, kv.v) and not cpu_decode.usable(net, h, kv.k)
+        assert cpu_decode.plan_reads(h, kv.k, kv.v) and cpu_decode.usable(net, h, kv.k)
     ways = _ways(net, [3, 9, 14, 40], "k4v4")
     (generic, _), (ref, _), (got, _) = ways["generic"], ways["reference"], ways["cpp"]
-    assert torch.equal(got, ref)  # decode_layers fell back to its reference
-    assert (ref - generic).abs().max().item() <= 1e-4
+    scale = ref.abs().max().item()
+    assert (got - ref).abs().max().item() <= 1e-3 * scale and (ref - generic).abs().max().item() <= 1e-4
     floats = _ways(net, [3, 9, 14, 40], "auto")["cpp"][0]
     err = (got - floats).abs().max().item()
     assert 0 < err <= 0.25 * floats.abs().max().item()

@@ -11,7 +11,7 @@ import torch
 
 from superslm import hub
 from superslm.devices import DTYPES, pick_device, pick_dtype  # noqa: F401  (re-exported)
-from superslm.errors import InvalidArgument, TemplateError, UnsupportedModel
+from superslm.errors import InvalidArgument, TemplateError
 from superslm.hub import resolve_path  # noqa: F401  (re-exported)
 from superslm.models.arch import Arch
 from superslm.models.loader import Source, materialize, open_source
@@ -277,14 +277,17 @@ def load(
     else:
         plain = source.recipe.parts.plain(source.arch)
         if quant == "auto":
-            native = source.format == "gguf" and dev.type == "cpu" and dtype is None and plain
+            native = source.format == "gguf" and dev.type == "cpu" and dtype is None
             quant = "gguf" if native else None
-        if quant == "gguf" and not plain:
-            raise UnsupportedModel(f"{source.arch.family}: GGUF blocks run as they are for attention and dense MLP "
-                                   "layers only; load with quant='auto' (dense weights) or 'int8'")
         dt = torch.bfloat16 if quant not in (None, "none") and dtype is None else pick_dtype(dtype, dev)
-        # GGUF blocks run as they are: their dense copies would only be built to be dropped
-        skip = _BLOCK_LINEARS if quant == "gguf" else frozenset()
+        # GGUF blocks run as they are: their dense copies would only be built to be dropped (other parts' linears
+        # are loaded dense too, for those the blocks cannot give as they are: experts, column-moving fixes)
+        skip = frozenset()
+        if quant == "gguf":
+            from superslm.quant.swap import block_pieces
+
+            n = source.arch.layers if layers is None else min(layers, source.arch.layers)
+            skip = _BLOCK_LINEARS if plain else block_pieces(source, n) | {"head", "embed"}
         net = Transformer(source.arch, materialize(source, dt, dev, layers, skip), layers)
     if quant == "gguf":
         from superslm.quant import quantize_from_source

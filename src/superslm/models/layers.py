@@ -46,15 +46,9 @@ class GatedAttention(nn.Module):
         super().__init__()
         a = self.arch = arch
         self.window = arch.windows[index]
-        q = w["q"]
-        assert q is not None
-        if a.attn_gate:
-            heads = q.reshape(a.heads, 2, a.head_dim, a.dim)  # [heads, (query, gate), D, dim]
-            q, gate = heads[:, 0].reshape(-1, a.dim), heads[:, 1].reshape(-1, a.dim)
-            pieces = [q, w["k"], w["v"], gate]  # one matmul; the gate's rows last
-        else:
-            pieces = [q, w["k"], w["v"]]
-        self.qkv = linear(torch.cat(pieces))  # type: ignore[arg-type]
+        # one matmul; with the gate, q's rows stay as stored (each head's query, then its gate) so a file's
+        # quantized blocks serve as they are
+        self.qkv = linear(torch.cat([w["q"], w["k"], w["v"]]))  # type: ignore[list-item]
         self.o = linear(w["o"])
         for n in ("q_norm", "k_norm"):
             if a.qk_norm:
@@ -63,14 +57,20 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttnMetadata, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         a = self.arch
-        n, width = x.shape[0], (a.heads + 2 * a.kv_heads) * a.head_dim
+        n = x.shape[0]
         out = _linear(self.qkv, x, meta.deterministic)
-        qkv = out[:, :width].contiguous()
+        if a.attn_gate:
+            q_rows = 2 * a.heads * a.head_dim
+            heads = out[:, :q_rows].reshape(n, a.heads, 2, a.head_dim)  # [N, heads, (query, gate), D]
+            gate = heads[:, :, 1].reshape(n, -1)
+            qkv = torch.cat([heads[:, :, 0].reshape(n, -1), out[:, q_rows:]], dim=1)
+        else:
+            qkv = out.contiguous()
         norms = (self.q_norm, self.k_norm) if a.qk_norm else (None, None)
         spec = QKVSpec(a.heads, a.kv_heads, None, *norms, a.norm_eps, a.norm_float, self.window, a.attn_scale)
         o_in = prepare_attention(qkv, spec, *cos_sin, k_cache, v_cache, meta).reshape(n, a.heads * a.head_dim)
         if a.attn_gate:
-            o_in = o_in * torch.sigmoid(out[:, width:])
+            o_in = o_in * torch.sigmoid(gate)
         return _linear(self.o, o_in, meta.deterministic)
 
 

@@ -314,6 +314,7 @@ def materialize(
             continue
         t = stored.load().float()
         t = fix(short, t, src.arch)
+        t = _unsqueezed(key, short, t, src.arch, src.recipe)
         _check_shape(key, short, tuple(t.shape), src.arch, src.recipe)
         if not all_finite(t):
             raise FormatError(f"{src.path}: tensor {stored.name} holds NaN or infinite values")
@@ -328,10 +329,22 @@ def all_finite(t: torch.Tensor) -> bool:
     return not t.is_floating_point() or not t.numel() or bool(torch.isfinite(torch.sum(t, dtype=torch.float32)))
 
 
-def _check_shape(key: str, short: str, shape: tuple[int, ...], a: Arch, recipe: Recipe) -> None:
+def _want_shape(key: str, short: str, a: Arch, recipe: Recipe) -> tuple[int, ...]:
     layer = int(key.split(".")[1]) if key.startswith("layers.") else 0
     shapes: Mapping[str, tuple[int, ...]] = {
         "embed": (a.vocab, a.dim), "head": (a.vocab, a.dim), "norm": (a.dim,), **recipe.parts.shapes(a, layer)}
-    want = shapes[short]
+    return shapes[short]
+
+
+def _unsqueezed(key: str, short: str, t: torch.Tensor, a: Arch, recipe: Recipe) -> torch.Tensor:
+    """`t` in its expected shape where it differs only by dimensions of size 1: llama.cpp's quantizer writes a
+    one-row weight (the shared expert's gate, [1, dim]) as a vector."""
+    want = _want_shape(key, short, a, recipe)
+    same = [d for d in t.shape if d != 1] == [d for d in want if d != 1]
+    return t.reshape(want) if tuple(t.shape) != want and same else t
+
+
+def _check_shape(key: str, short: str, shape: tuple[int, ...], a: Arch, recipe: Recipe) -> None:
+    want = _want_shape(key, short, a, recipe)
     if tuple(shape) != want:
         raise FormatError(f"tensor {key} has shape {tuple(shape)}, the config implies {want}")

@@ -14,6 +14,7 @@ import torch
 from superslm.errors import FormatError, InvalidArgument, UnsupportedModel
 from superslm.memory import release_freed_memory
 from superslm.models.loader import Source, Stored, all_finite, canonical_names
+from superslm.models.parts import DELTA_LAYOUTS, LinearSpec
 from superslm.models.transformer import DenseLinear, Transformer
 from superslm.quant.base import LinearFormat, format_class
 from superslm.quant.gguf_map import GGUFEmbedding, GGUFPart, linear_from_gguf
@@ -77,7 +78,10 @@ def row_permutation(source: Source, short: str, rows: int) -> torch.Tensor | Non
     pure row permutation (it could not be applied to blocks without dequantizing)."""
     fix, arch = source.recipe.fix_gguf, source.arch
     probe = torch.arange(rows, dtype=torch.float64)[:, None].repeat(1, 2)  # [rows, 2], exact row ids
-    got = fix(short, probe, arch)
+    try:
+        got = fix(short, probe, arch)
+    except (RuntimeError, ValueError, IndexError):  # a fix along the columns cannot reshape two of them
+        raise UnsupportedModel(f"{source.recipe.family}: the GGUF fix of {short} is not a row permutation") from None
     if torch.equal(got, probe):
         return None
     perm = got[:, 0].long()
@@ -101,6 +105,43 @@ def gguf_parts(source: Source, names: Mapping[str, Stored], prefix: str, keys: t
         perm = row_permutation(source, key, info.shape[0])
         out.append((source.gguf.raw(stored.name), info.block, info.shape, perm))
     return out
+
+
+def _stored_pieces(names: Mapping[str, Stored], i: int, spec: LinearSpec) -> tuple[str, ...] | None:
+    """The pieces of layer i's linear `spec` as the file stores them: the spec's, or for a delta-rule input
+    projection the layout the file has (llama.cpp keeps Qwen3-Next's q, k, v, z apart, b and a fused); None
+    where the file has neither."""
+    for pieces in (spec.pieces, *(DELTA_LAYOUTS.values() if spec.pieces in DELTA_LAYOUTS.values() else ())):
+        if all(f"layers.{i}.{k}" in names for k in pieces):
+            return pieces
+    return None
+
+
+def _spec_name(name: str) -> str:
+    """A layer's linear ("mixer.in_proj", "mlp.shared.down", "mlp.experts_mlp.3.down") as its part's spec names
+    it ("in_proj", "shared_down"; an expert keeps its path, which no spec has)."""
+    parts = name.split(".")
+    if len(parts) == 3 and parts[1] == "shared":
+        return "shared_" + parts[2]
+    return parts[-1] if len(parts) <= 2 else name
+
+
+def block_pieces(source: Source, layers: int) -> frozenset[str]:
+    """The canonical weights `quantize_from_source` takes from the file's blocks as they are: every linear piece
+    of the parts' specs whose GGUF fix is a row permutation (the loader need not build their dense copies)."""
+    names = canonical_names(source, layers)
+    out: set[str] = set()
+    for i in range(layers):
+        for spec in source.recipe.parts.linears(source.arch, i).values():
+            # a linear is rebuilt from blocks whole or not at all: all its pieces, or none skipped
+            pieces = _stored_pieces(names, i, spec)
+            try:
+                for key in pieces or ():
+                    row_permutation(source, key, source.gguf.tensors[names[f"layers.{i}.{key}"].name].shape[0])
+            except UnsupportedModel:
+                continue
+            out.update(pieces or ())
+    return frozenset(out)
 
 
 def quantize_from_source(
@@ -130,15 +171,35 @@ def quantize_from_source(
         source.gguf.release_pages()
         release_freed_memory()
 
-    specs = source.recipe.parts.linears(source.arch)
     for i, layer in enumerate(net.layers):
-        for attr, spec in specs.items():
-            old = getattr(layer, attr)
-            parts = gguf_parts(source, names, f"layers.{i}.", spec.pieces)
+        # a part's linears by their spec's name ("mlp.shared.down" is "shared_down"; the routed experts, stacked
+        # in the file, are in no spec)
+        where = {_spec_name(name): (parent, attr, name) for parent, attr, name in layer.linears()}
+        for key, spec in source.recipe.parts.linears(source.arch, i).items():
+            pieces = _stored_pieces(names, i, spec)
+            if key not in where or pieces is None:
+                continue  # a part this model does not have (a MoE without a shared expert)
+            parent, attr, name = where[key]
+            old = getattr(parent, attr)
+            try:
+                parts = gguf_parts(source, names, f"layers.{i}.", pieces)
+            except UnsupportedModel:
+                if not isinstance(old, DenseLinear) or old.weight.numel() == 0:
+                    raise
+                continue  # blocks whose fix moves columns (llama.cpp's tiled value heads): int8 below
             module = linear_from_gguf(parts, getattr(old, "bias", None), mapping)
-            check_finite(module, f"{source.path}: layer {i}'s {attr}")
-            setattr(layer, attr, module)
-            done[f"layers.{i}.{attr}"] = module.describe()
+            check_finite(module, f"{source.path}: layer {i}'s {name}")
+            setattr(parent, attr, module)
+            done[f"layers.{i}.{name}"] = module.describe()
+        # what the file's blocks could not give as they are (each expert of a stacked expert tensor, a linear
+        # whose fix is not a row permutation) is re-quantized from its dense weights, as Q5_K / Q6_K blocks are
+        for parent, attr, name in layer.linears():
+            dense = getattr(parent, attr)
+            if isinstance(dense, DenseLinear) and dense.weight.numel():
+                setattr(parent, attr, make_linear("int8", dense.weight, dense.bias, group, False, seed))
+                done[f"layers.{i}.{name}"] = getattr(parent, attr).describe()
+            elif isinstance(dense, DenseLinear):  # its dense copy was skipped for blocks that never came
+                raise UnsupportedModel(f"{source.recipe.family}: layer {i}'s {name} has no weights from the file")
         release()
     if net.embed_weight.numel() == 0:
         # the loader skipped the dense table: rows come from the file's blocks per step
