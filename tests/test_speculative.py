@@ -99,27 +99,42 @@ def test_ngram_lookup_equals_a_brute_force_search(min_n, max_n) -> None:
     assert NgramDrafter(2, 3).propose([1, 2, 3, 4], 3) == []
 
 
-def test_adaptive_pause_and_probe() -> None:
-    """Rejected drafts pause a sequence (longer each failed probe), a good probe resumes it; no drafts for rows that
-    may not draft or at the last token."""
-    spec = Speculator(Speculative(k=3, pause=2, max_pause=4))
+def test_adaptive_draft_length_and_free_checks() -> None:
+    """The draft length follows the acceptance estimate (none where a plain step gives more for its cost), guesses
+    not drafted are checked against the plain step's token and bring drafting back; no drafts for rows that may not
+    draft or at the last token."""
+    c = Speculative(k=6)
+    assert c.best_k(1.0, 6) == 6 and c.best_k(1.0, 2) == 2 and c.best_k(0.1, 6) == 0
+    assert [c.best_k(p, 6) for p in (0.3, 0.6, 0.9)] == sorted(c.best_k(p, 6) for p in (0.3, 0.6, 0.9))
+    assert Speculative(row_cost=0.0).best_k(0.05, 8) == 8  # free rows: always worth drafting
+    spec = Speculator(c)
     seq = SimpleNamespace(request=SimpleNamespace(speculative=True), grammar=None, spec=None, max_tokens=100,
                           sampler=SimpleNamespace(params=Sampling()), output=[], tokens=[1, 2, 3, 1, 2, 3, 1, 2])
-    assert spec.propose(seq) == [3, 1, 2]
-
-    def drafting_steps(n: int) -> int:
-        return sum(bool(spec.propose(seq)) for _ in range(n))
-
-    spec.record(seq, 3, 0)  # rate 0.5: drafting goes on
-    assert drafting_steps(1) == 1
-    spec.record(seq, 3, 0)  # 0.25 < 0.3: pause 2
-    assert [bool(spec.propose(seq)) for _ in range(3)] == [False, False, True]
-    spec.record(seq, 3, 0)  # the probe failed: pause 4
-    assert [bool(spec.propose(seq)) for _ in range(5)] == [False] * 4 + [True]
-    spec.record(seq, 3, 3)  # a good probe: drafting again, the next pause back to 2
-    assert drafting_steps(3) == 3
-    assert seq.spec.backoff == 2
-    assert spec.stats() == {"drafts_proposed": 12, "drafts_accepted": 3, "acceptance_rate": 0.25, "draft_steps": 4}
+    assert spec.propose(seq) == [3, 1, 2, 3, 1, 2]  # optimistic at first
+    for _ in range(10):
+        spec.record(seq, 6, 0)
+    assert seq.spec.rate < 0.2
+    assert spec.propose(seq) == []  # not worth a row; its guess (3) waits for the plain step's token
+    seq.tokens.append(3)
+    seq.output.append(3)
+    rate = seq.spec.rate
+    drafts = spec.propose(seq)
+    assert seq.spec.rate > rate and len(drafts) <= 2  # the free check: the guess was right, a short draft again
+    verified = [len(drafts)]
+    while len(drafts) < 6 and len(verified) < 10:  # the copy goes on: longer drafts, full within a few steps
+        spec.record(seq, len(drafts), len(drafts))
+        drafts = spec.propose(seq)
+        verified.append(len(drafts))
+    assert verified == sorted(verified) and verified[-1] == 6
+    for _ in range(10):
+        spec.record(seq, 6, 0)
+    assert spec.propose(seq) == []
+    seq.tokens.append(9)  # a wrong guess lowers the estimate
+    rate = seq.spec.rate
+    assert spec.propose(seq) == [] and seq.spec.rate < rate
+    kept = sum(verified[:-1])
+    assert spec.stats() == {"drafts_proposed": 120 + kept, "drafts_accepted": kept,
+                            "acceptance_rate": kept / (120 + kept), "draft_steps": 20 + len(verified) - 1}
     seq.max_tokens = len(seq.output) + 1  # the next token is its last: nothing to verify after it
     assert spec.propose(seq) == []
     seq.max_tokens, seq.request.speculative = 100, False
@@ -385,7 +400,7 @@ def test_grammar_rows_do_not_draft(zoo) -> None:
 def test_refusals(zoo) -> None:
     model = zoo("llama")
     for bad in ("medusa", 3, Speculative(k=0), Speculative(min_n=3, max_n=2), Speculative(method="eagle"),
-                Speculative(threshold=1.5), Speculative(pause=9, max_pause=4)):
+                Speculative(row_cost=-1.0), Speculative(decay=1.0)):
         with pytest.raises(InvalidArgument):
             model.engine(slots=1, context=32, speculative=bad)
     hybrid = zoo("qwen3_5")

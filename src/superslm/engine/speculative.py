@@ -19,9 +19,13 @@ Not drafted: rows with a grammar (their matcher would have to walk and roll back
 (its anti-LM state likewise), requests that opt out (`Request.speculative=False`), and a sequence's last token
 (max_tokens). Models with delta-rule layers are refused (their recurrent state cannot roll back a rejected row).
 
-Adaptive: each sequence keeps an acceptance estimate (a moving average of the fraction of its drafts kept); below
-`threshold` it stops drafting for `pause` steps, doubling up to `max_pause` while probes keep failing, so prose
-that the n-grams guess badly pays for few draft rows.
+Adaptive: each sequence keeps an estimate p of the chance that a draft token is kept (a moving average over the
+drafts verified: each kept draft a success, the first rejected one a failure) and drafts the k that maximizes the
+expected tokens a step gives, (1 - p^(k+1)) / (1 - p), over the step's cost, 1 + row_cost * k one-row steps; none
+where no k beats a plain step. While it does not draft, the lookup's first guess is checked against the token the
+plain step gives (free: no row is computed for it), so the estimate follows the text back up where copying resumes
+(an answer quoting its prompt again after a few words of its own), and prose that the n-grams guess badly drafts
+little.
 """
 
 from __future__ import annotations
@@ -40,19 +44,19 @@ if TYPE_CHECKING:
 class Speculative:
     """How an engine drafts (`Engine(speculative=...)`; "ngram" is `Speculative()`).
 
-    `k`: the most drafts a step carries per sequence (3: SmolLM2 rewriting code on 2 AVX2 cores decoded 131-139
-    tok/s at 3, 124-127 at 2, 108 at 4, 84-92 without drafts; a CPU step's cost grows with its rows there);
-    `min_n` .. `max_n`: the n-gram lengths the prompt lookup tries, longest first; `threshold`, `pause`,
-    `max_pause`: the adaptive rule (see the module's docstring).
+    `k`: the most drafts a step carries per sequence; `min_n` .. `max_n`: the n-gram lengths the prompt lookup tries,
+    longest first; `row_cost`: a draft row's cost, in one-row decode steps (SmolLM2 on 2 Xeon cores: 1 row 9 ms,
+    4 rows 15.5, 7 rows 22: ~2.2 ms a row over ~6.8 fixed, 0.25); `decay`: the weight of the past in the acceptance
+    estimate's moving average (see the module's docstring). A replay of SmolLM2's 256 greedy tokens rewriting a
+    340-token function: 71 steps at these settings, 149 with a fixed k of 3 and pauses after misses.
     """
 
     method: str = "ngram"
-    k: int = 3
+    k: int = 8
     min_n: int = 2
     max_n: int = 4
-    threshold: float = 0.3
-    pause: int = 8
-    max_pause: int = 128
+    row_cost: float = 0.25
+    decay: float = 0.8
 
     @classmethod
     def of(cls, value: Any) -> Speculative | None:
@@ -68,17 +72,28 @@ class Speculative:
     def validate(self) -> Speculative:
         if self.method != "ngram":
             raise InvalidArgument(f"unknown speculative method {self.method!r} (known: 'ngram')")
-        for name in ("k", "min_n", "max_n", "pause", "max_pause"):
+        for name in ("k", "min_n", "max_n"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidArgument(f"speculative {name} must be a positive integer, got {v!r}")
         if self.min_n > self.max_n:
             raise InvalidArgument(f"speculative min_n {self.min_n} is more than max_n {self.max_n}")
-        if self.pause > self.max_pause:
-            raise InvalidArgument(f"speculative pause {self.pause} is more than max_pause {self.max_pause}")
-        if not 0.0 <= self.threshold <= 1.0:
-            raise InvalidArgument(f"speculative threshold must be in [0, 1], got {self.threshold!r}")
+        if not (isinstance(self.row_cost, (int, float)) and 0.0 <= self.row_cost):
+            raise InvalidArgument(f"speculative row_cost must be a number >= 0, got {self.row_cost!r}")
+        if not (isinstance(self.decay, (int, float)) and 0.0 <= self.decay < 1.0):
+            raise InvalidArgument(f"speculative decay must be in [0, 1), got {self.decay!r}")
         return self
+
+    def best_k(self, p: float, room: int) -> int:
+        """The draft count (0 .. min(k, room)) whose expected tokens per unit of step cost is highest at a per-draft
+        acceptance chance p: k drafts give (1 - p^(k+1)) / (1 - p) tokens for 1 + row_cost * k."""
+        p = min(p, 0.99)  # p = 1 would always say k: near it the formula's limit is k + 1 anyway
+        best, best_k = 1.0, 0
+        for k in range(1, min(self.k, room) + 1):
+            v = (1 - p ** (k + 1)) / (1 - p) / (1 + self.row_cost * k)
+            if v > best:
+                best, best_k = v, k
+        return best_k
 
 
 class NgramDrafter:
@@ -121,23 +136,26 @@ class NgramDrafter:
 
 @dataclass
 class SpecState:
-    """One sequence's drafting: its drafter, acceptance estimate, pause and counts."""
+    """One sequence's drafting: its drafter, acceptance estimate, the guess checked at its next step, and counts."""
 
     drafter: NgramDrafter
-    #: the moving average of the fraction of its drafts kept (optimistic at first)
+    #: the moving average of draft tokens kept (optimistic at first: a copy drafts fully from its first step)
     rate: float = 1.0
-    #: steps left without drafts, and the pause the next failure takes
-    wait: int = 0
-    backoff: int = 0
+    #: a step without drafts: the lookup's first guess and the position of the token it guessed
+    guess: int = -1
+    guess_at: int = -1
     proposed: int = 0
     accepted: int = 0
     #: steps that carried drafts
     steps: int = 0
 
+    def learn(self, kept: bool, decay: float) -> None:
+        self.rate = decay * self.rate + (1.0 - decay) * kept
+
 
 class Speculator:
     """An engine's drafting: proposes each decoding sequence's drafts after its step is accepted, learns from
-    each verification (`record`), and keeps the engine's totals."""
+    each verification (`record`) and each free check of a guess it did not draft, and keeps the engine's totals."""
 
     def __init__(self, config: Speculative) -> None:
         self.config = config
@@ -151,19 +169,24 @@ class Speculator:
         return seq.request.speculative is not False and seq.grammar is None and seq.sampler.params.damped is None
 
     def propose(self, seq: Sequence) -> list[int]:
-        """The drafts of seq's next decode step (at most k, never past its last token); [] while it pauses or
-        its n-grams find nothing."""
+        """The drafts of seq's next decode step (at most k, never past its last token); [] where the acceptance
+        estimate says a plain step gives more for its cost, or its n-grams find nothing."""
         c = self.config
         room = min(c.k, seq.max_tokens - len(seq.output) - 1)  # the step's last row gives one more token
         if room < 1 or not self.drafts_for(seq):
             return []
         st = seq.spec
         if st is None:
-            st = seq.spec = SpecState(NgramDrafter(c.min_n, c.max_n), backoff=c.pause)
-        if st.wait > 0:
-            st.wait -= 1
-            return []
-        return st.drafter.propose(seq.tokens, room)
+            st = seq.spec = SpecState(NgramDrafter(c.min_n, c.max_n))
+        tokens = seq.tokens
+        if 0 <= st.guess_at < len(tokens):  # the plain step since the last proposal: was the guess right?
+            st.learn(tokens[st.guess_at] == st.guess, c.decay)
+        st.guess_at = -1
+        guesses = st.drafter.propose(tokens, room)
+        k = c.best_k(st.rate, len(guesses))
+        if guesses and not k:
+            st.guess, st.guess_at = guesses[0], len(tokens)
+        return guesses[:k]
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """A verification: `accepted` of seq's `proposed` drafts were kept."""
@@ -176,14 +199,11 @@ class Speculator:
         st.proposed += proposed
         st.accepted += accepted
         st.steps += 1
-        c = self.config
-        st.rate = 0.5 * st.rate + 0.5 * accepted / proposed
-        if st.rate < c.threshold:
-            # mostly rejected: stop for a while, then probe from the threshold (one good step resumes drafting)
-            st.wait, st.backoff = st.backoff, min(2 * st.backoff, c.max_pause)
-            st.rate = c.threshold
-        elif accepted:
-            st.backoff = c.pause
+        # each kept draft a success; the first rejected one a failure (the ones after it were never tried)
+        for _ in range(accepted):
+            st.learn(True, self.config.decay)
+        if accepted < proposed:
+            st.learn(False, self.config.decay)
 
     def stats(self) -> dict[str, Any]:
         """The engine's totals: drafts proposed and accepted, the steps of sequences that carried drafts."""
