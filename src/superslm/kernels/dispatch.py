@@ -92,14 +92,20 @@ def triton_kernels(device: torch.device) -> ModuleType | None:
 
 
 def _kv_kernels(device: torch.device, *caches: torch.Tensor) -> ModuleType | None:
-    """`triton_kernels(device)` for a call that reads or writes these KV caches: float pages or int8 rows
-    (cache/kv.py), which the Triton kernels store and read themselves. A page format they do not know is refused,
-    never read as floats, and not handed to the references either (decode graphs replay static metadata the
-    references would read wrong)."""
+    """`triton_kernels(device)` for a call that reads or writes these KV caches: float pages, int8 rows or rotated
+    4-bit rows (uint8; cache/kv.py), which the Triton kernels store and read themselves. A page format they do not
+    know is refused by its dtype, never read as floats, and not handed to the references either (decode graphs
+    replay static metadata the references would read wrong)."""
     t = triton_kernels(device)
-    if t is not None and any(not c.is_floating_point() and c.dtype != torch.int8 for c in caches):
-        raise UnsupportedModel(f"{caches[0].dtype} KV pages have no Triton kernels: use {ENV}=torch")
+    if t is not None:
+        for c in caches:
+            if c.dtype not in _KV_DTYPES:
+                raise UnsupportedModel(f"{c.dtype} KV pages have no Triton kernels: use {ENV}=torch")
     return t
+
+
+#: the caches' dtypes the Triton KV kernels take: float pages, int8 rows, 4-bit rows
+_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8)
 
 
 # --- references of the fused ops -------------------------------------------------------------

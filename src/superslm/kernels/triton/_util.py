@@ -24,8 +24,17 @@ def gemv_block_n(n_out: int) -> int:
 
 def page_head_dim(cache: torch.Tensor) -> int:
     """head_dim of a KV cache [slots, kv_heads, width]: width for float pages, width - 4 for int8 rows (their
-    codes, then the float32 scale: cache/kv.py)."""
-    return cache.shape[-1] - (SCALE_BYTES if cache.dtype == torch.int8 else 0)
+    codes, then the float32 scale: cache/kv.py), 2 (width - 4) for 4-bit rows (two codes a byte, then the scale)."""
+    if cache.dtype == torch.int8:
+        return cache.shape[-1] - SCALE_BYTES
+    if cache.dtype == torch.uint8:
+        return 2 * (cache.shape[-1] - SCALE_BYTES)
+    return cache.shape[-1]
+
+
+def page_bits(cache: torch.Tensor) -> int:
+    """The `bits` the KV kernels take for a cache: 8 for int8 rows, 4 for 4-bit rows, 0 for float values."""
+    return {torch.int8: 8, torch.uint8: 4}.get(cache.dtype, 0)
 
 
 def interpreted(t: torch.Tensor) -> bool:

@@ -103,36 +103,57 @@ def cases(everything: bool = False) -> list[Case]:
     norms = [(a, w) for a in (False, True) for w in (False, True)] if everything else [(True, False), (False, True)]
     for dt in dtypes:
         t, f32 = _TY[dt], dt == torch.float32
-        kv = dict(k_ptr=t, v_ptr=t, kc_ptr=t, vc_ptr=t, slot_ptr="i64")
-        out.append(Case(f"store_kv {t}", _store_kv_kernel, kv, 4, dict(BLOCK_H=2, BLOCK_D=64), False))
+        kv = dict(k_ptr=t, v_ptr=t, kc_ptr=t, vc_ptr=t, slot_ptr="i64", sg_ptr=t)
+        plain = dict(BLOCK_H=2, BLOCK_D=64, K_BITS=0, V_BITS=0, ROT=False, B=1, LOG_B=0)
+        out.append(Case(f"store_kv {t}", _store_kv_kernel, kv, 4, plain, False))
         # int8 pages: codes then the row's float32 scale, written and read in the kernels
         kv8 = dict(kv, kc_ptr="i8", vc_ptr="i8")
-        out.append(Case(f"store_kv {t} to int8 rows", _store_kv_kernel, kv8, 4,
-                        dict(BLOCK_H=2, BLOCK_D=64, K_INT8=True, V_INT8=True), False))  # fmt: skip
+        out.append(Case(f"store_kv {t} to int8 rows", _store_kv_kernel, kv8, 4, dict(plain, K_BITS=8, V_BITS=8),
+                        False))  # fmt: skip
+        # 4-bit rows: each head rotated (block Hadamard, fixed signs), then packed codes and the scale; keys and
+        # values in their own formats (k8v4, k4v8, k4v4); heads of 64, 128 and Gemma 3's 256
+        for kb, vb, heads, head_dim in ((8, 4, 2, 64), (4, 8, 8, 128), (4, 4, 2, 64), (4, 4, 1, 256)):
+            c4 = dict(kv, kc_ptr="i8" if kb == 8 else "u8", vc_ptr="i8" if vb == 8 else "u8", sg_ptr="fp32")
+            cx = dict(plain, BLOCK_H=heads, BLOCK_D=head_dim, K_BITS=kb, V_BITS=vb, ROT=True, B=min(head_dim, 256),
+                      LOG_B=min(head_dim, 256).bit_length() - 1)  # fmt: skip
+            out.append(Case(f"store_kv {t} to k{kb}v{vb} rows D={head_dim}", _store_kv_kernel, c4, 4, cx, False))
         attn = dict(q_ptr=t, k_ptr=t, v_ptr=t, o_ptr=t, part_ptr="fp32", ml_ptr="fp32", bt_ptr="i32",
                     sl_ptr="i32", qs_ptr="i32", pos_ptr="i64", item_ptr="i32", qb_ptr=t, qn_ptr=t, kn_ptr=t,
-                    cos_ptr=t, sin_ptr=t, slot_ptr="i64")  # fmt: skip
+                    cos_ptr=t, sin_ptr=t, slot_ptr="i64", sg_ptr="fp32")  # fmt: skip
         # decode steps prepare q, k and v in the kernel (prepare_attention): with Qwen2.5's bias, Qwen3's norms
         for (groups, head_dim), prep in zip(shapes, ((True, False), (False, True), (False, True), (False, True))):
             for decode in (True, False):
                 c = attn_config(groups, head_dim, dt, decode, False)
                 cx = dict(G=groups, BLOCK_Q=c["block_q"], BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
                           BLOCK_D=next_pow2(head_dim), SPLIT=decode, F32_DOT=f32, PREP=decode, HAS_BIAS=prep[0],
-                          NORM=prep[1], WEIGHT_IN_FLOAT=head_dim == 256)  # fmt: skip
+                          NORM=prep[1], WEIGHT_IN_FLOAT=head_dim == 256, K_BITS=0, V_BITS=0, K_ROT=False,
+                          V_ROT=False, B=1, LOG_B=0)  # fmt: skip
                 kind = "decode, prepares q/k/v" if decode else "mixed"
                 out.append(Case(f"paged_attention {t} G={groups} D={head_dim} {kind}", _attn_kernel, attn,
                                 c["num_warps"], cx, not decode))  # fmt: skip
                 # int8 pages: q, k and v prepared outside (the launcher refuses prepare_qkv on them)
                 out.append(Case(f"paged_attention {t} G={groups} D={head_dim} {'decode' if decode else 'mixed'}"
                                 " on int8 rows", _attn_kernel, dict(attn, k_ptr="i8", v_ptr="i8"), c["num_warps"],
-                                dict(cx, PREP=False, KV_INT8=True), True))  # fmt: skip
+                                dict(cx, PREP=False, K_BITS=8, V_BITS=8), True))  # fmt: skip
+                # 4-bit rows (rotated: q into the keys' basis, the output out of the values'), beside int8 ones
+                block = min(head_dim, 256)
+                for kb, vb in ((8, 4), (4, 8), (4, 4)):
+                    ptrs = dict(attn, k_ptr="i8" if kb == 8 else "u8", v_ptr="i8" if vb == 8 else "u8")
+                    out.append(Case(f"paged_attention {t} G={groups} D={head_dim} {'decode' if decode else 'mixed'}"
+                                    f" on k{kb}v{vb} rows", _attn_kernel, ptrs, c["num_warps"],
+                                    dict(cx, PREP=False, K_BITS=kb, V_BITS=vb, K_ROT=kb == 4, V_ROT=vb == 4, B=block,
+                                         LOG_B=block.bit_length() - 1), True))  # fmt: skip
                 if decode and everything:  # one split (short contexts); the decode kernel on a prepared q
                     out.append(Case(f"paged_attention {t} G={groups} D={head_dim} decode, one split", _attn_kernel,
                                     attn, c["num_warps"], dict(cx, SPLIT=False), False))  # fmt: skip
                     out.append(Case(f"paged_attention {t} G={groups} D={head_dim} decode", _attn_kernel, attn,
                                     c["num_warps"], dict(cx, PREP=False)))  # fmt: skip
-        merge = dict(part_ptr="fp32", ml_ptr="fp32", o_ptr=t)
-        out.append(Case(f"merge {t}", _merge_kernel, merge, 4, dict(BLOCK_S=16, BLOCK_D=128)))
+        merge = dict(part_ptr="fp32", ml_ptr="fp32", o_ptr=t, sg_ptr="fp32")
+        out.append(Case(f"merge {t}", _merge_kernel, merge, 4, dict(BLOCK_S=16, BLOCK_D=128, ROT=False, B=1, LOG_B=0)))
+        # the merge of splits over rotated 4-bit values: each head rotated back
+        for head_dim in (64, 128, 256):
+            cx = dict(BLOCK_S=16, BLOCK_D=head_dim, ROT=True, B=head_dim, LOG_B=head_dim.bit_length() - 1)
+            out.append(Case(f"merge {t} of 4-bit values D={head_dim}", _merge_kernel, merge, 4, cx))
         # the merge inside the o projection's GEMV: Qwen2.5-0.5B (14 x 64 -> 896), Qwen3-0.6B (16 x 128 -> 1024)
         for n_out, head_dim in ((896, 64), (1024, 128)):
             c = merge_gemv_config(n_out, head_dim, False)

@@ -6,6 +6,11 @@ keys that tile can see; it walks the keys through the block_table with an online
 Decode steps (one row per sequence) use block_q = 1 and split the keys over several programs
 (flash-decoding); a second kernel merges the splits. Causal and sliding-window masks come from
 each row's position, as in the torch reference (kernels.attention.paged_attention).
+
+Pages are read in their format (cache/kv.py), keys and values each in their own: float values, int8 codes
+times their row's scale, or rotated 4-bit codes times their row's scale, never a dense copy. Over rotated keys
+q . k = (R q) . (R k): each q head is rotated once in the kernel; over rotated values the output is rotated back
+once per head (sum p R v = R sum p v), by the kernel or, with key splits, by the merge.
 """
 
 from __future__ import annotations
@@ -19,21 +24,32 @@ import triton.language as tl
 
 from superslm.errors import InvalidArgument
 from superslm.kernels.attention import AttnMetadata, QKVSpec
-from superslm.kernels.triton._util import interpreted, next_pow2, page_head_dim, round_to
+from superslm.kernels.triton._util import FLOATS, interpreted, next_pow2, page_bits, page_head_dim, round_to
 from superslm.kernels.triton.fused import _fits, _heads, prepare_qkv
 from superslm.kernels.triton.paged_args import PagedArgs, paged_args
+from superslm.kernels.triton.store_kv import rotate_rows, rotates, rotation
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _page_rows(row_ptrs, d, m, row_ok, head_dim, T: tl.constexpr, INT8: tl.constexpr):
-    """[BLOCK_N, BLOCK_D] float32 values of the page rows starting at row_ptrs [BLOCK_N]: float values, or int8 codes
-    times their row's float32 scale (the scale after the codes), rounded to T as cache.kv.dequantize_rows does."""
+def _page_rows(row_ptrs, d, m, row_ok, head_dim, T: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_D] float32 values of the page rows starting at row_ptrs [BLOCK_N]: float values (BITS 0), or
+    int8 codes (8) or 4-bit codes - 8 (4, two a byte, lane 2i low) times their row's float32 scale (after the
+    codes), rounded to T as cache.kv.dequantize_rows / dequantize_rows4 do (4-bit rows stay rotated)."""
     # one return: the compiler types every return of a jit function alike, even one a constexpr branch skips
-    if INT8:
+    if BITS == 8:
         codes = tl.load(row_ptrs[:, None] + d[None, :], mask=m, other=0).to(tl.float32)
         scale = tl.load((row_ptrs + head_dim).to(tl.pointer_type(tl.float32)), mask=row_ok, other=0.0)
+        rows = round_to(codes * scale[:, None], T)
+    elif BITS == 4:
+        # the packed bytes as they lie (contiguous loads), each split in its two codes; 0x88 (two zeros) past them
+        j = tl.arange(0, BLOCK_D // 2)
+        jm = row_ok[:, None] & (2 * j < head_dim)[None, :]
+        b = tl.load(row_ptrs[:, None] + j[None, :], mask=jm, other=136).to(tl.int32)
+        codes = tl.reshape(tl.join((b & 15) - 8, (b >> 4) - 8), [BLOCK_N, BLOCK_D]).to(tl.float32)
+        scale = tl.load((row_ptrs + head_dim // 2).to(tl.pointer_type(tl.float32)), mask=row_ok, other=0.0)
         rows = round_to(codes * scale[:, None], T)
     else:
         rows = tl.load(row_ptrs[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)  # exact
@@ -46,11 +62,12 @@ def _attn_kernel(
     bt_ptr, sl_ptr, qs_ptr, pos_ptr, item_ptr,
     q_row, q_head, k_slot, k_head, v_slot, v_head, o_row, o_head,
     bt_stride, page_size, heads, head_dim, window, num_splits, qk_scale,
-    qb_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, slot_ptr, cs_row, kv_heads, rot, n_slots, eps,
+    qb_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, slot_ptr, cs_row, kv_heads, rot, n_slots, eps, sg_ptr, hs,
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
     PREP: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, WEIGHT_IN_FLOAT: tl.constexpr,
-    KV_INT8: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_ROT: tl.constexpr, V_ROT: tl.constexpr, B: tl.constexpr,
+    LOG_B: tl.constexpr,
 ):  # fmt: skip
     item = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -79,6 +96,10 @@ def _attn_kernel(
                    head_dim, rot, eps, HAS_BIAS, NORM, WEIGHT_IN_FLOAT, T, BLOCK_M, BLOCK_D)  # fmt: skip
     else:
         q = tl.load(q_ptr + tok64[:, None] * q_row + head[:, None] * q_head + d[None, :], mask=qm, other=0.0)
+    if K_ROT | V_ROT:
+        signs = tl.load(sg_ptr + d, mask=d_ok, other=0.0)[None, :]
+    if K_ROT:  # into the keys' basis, rounded to T as the reference's rotate(q).to(q.dtype)
+        q = round_to(rotate_rows(q.to(tl.float32), signs, hs, BLOCK_M, BLOCK_D, B, LOG_B, True), T)
     dot_ty = tl.float32 if F32_DOT else T
     q = q.to(dot_ty)
 
@@ -122,7 +143,7 @@ def _attn_kernel(
         slot = page * page_size + kp % page_size
         kv_m = k_ok[:, None] & d_ok[None, :]
         # [BLOCK_N, BLOCK_D]: key positions kp of this KV head
-        k = _page_rows(k_ptr + slot * k_slot + kvh * k_head, d, kv_m, k_ok, head_dim, T, KV_INT8)
+        k = _page_rows(k_ptr + slot * k_slot + kvh * k_head, d, kv_m, k_ok, head_dim, T, K_BITS, BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k.to(dot_ty)), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         vis = k_ok[None, :] & (kp[None, :] <= qpos[:, None])
         vis = vis & ((window <= 0) | (kp[None, :] > qpos[:, None] - window))
@@ -133,7 +154,7 @@ def _attn_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _page_rows(v_ptr + slot * v_slot + kvh * v_head, d, kv_m, k_ok, head_dim, T, KV_INT8)
+        v = _page_rows(v_ptr + slot * v_slot + kvh * v_head, d, kv_m, k_ok, head_dim, T, V_BITS, BLOCK_N, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v.to(dot_ty), input_precision="ieee")
         m_i = m_new
 
@@ -145,14 +166,16 @@ def _attn_kernel(
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         ot = o_ptr.dtype.element_ty
+        if V_ROT:  # out of the values' basis: the reference's unrotate(o).to(o.dtype) of its output in T
+            out = rotate_rows(round_to(out, ot), signs, hs, BLOCK_M, BLOCK_D, B, LOG_B, False)
         o_ptrs = o_ptr + tok64[:, None] * o_row + head[:, None] * o_head + d[None, :]
         tl.store(o_ptrs, round_to(out, ot).to(ot), mask=qm)
 
 
 @triton.jit
 def _merge_kernel(
-    part_ptr, ml_ptr, o_ptr, o_row, o_head, heads, head_dim, num_splits,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_ptr, ml_ptr, o_ptr, sg_ptr, o_row, o_head, heads, head_dim, num_splits, hs,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ROT: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -169,6 +192,10 @@ def _merge_kernel(
     total = tl.sum(w * l_s, 0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     ot = o_ptr.dtype.element_ty
+    if ROT:  # partials over rotated values: the merged head rotated back once (see `_attn_kernel`)
+        signs = tl.load(sg_ptr + d, mask=d_ok, other=0.0)[None, :]
+        out = tl.reshape(rotate_rows(tl.reshape(round_to(out, ot), [1, BLOCK_D]), signs, hs, 1, BLOCK_D, B, LOG_B,
+                                     False), [BLOCK_D])  # fmt: skip
     tl.store(o_ptr + row * o_row + head * o_head + d, round_to(out, ot).to(ot), mask=d_ok)
 
 
@@ -240,15 +267,20 @@ def attend(
     prep: Prep | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """The attention kernel's launch: (out, None), or with key splits (out unwritten, (part, ml)): each split's
-    float32 (acc [rows, heads, splits, D], (max, sum) [rows, heads, splits, 2]) for `_merge_kernel`'s combine.
-    Arguments as `paged_attention_args`.
+    float32 (acc [rows, heads, splits, D], (max, sum) [rows, heads, splits, 2]) for `_merge_kernel`'s combine
+    (over rotated 4-bit values, in their rotated basis: `_merge_kernel` rotates back). Arguments as
+    `paged_attention_args`.
     """
     kv_heads, head_dim = k_cache.shape[1], page_head_dim(k_cache)
-    int8 = k_cache.dtype == torch.int8
-    if int8 != (v_cache.dtype == torch.int8) or (int8 and prep is not None):
-        # keys and values in one format; a kernel that prepares its own k and v stores floats
+    kb, vb = page_bits(k_cache), page_bits(v_cache)
+    floats = [c.dtype in FLOATS for c in (k_cache, v_cache) if not page_bits(c)]
+    if (kb == 0) != (vb == 0) or not all(floats) or ((kb or vb) and prep is not None):
+        # keys and values both float or both quantized rows (int8 or 4-bit, cache/kv.py's formats); a kernel that
+        # prepares its own k and v stores floats
         raise InvalidArgument(f"attention over {k_cache.dtype} keys and {v_cache.dtype} values"
                               + (" preparing its own q, k, v" if prep is not None else ""))
+    if page_head_dim(v_cache) != head_dim:
+        raise InvalidArgument(f"keys {tuple(k_cache.shape)} and values {tuple(v_cache.shape)} of different heads")
     if prep is not None:
         n, heads = q.shape[0], q.shape[1] // head_dim - 2 * kv_heads
         if args.max_query_len != 1:
@@ -288,6 +320,8 @@ def attend(
     n_slots = 0 if p is None else p.slot_mapping.shape[0]
     if p is not None and n_slots == 0:
         slots, n_slots = torch.full((1,), -1, dtype=torch.long, device=q.device), 1
+    k_rot, v_rot = rotates(k_cache), rotates(v_cache)
+    signs, hs, block = rotation(head_dim, q.device) if k_rot or v_rot else (q, 1.0, 1)
     _attn_kernel[(num_items, kv_heads, num_splits)](
         q, k_cache, v_cache, out, part, ml,
         args.block_table, args.seq_lens, args.query_start, args.positions, items,
@@ -296,11 +330,12 @@ def attend(
         args.block_table.stride(0), args.page_size, heads, head_dim, window or 0, num_splits, scale * _LOG2E,
         q if p is None or p.bias is None else p.bias, p.q_norm if norm else q, p.k_norm if norm else q,
         q if p is None else p.cos, q if p is None else p.sin, slots, 0 if p is None else p.cos.stride(0),
-        kv_heads, 0 if p is None else p.cos.shape[-1], n_slots, 0.0 if p is None else float(p.eps),
+        kv_heads, 0 if p is None else p.cos.shape[-1], n_slots, 0.0 if p is None else float(p.eps), signs, hs,
         G=groups, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(max(head_dim, 16)),
         SPLIT=split, F32_DOT=interp or q.dtype == torch.float32,
         PREP=p is not None, HAS_BIAS=p is not None and p.bias is not None, NORM=norm,
-        WEIGHT_IN_FLOAT=p is not None and p.norm_float, KV_INT8=int8,
+        WEIGHT_IN_FLOAT=p is not None and p.norm_float, K_BITS=kb, V_BITS=vb, K_ROT=k_rot, V_ROT=v_rot, B=block,
+        LOG_B=block.bit_length() - 1,
         # prepare_qkv's roundings step by step: no fused multiply-adds where it prepares
         num_warps=num_warps, enable_fp_fusion=p is None,
     )  # fmt: skip
@@ -330,9 +365,12 @@ def paged_attention_args(
     if partials is not None:
         part, ml = partials
         heads, splits, head_dim = part.shape[1], part.shape[2], part.shape[3]
+        rot = rotates(v_cache)
+        signs, hs, block = rotation(head_dim, out.device) if rot else (out, 1.0, 1)
         _merge_kernel[(args.num_rows, heads)](
-            part, ml, out, out.stride(0), out.stride(1), heads, head_dim, splits,
-            BLOCK_S=next_pow2(splits), BLOCK_D=next_pow2(head_dim), enable_fp_fusion=True,
+            part, ml, out, signs, out.stride(0), out.stride(1), heads, head_dim, splits, hs,
+            BLOCK_S=next_pow2(splits), BLOCK_D=next_pow2(head_dim), ROT=rot, B=block, LOG_B=block.bit_length() - 1,
+            enable_fp_fusion=True,
         )  # fmt: skip
     return out
 
