@@ -32,6 +32,17 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], str]] = {
         "Qwen/Qwen3.5-0.8B model card: 24 layers as 6 x (3 gated delta-rule + 1 gated attention), hidden 1024, "
         "FFN 3584, attention 8 q / 2 kv heads of 256 (rotary 64), delta rule 16 qk / 16 v heads of 128, "
         "vocabulary 248,320, tied"),
+    "qwen3_5-moe-1b": ("Qwen3_5MoeTextConfig", dict(
+        vocab_size=248320, hidden_size=1024, num_hidden_layers=24,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True,
+        num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512, shared_expert_intermediate_size=1024,
+        max_position_embeddings=262144, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}),
+        "no published MoE of this size: Qwen3.5-0.8B's layers with Qwen3.5-35B-A3B's kind of MLP (routed experts, "
+        "top k, a shared expert), 32 experts of 512, top 4, shared 1024: 1.8B weights, 0.7B active (the tied "
+        "embedding included)"),
     "qwen2.5-0.5b": ("Qwen2Config", dict(
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
         num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
@@ -53,7 +64,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], str]] = {
         rope_theta=1000000.0, tie_word_embeddings=True), "Qwen/Qwen3-4B config.json"),
 }
 #: the converter option each family needs (Qwen3.5 configs declare an MTP layer the random model does not have)
-_EXTRA = {"Qwen3_5TextConfig": ("--no-mtp",)}
+_EXTRA = {"Qwen3_5TextConfig": ("--no-mtp",), "Qwen3_5MoeTextConfig": ("--no-mtp",)}
 
 
 def cache_dir() -> Path:

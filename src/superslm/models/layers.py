@@ -187,7 +187,11 @@ class MoE(nn.Module):
         self.router = linear(w["router"])
         gate_up, down = w["experts_gate_up"], w["experts_down"]
         assert gate_up is not None and down is not None
-        self.experts_mlp = nn.ModuleList(DenseMLP(arch, gate_up[i], down[i], linear) for i in range(e.count))
+        # an empty [0, in] placeholder: the experts come from the file's blocks after (quant/swap.py)
+        self.experts_mlp = nn.ModuleList(
+            DenseMLP(arch, gate_up[i] if gate_up.dim() == 3 else gate_up, down[i] if down.dim() == 3 else down, linear)
+            for i in range(e.count)
+        )
         self.shared = None
         if e.shared_ffn:
             self.shared = DenseMLP(arch, stack(w, ("shared_gate", "shared_up")), w["shared_down"], linear)  # type: ignore[arg-type]

@@ -114,7 +114,8 @@ def gguf_common(md: Mapping[str, Any], family: str, **extra: Any) -> dict[str, A
         family=family,
         vocab=int(vocab),
         dim=dim,
-        ffn=int(key("feed_forward_length", required=True)),
+        # a model with experts on every layer (llama.cpp's Qwen3.5-MoE files) has no dense FFN size
+        ffn=int(key("feed_forward_length") or key("expert_feed_forward_length", required=True)),
         layers=int(key("block_count", required=True)),
         heads=heads,
         kv_heads=int(kv),

@@ -126,6 +126,31 @@ def _spec_name(name: str) -> str:
     return parts[-1] if len(parts) <= 2 else name
 
 
+#: the stacked expert tensors and each expert's linear in MoE (layers.py): gate and up stacked, then down
+_EXPERT_LINEARS = {"experts_gate_up": "gate_up", "experts_down": "down"}
+
+
+def expert_parts(source: Source, i: int, key: str, e: int) -> list[GGUFPart] | None:
+    """Expert e's rows of layer i's stacked expert tensor `key` as the file stores them (its bytes are one
+    contiguous run: the expert is the slowest dimension), gate's then up's for experts_gate_up; None where the
+    file keeps experts otherwise (one tensor each) or the recipe's fix moves their rows."""
+    spec = source.recipe.layer_names(False).get(key)
+    out: list[GGUFPart] = []
+    for name in spec if isinstance(spec, tuple) else (spec,):
+        info = source.gguf.tensors.get(f"blk.{i}.{name}") if isinstance(name, str) else None
+        if info is None or len(info.shape) != 3 or info.nbytes % info.shape[0]:
+            return None
+        try:
+            if row_permutation(source, key, info.shape[1]) is not None:
+                return None
+        except UnsupportedModel:
+            return None
+        per = info.nbytes // info.shape[0]
+        raw = source.gguf.raw(info.name)[e * per : (e + 1) * per]
+        out.append((raw, info.block, info.shape[1:], None))
+    return out
+
+
 def block_pieces(source: Source, layers: int) -> frozenset[str]:
     """The canonical weights `quantize_from_source` takes from the file's blocks as they are: every linear piece
     of the parts' specs whose GGUF fix is a row permutation (the loader need not build their dense copies)."""
@@ -141,6 +166,8 @@ def block_pieces(source: Source, layers: int) -> frozenset[str]:
             except UnsupportedModel:
                 continue
             out.update(pieces or ())
+        if source.arch.moe_layers[i]:
+            out.update(k for k in _EXPERT_LINEARS if expert_parts(source, i, k, 0) is not None)
     return frozenset(out)
 
 
@@ -191,6 +218,15 @@ def quantize_from_source(
             check_finite(module, f"{source.path}: layer {i}'s {name}")
             setattr(parent, attr, module)
             done[f"layers.{i}.{name}"] = module.describe()
+        experts = getattr(layer.mlp, "experts_mlp", None)
+        for key, attr in _EXPERT_LINEARS.items():
+            for e, mlp in enumerate(experts or ()):
+                parts = expert_parts(source, i, key, e)
+                if parts is None:
+                    break
+                setattr(mlp, attr, linear_from_gguf(parts, None, mapping))
+                check_finite(getattr(mlp, attr), f"{source.path}: layer {i}'s expert {e}")
+                done[f"layers.{i}.mlp.experts_mlp.{e}.{attr}"] = getattr(mlp, attr).describe()
         # what the file's blocks could not give as they are (each expert of a stacked expert tensor, a linear
         # whose fix is not a row permutation) is re-quantized from its dense weights, as Q5_K / Q6_K blocks are
         for parent, attr, name in layer.linears():
