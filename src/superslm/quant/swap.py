@@ -218,7 +218,7 @@ def quantize_from_source(
             check_finite(module, f"{source.path}: layer {i}'s {name}")
             setattr(parent, attr, module)
             done[f"layers.{i}.{name}"] = module.describe()
-        experts = getattr(layer.mlp, "experts_mlp", None)
+        experts = getattr(getattr(layer, "mlp", None), "experts_mlp", None)
         for key, attr in _EXPERT_LINEARS.items():
             for e, mlp in enumerate(experts or ()):
                 parts = expert_parts(source, i, key, e)
