@@ -66,6 +66,24 @@ def test_delta_rule_forms_equal_transformers() -> None:
     assert (other - got).abs().max() <= 1e-4 and (other_s - got_s).abs().max() <= 1e-4
 
 
+def test_in_place_recurrent_step_equals_the_reference() -> None:
+    """recurrent_ (the engine's decode step: the state rows updated where they are) gives recurrent's outputs and
+    states up to float rounding, and a row's bits are the same alone as beside others (value heads twice the
+    key heads, as Qwen3.5's larger sizes have)."""
+    torch.manual_seed(0)
+    b, hk, hv, dk, dv = 3, 2, 4, 16, 8
+    q, k = delta_rule.normalize_qk(torch.randn(b, hk, dk), torch.randn(b, hk, dk))
+    v, g, beta = torch.randn(b, hv, dv), -torch.rand(b, hv), torch.rand(b, hv)
+    state = torch.randn(b, hv, dk, dv) * 0.1
+    want_o, want_s = delta_rule.recurrent(q, k, v, g, beta, state.clone())
+    got_s = state.clone()
+    got_o = delta_rule.recurrent_(q, k, v, g, beta, got_s)
+    assert torch.allclose(got_o, want_o, atol=1e-6) and torch.allclose(got_s, want_s, atol=1e-6)
+    alone = state[1:2].clone()
+    o1 = delta_rule.recurrent_(q[1:2], k[1:2], v[1:2], g[1:2], beta[1:2], alone)
+    assert torch.equal(o1, got_o[1:2]) and torch.equal(alone, got_s[1:2])
+
+
 def test_causal_conv_equals_transformers() -> None:
     from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn, causal_conv1d_update
 

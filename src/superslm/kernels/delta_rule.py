@@ -49,6 +49,21 @@ def recurrent(
     return torch.einsum("bhk,bhkv->bhv", q, s), s
 
 
+def recurrent_(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
+    """`recurrent` with `state` [B, Hv, Dk, Dv] float32 updated in place (a view of the engine's state rows: no
+    gathered copy, no temporaries of the state's size) -> o [B, Hv, Dv] float32. Elementwise in each row, as
+    `recurrent`, so a row's bits do not depend on the rows beside it."""
+    hv = v.shape[-2]
+    q, k = _expand(q, hv), _expand(k, hv)
+    state.mul_(g.float().exp()[..., None, None])
+    pred = torch.einsum("bhk,bhkv->bhv", k, state)
+    delta = (v.float() - pred) * beta.float()[..., None]
+    state.addcmul_(k[..., :, None], delta[..., None, :])
+    return torch.einsum("bhk,bhkv->bhv", q, state)
+
+
 def chunked(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -126,10 +126,17 @@ class DeltaRule(nn.Module):
                                                                    ssm_state[slots[s]])
         if decode:
             rows = torch.tensor([qs[s] for s in decode], device=x.device)
-            idx = torch.tensor([slots[s] for s in decode], device=x.device)
+            ids = [slots[s] for s in decode]
+            idx = torch.tensor(ids, device=x.device)
             y, conv_state[idx] = delta_rule.causal_conv_step(mixed[rows], self.conv, conv_state[idx])
             q, k, v = self._heads(y)
-            core[rows], ssm_state[idx] = delta_rule.recurrent(q, k, v, g[rows], beta[rows], ssm_state[idx])
+            if ids == list(range(ids[0], ids[0] + len(ids))):
+                # slots in a run (one sequence, or a full batch in slot order): the state rows updated in place
+                core[rows] = delta_rule.recurrent_(q, k, v, g[rows], beta[rows], ssm_state[ids[0] : ids[-1] + 1])
+            else:
+                state = ssm_state[idx]
+                core[rows] = delta_rule.recurrent_(q, k, v, g[rows], beta[rows], state)
+                ssm_state[idx] = state
         z = z.reshape(n, d.v_heads, d.v_dim)
         normed = delta_rule.gated_rms_norm(core.to(x.dtype), z, self.delta_norm, self.arch.norm_eps)
         return _linear(self.out, normed.reshape(n, d.value_width), meta.deterministic)
@@ -142,9 +149,8 @@ class DeltaRule(nn.Module):
         for t in range(mixed.shape[0]):
             y, conv = delta_rule.causal_conv_step(mixed[t : t + 1], self.conv, conv)
             q, k, v = self._heads(y)
-            o, ssm = delta_rule.recurrent(q, k, v, g[t : t + 1], beta[t : t + 1], ssm)
-            out.append(o)
-        conv_state[slot], ssm_state[slot] = conv[0], ssm[0]
+            out.append(delta_rule.recurrent_(q, k, v, g[t : t + 1], beta[t : t + 1], ssm))
+        conv_state[slot] = conv[0]
         return torch.cat(out)
 
     def _heads(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
