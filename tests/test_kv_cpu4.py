@@ -22,7 +22,7 @@ from superslm.kernels import cpu_decode
 from superslm.models.loader import materialize, open_source
 from superslm.models.transformer import Transformer
 from tests.test_engine import prompts
-from tests.test_kv_formats import _prefilled
+from tests.test_kv_formats import _prefilled, same_bits_in_any_batch
 from tests.tiny_models import CONFIGS, SMALL, build_hf_model
 
 pytestmark = pytest.mark.skipif(os.environ.get("SUPERSLM_CPU_KERNELS") == "0", reason="C++ kernels disabled")
@@ -195,32 +195,14 @@ def test_deterministic_mode_in_the_plan_with_4bit_pages(name: str, kv: str, fold
     model = superslm.load(folders[name], device="cpu", dtype=torch.bfloat16)
     ps = prompts(5, seed=23, lo=5, hi=40)
     _no_fallback(monkeypatch)
-
-    def run(batch: list[list[int]], **kw: Any) -> list[tuple]:
-        engine = model.engine(**{"slots": 8, "context": 128, "deterministic": True, "kv": kv, **kw})
-        ss = [Sampling(temperature=0.9, seed=sum(p), logprobs=3, ignore_eos=True) for p in batch]
-        done = engine.generate([Request(p, 8, s) for p, s in zip(batch, ss)])
-        return [tuple((x.token, x.logprob, x.top) for x in c.logprobs) for c in done]
-
-    alone = [run([p], slots=1)[0] for p in ps]
-    assert run(ps) == alone
-    assert run(ps[::-1])[::-1] == alone
-    assert run(ps, chunk=7) == alone
+    same_bits_in_any_batch(model, kv, ps)
 
 
 def test_smollm2_deterministic_k8v4_alone_and_batched(smollm2, monkeypatch) -> None:
     model = smollm2[torch.bfloat16]
     ps = prompts(3, seed=29, lo=5, hi=30)
     _no_fallback(monkeypatch)
-
-    def run(batch: list[list[int]], **kw: Any) -> list[tuple]:
-        engine = model.engine(**{"slots": 4, "context": 96, "deterministic": True, "kv": "k8v4", **kw})
-        ss = [Sampling(temperature=0.8, seed=len(p), logprobs=2, ignore_eos=True) for p in batch]
-        done = engine.generate([Request(p, 6, s) for p, s in zip(batch, ss)])
-        return [tuple((x.token, x.logprob, x.top) for x in c.logprobs) for c in done]
-
-    alone = [run([p], slots=1)[0] for p in ps]
-    assert run(ps) == alone
+    same_bits_in_any_batch(model, "k8v4", ps, slots=4, context=96, tokens=6, orders=False)
 
 
 # --- what the plan refuses -------------------------------------------------------------------------------------
