@@ -45,7 +45,7 @@ class Speculative:
     """How an engine drafts (`Engine(speculative=...)`; "ngram" is `Speculative()`).
 
     `k`: the most drafts a step carries per sequence; `min_n` .. `max_n`: the n-gram lengths the prompt lookup tries,
-    longest first; `row_cost`: a draft row's cost, in one-row decode steps (SmolLM2 on 2 Xeon cores: 1 row 9 ms,
+    longest first; `row_cost`: a draft row's cost, in one-row decode steps (SmolLM2 on 2 AMD EPYC cores: 1 row 9 ms,
     4 rows 15.5, 7 rows 22: ~2.2 ms a row over ~6.8 fixed, 0.25); `decay`: the weight of the past in the acceptance
     estimate's moving average (see the module's docstring). A replay of SmolLM2's 256 greedy tokens rewriting a
     340-token function: 71 steps at these settings, 149 with a fixed k of 3 and pauses after misses.
