@@ -371,14 +371,7 @@ void rotate_rows(const T* x, int64_t rows, int64_t in, const float* signs_f, int
       const T* xr = x + r * in;
       for (int64_t k = 0; k < in; ++k) buf[k] = static_cast<float>(xr[k]) * signs_f[k];
       for (int64_t k = in; k < kpad; ++k) buf[k] = 0.0f;
-      for (int64_t b0 = 0; b0 < kpad; b0 += block)
-        for (int64_t h = 1; h < block; h *= 2)
-          for (int64_t i = b0; i < b0 + block; i += 2 * h)
-            for (int64_t j = i; j < i + h; ++j) {
-              const float a = buf[j], c = buf[j + h];
-              buf[j] = a + c;
-              buf[j + h] = a - c;
-            }
+      fwht_runs(buf.data(), kpad, block);
       O* o = out + r * kpad;
       for (int64_t k = 0; k < kpad; ++k) o[k] = static_cast<O>(buf[k] * scale);
     }
