@@ -130,7 +130,7 @@ def test_steps_with_prompt_rows_prepare_first(monkeypatch: pytest.MonkeyPatch) -
 def test_a_model_prepares_inside_its_decode_attention(family, dtype, graphs, tmp_path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """On the Triton path, decode steps launch no prepare_qkv kernel (prompt steps do); logprobs and tokens are
-    those of prepare_qkv's kernel followed by the attention (bit for bit under the interpreter)."""
+    those of prepare_qkv's kernel followed by the attention (to float32 rounding)."""
     import superslm
     from superslm import Request, Sampling
     from tests.tiny_models import build_hf_model
@@ -163,10 +163,10 @@ def test_a_model_prepares_inside_its_decode_attention(family, dtype, graphs, tmp
     for a, b in zip(out["fused"][0], out["apart"][0], strict=True):
         assert a.tokens == b.tokens
         lp = [torch.tensor([p.logprob for p in r.logprobs]) for r in (a, b)]
-        if ON_GPU:
-            torch.testing.assert_close(lp[0], lp[1], atol=1e-3, rtol=1e-3)
-        else:
-            assert torch.equal(lp[0], lp[1])
+        # the kernels agree bit for bit (the tests above); a whole model's logprobs need not: its fp32 GEMMs
+        # (torch's on the CPU) round by their operands' memory alignment, which varies from run to run
+        tol = 1e-3 if ON_GPU else 1e-5
+        torch.testing.assert_close(lp[0], lp[1], atol=tol, rtol=tol)
 
 
 al = sys.modules["superslm.kernels.triton.attention_linear"]
