@@ -141,6 +141,34 @@ def test_adaptive_draft_length_and_free_checks() -> None:
     assert spec.propose(seq) == []
 
 
+def test_draft_counts_maximize_the_steps_tokens_per_cost() -> None:
+    """The joint draft counts of a step's sequences are the best of all combinations (brute force: expected tokens
+    over fixed + rows); a draft that pays beside one sequence does not beside seven others."""
+    import itertools
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        c = Speculative(k=rng.randint(1, 4), row_cost=rng.choice([0.1, 0.25, 0.5, 0.9]))
+        n = rng.randint(1, 3)
+        rates = [rng.random() for _ in range(n)]
+        rooms = [rng.randint(0, 4) for _ in range(n)]
+        fixed = 1 / c.row_cost - 1
+
+        def value(ks, rates=rates, fixed=fixed):  # type: ignore[no-untyped-def]
+            tokens = sum((1 - min(p, 0.99) ** (k + 1)) / (1 - min(p, 0.99)) for p, k in zip(rates, ks, strict=True))
+            return tokens / (fixed + len(rates) + sum(ks))
+
+        best = max(value(ks) for ks in itertools.product(*(range(min(c.k, r) + 1) for r in rooms)))
+        got = c.draft_counts(rates, rooms)
+        assert all(0 <= k <= min(c.k, r) for k, r in zip(got, rooms, strict=True))
+        assert value(got) >= best - 1e-9
+    c = Speculative()
+    assert c.draft_counts([0.6], [8]) == [2] and c.draft_counts([0.6] * 8, [8] * 8) == [0] * 8
+    assert c.draft_counts([0.95] * 8, [8] * 8) == [3] * 8  # copying pays at batch 8 too, in shorter drafts
+    assert c.draft_counts([0.95, 0.2], [8, 8])[1] == 0  # each sequence by its own estimate
+
+
 # --- the engine -----------------------------------------------------------------------------------
 
 

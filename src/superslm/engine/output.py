@@ -114,9 +114,9 @@ class OutputProcessor:
             if seq.end == END_CANCELLED and seq.id in self.seqs:
                 self.finish(seq, END_CANCELLED, into=out)
         if self.speculator is not None:
-            for seq, _ in seqs:
-                if seq.id in self.seqs and seq.num_tokens - seq.num_computed_tokens == 1:
-                    seq.drafts = self.speculator.propose(seq)
+            decoding = [seq for seq, _ in seqs if seq.id in self.seqs and seq.num_tokens - seq.num_computed_tokens == 1]
+            for seq, drafts in zip(decoding, self.speculator.propose_all(decoding), strict=True):
+                seq.drafts = drafts
         return out
 
     def verify(self, seq: Sequence, drafts: tuple[int, ...], chosen: list[int], logprobs: list[TokenLogprobs | None],

@@ -20,9 +20,12 @@ Not drafted: rows with a grammar (their matcher would have to walk and roll back
 (max_tokens). Models with delta-rule layers are refused (their recurrent state cannot roll back a rejected row).
 
 Adaptive: each sequence keeps an estimate p of the chance that a draft token is kept (a moving average over the
-drafts verified: each kept draft a success, the first rejected one a failure) and drafts the k that maximizes the
-expected tokens a step gives, (1 - p^(k+1)) / (1 - p), over the step's cost, 1 + row_cost * k one-row steps; none
-where no k beats a plain step. While it does not draft, the lookup's first guess is checked against the token the
+drafts verified: each kept draft a success, the first rejected one a failure). A step's cost is a fixed part plus
+one part a row (`row_cost`: a row's share of a one-row step), and the step's decoding sequences together choose
+their draft counts k_i to maximize the expected tokens of the step, the sum of (1 - p_i^(k_i+1)) / (1 - p_i), over
+its cost: at batch 1 a draft row costs a quarter of the step, at batch 8 about what a sequence's own row costs, so
+there a draft must be kept about as often as a plain row gives a token (`Speculative.draft_counts`); none where no
+draft beats plain steps. While it does not draft, the lookup's first guess is checked against the token the
 plain step gives (free: no row is computed for it), so the estimate follows the text back up where copying resumes
 (an answer quoting its prompt again after a few words of its own), and prose that the n-grams guess badly drafts
 little.
@@ -45,8 +48,9 @@ class Speculative:
     """How an engine drafts (`Engine(speculative=...)`; "ngram" is `Speculative()`).
 
     `k`: the most drafts a step carries per sequence; `min_n` .. `max_n`: the n-gram lengths the prompt lookup tries,
-    longest first; `row_cost`: a draft row's cost, in one-row decode steps (SmolLM2 on 2 AMD EPYC cores: 1 row 9 ms,
-    4 rows 15.5, 7 rows 22: ~2.2 ms a row over ~6.8 fixed, 0.25); `decay`: the weight of the past in the acceptance
+    longest first; `row_cost`: one row's share of a one-row decode step, the rest being what a step costs
+    whatever its rows (SmolLM2 on 2 AMD EPYC cores: 1 row 9 ms, 4 rows 15.5, 7 rows 22: ~2.2 ms a row over ~6.8
+    fixed, 0.25; 0: rows are free); `decay`: the weight of the past in the acceptance
     estimate's moving average (see the module's docstring). A replay of SmolLM2's 256 greedy tokens rewriting a
     340-token function: 71 steps at these settings, 149 with a fixed k of 3 and pauses after misses.
     """
@@ -85,15 +89,39 @@ class Speculative:
         return self
 
     def best_k(self, p: float, room: int) -> int:
-        """The draft count (0 .. min(k, room)) whose expected tokens per unit of step cost is highest at a per-draft
-        acceptance chance p: k drafts give (1 - p^(k+1)) / (1 - p) tokens for 1 + row_cost * k."""
-        p = min(p, 0.99)  # p = 1 would always say k: near it the formula's limit is k + 1 anyway
-        best, best_k = 1.0, 0
-        for k in range(1, min(self.k, room) + 1):
-            v = (1 - p ** (k + 1)) / (1 - p) / (1 + self.row_cost * k)
-            if v > best:
-                best, best_k = v, k
-        return best_k
+        """The draft count (0 .. min(k, room)) of a sequence decoding alone at a per-draft acceptance chance p."""
+        return self.draft_counts([p], [room])[0]
+
+    def draft_counts(self, rates: Seq[float], rooms: Seq[int]) -> list[int]:
+        """The draft counts k_i (0 .. min(k, rooms[i])) of one step's decoding sequences, at per-draft acceptance
+        chances `rates`, that maximize the step's expected tokens per unit of its cost: sequence i gives
+        (1 - p_i^(k_i+1)) / (1 - p_i) tokens, and the step costs fixed + (B + sum k_i) rows, where
+        fixed = 1 / row_cost - 1 rows (a one-row step costs 1 / row_cost rows). Ties go to fewer drafts.
+
+        Solved exactly by Dinkelbach's iteration: at a throughput lam, each sequence alone picks the k maximizing
+        tokens(k) - lam * k; lam becomes the throughput of those picks, until it stops growing (a few rounds)."""
+        ps = [min(max(float(p), 0.0), 0.99) for p in rates]  # p = 1 would always say k: near it the limit is k + 1
+        caps = [max(0, min(self.k, r)) for r in rooms]
+        # tokens[i][k]: expected tokens of sequence i's step with k drafts, 1 + p + ... + p^k
+        tokens = [[(1 - p ** (k + 1)) / (1 - p) for k in range(cap + 1)] for p, cap in zip(ps, caps, strict=True)]
+        counts = [0] * len(ps)
+        if self.row_cost == 0:  # free rows: every draft that may be kept is worth its row
+            return [cap if p > 0 else 0 for p, cap in zip(ps, caps, strict=True)]
+        fixed = 1.0 / self.row_cost - 1.0
+        lam = len(ps) / (fixed + len(ps))
+        for _ in range(64):  # Dinkelbach converges in a few rounds; the bound is a guard against float cycling
+            picks = []
+            for t in tokens:
+                best, best_k = t[0], 0
+                for k in range(1, len(t)):
+                    if t[k] - lam * k > best + 1e-12:
+                        best, best_k = t[k] - lam * k, k
+                picks.append(best_k)
+            value = sum(t[k] for t, k in zip(tokens, picks, strict=True)) / (fixed + len(ps) + sum(picks))
+            if value <= lam + 1e-12:
+                break
+            counts, lam = picks, value
+        return counts
 
 
 class NgramDrafter:
@@ -169,24 +197,36 @@ class Speculator:
         return seq.request.speculative is not False and seq.grammar is None and seq.sampler.params.damped is None
 
     def propose(self, seq: Sequence) -> list[int]:
-        """The drafts of seq's next decode step (at most k, never past its last token); [] where the acceptance
-        estimate says a plain step gives more for its cost, or its n-grams find nothing."""
+        """The drafts of seq's next decode step when it decodes alone (see `propose_all`)."""
+        return self.propose_all([seq])[0]
+
+    def propose_all(self, seqs: Seq[Sequence]) -> list[list[int]]:
+        """The drafts of each of the next decode step's sequences (at most k each, never past a sequence's last
+        token), their counts chosen together (`Speculative.draft_counts`): [] where the acceptance estimates say
+        plain rows give more for their cost, or the n-grams find nothing."""
         c = self.config
-        room = min(c.k, seq.max_tokens - len(seq.output) - 1)  # the step's last row gives one more token
-        if room < 1 or not self.drafts_for(seq):
-            return []
-        st = seq.spec
-        if st is None:
-            st = seq.spec = SpecState(NgramDrafter(c.min_n, c.max_n))
-        tokens = seq.tokens
-        if 0 <= st.guess_at < len(tokens):  # the plain step since the last proposal: was the guess right?
-            st.learn(tokens[st.guess_at] == st.guess, c.decay)
-        st.guess_at = -1
-        guesses = st.drafter.propose(tokens, room)
-        k = c.best_k(st.rate, len(guesses))
-        if guesses and not k:
-            st.guess, st.guess_at = guesses[0], len(tokens)
-        return guesses[:k]
+        guesses: list[list[int]] = []
+        rates: list[float] = []
+        for seq in seqs:
+            room = min(c.k, seq.max_tokens - len(seq.output) - 1)  # the step's last row gives one more token
+            if room < 1 or not self.drafts_for(seq):
+                guesses.append([])
+                rates.append(0.0)
+                continue
+            st = seq.spec
+            if st is None:
+                st = seq.spec = SpecState(NgramDrafter(c.min_n, c.max_n))
+            tokens = seq.tokens
+            if 0 <= st.guess_at < len(tokens):  # the plain step since the last proposal: was the guess right?
+                st.learn(tokens[st.guess_at] == st.guess, c.decay)
+            st.guess_at = -1
+            guesses.append(st.drafter.propose(tokens, room))
+            rates.append(st.rate)
+        counts = c.draft_counts(rates, [len(g) for g in guesses])
+        for seq, g, k in zip(seqs, guesses, counts, strict=True):
+            if g and not k:
+                seq.spec.guess, seq.spec.guess_at = g[0], len(seq.tokens)
+        return [g[:k] for g, k in zip(guesses, counts, strict=True)]
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """A verification: `accepted` of seq's `proposed` drafts were kept."""
