@@ -20,15 +20,15 @@ Not drafted: rows with a grammar (their matcher would have to walk and roll back
 (max_tokens). Models with delta-rule layers are refused (their recurrent state cannot roll back a rejected row).
 
 Adaptive: each sequence keeps an estimate p of the chance that a draft token is kept (a moving average over the
-drafts verified: each kept draft a success, the first rejected one a failure). A step's cost is a fixed part plus
-one part a row (`row_cost`: a row's share of a one-row step), and the step's decoding sequences together choose
-their draft counts k_i to maximize the expected tokens of the step, the sum of (1 - p_i^(k_i+1)) / (1 - p_i), over
-its cost: at batch 1 a draft row costs a quarter of the step, at batch 8 about what a sequence's own row costs, so
-there a draft must be kept about as often as a plain row gives a token (`Speculative.draft_counts`); none where no
-draft beats plain steps. While it does not draft, the lookup's first guess is checked against the token the
-plain step gives (free: no row is computed for it), so the estimate follows the text back up where copying resumes
-(an answer quoting its prompt again after a few words of its own), and prose that the n-grams guess badly drafts
-little.
+drafts verified: each kept draft a success, the first rejected one a failure). The step's decoding sequences choose
+their draft counts together, for the most expected tokens per unit of the step's cost (`Speculative.draft_counts`):
+a one-row step costs 1; more rows cost a fixed part plus a part a row, rows counted in the CPU kernels' tiles of 4
+(`Speculative.step_cost`, measured on SmolLM2: 1 row 7.1 ms, 4 rows 13, 8 rows 20, 12 rows 28, 16 rows 35). So at
+batch 1 three drafts cost less than two more plain steps, and at batch 8 a draft must be kept about as often as a
+plain row gives a token; none where no draft beats plain steps. While it does not draft, the lookup's first guess is
+checked against the token the plain step gives (free: no row is computed for it), so the estimate follows the text
+back up where copying resumes (an answer quoting its prompt again after a few words of its own), and prose that the
+n-grams guess badly drafts little.
 """
 
 from __future__ import annotations
@@ -47,19 +47,22 @@ if TYPE_CHECKING:
 class Speculative:
     """How an engine drafts (`Engine(speculative=...)`; "ngram" is `Speculative()`).
 
-    `k`: the most drafts a step carries per sequence; `min_n` .. `max_n`: the n-gram lengths the prompt lookup tries,
-    longest first; `row_cost`: one row's share of a one-row decode step, the rest being what a step costs
-    whatever its rows (SmolLM2 on 2 AMD EPYC cores: 1 row 9 ms, 4 rows 15.5, 7 rows 22: ~2.2 ms a row over ~6.8
-    fixed, 0.25; 0: rows are free); `decay`: the weight of the past in the acceptance
-    estimate's moving average (see the module's docstring). A replay of SmolLM2's 256 greedy tokens rewriting a
-    340-token function: 71 steps at these settings, 149 with a fixed k of 3 and pauses after misses.
+    `k`: the most drafts a step carries per sequence; `min_n` .. `max_n`: the n-gram lengths the prompt lookup
+    tries, longest first; `fixed_cost`, `row_cost`, `row_tile`: a step of more than one row costs fixed_cost +
+    row_cost * (its rows rounded up to a multiple of row_tile) one-row steps, at least 1 (`step_cost`; SmolLM2 Q4_1
+    on 2 AMD EPYC cores, its steps timed by rows: 1 row 7.1 ms, 4 rows 13.0, 8 rows 19.4-20.6, 12 rows 29, 16 rows
+    34-36; Gemma-3 270M's per-row part is smaller, ~0.15, so these settings draft less than would pay there, never
+    more; row_cost 0: rows are free, as on a GPU far from its compute bound); `decay`: the weight of the past in the
+    acceptance estimate's moving average (see the module's docstring).
     """
 
     method: str = "ngram"
     k: int = 8
     min_n: int = 2
     max_n: int = 4
+    fixed_cost: float = 0.85
     row_cost: float = 0.25
+    row_tile: int = 4
     decay: float = 0.8
 
     @classmethod
@@ -76,14 +79,16 @@ class Speculative:
     def validate(self) -> Speculative:
         if self.method != "ngram":
             raise InvalidArgument(f"unknown speculative method {self.method!r} (known: 'ngram')")
-        for name in ("k", "min_n", "max_n"):
+        for name in ("k", "min_n", "max_n", "row_tile"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidArgument(f"speculative {name} must be a positive integer, got {v!r}")
         if self.min_n > self.max_n:
             raise InvalidArgument(f"speculative min_n {self.min_n} is more than max_n {self.max_n}")
-        if not (isinstance(self.row_cost, (int, float)) and 0.0 <= self.row_cost):
-            raise InvalidArgument(f"speculative row_cost must be a number >= 0, got {self.row_cost!r}")
+        for name in ("fixed_cost", "row_cost"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v < float("inf")):
+                raise InvalidArgument(f"speculative {name} must be a finite number >= 0, got {v!r}")
         if not (isinstance(self.decay, (int, float)) and 0.0 <= self.decay < 1.0):
             raise InvalidArgument(f"speculative decay must be in [0, 1), got {self.decay!r}")
         return self
@@ -92,35 +97,34 @@ class Speculative:
         """The draft count (0 .. min(k, room)) of a sequence decoding alone at a per-draft acceptance chance p."""
         return self.draft_counts([p], [room])[0]
 
+    def step_cost(self, rows: int) -> float:
+        """A step of `rows` rows, in one-row steps (see the class's docstring)."""
+        if rows <= 1:
+            return 1.0
+        tiles = -(-rows // self.row_tile)
+        return max(1.0, self.fixed_cost + self.row_cost * tiles * self.row_tile)  # never less than one row's
+
     def draft_counts(self, rates: Seq[float], rooms: Seq[int]) -> list[int]:
         """The draft counts k_i (0 .. min(k, rooms[i])) of one step's decoding sequences, at per-draft acceptance
-        chances `rates`, that maximize the step's expected tokens per unit of its cost: sequence i gives
-        (1 - p_i^(k_i+1)) / (1 - p_i) tokens, and the step costs fixed + (B + sum k_i) rows, where
-        fixed = 1 / row_cost - 1 rows (a one-row step costs 1 / row_cost rows). Ties go to fewer drafts.
-
-        Solved exactly by Dinkelbach's iteration: at a throughput lam, each sequence alone picks the k maximizing
-        tokens(k) - lam * k; lam becomes the throughput of those picks, until it stops growing (a few rounds)."""
-        ps = [min(max(float(p), 0.0), 0.99) for p in rates]  # p = 1 would always say k: near it the limit is k + 1
+        chances `rates`, that maximize the step's expected tokens over its cost, `step_cost(B + sum k_i)`:
+        sequence i gives 1 + p_i + ... + p_i^k_i tokens. Exact: a sequence's j-th draft adds p_i^j, less than its
+        (j-1)-th, so for each total D of drafts the best D are the D largest of those terms; the best total is
+        then a scan over D. Ties go to fewer drafts."""
+        ps = [min(max(float(p), 0.0), 1.0) for p in rates]
         caps = [max(0, min(self.k, r)) for r in rooms]
-        # tokens[i][k]: expected tokens of sequence i's step with k drafts, 1 + p + ... + p^k
-        tokens = [[(1 - p ** (k + 1)) / (1 - p) for k in range(cap + 1)] for p, cap in zip(ps, caps, strict=True)]
-        counts = [0] * len(ps)
-        if self.row_cost == 0:  # free rows: every draft that may be kept is worth its row
-            return [cap if p > 0 else 0 for p, cap in zip(ps, caps, strict=True)]
-        fixed = 1.0 / self.row_cost - 1.0
-        lam = len(ps) / (fixed + len(ps))
-        for _ in range(64):  # Dinkelbach converges in a few rounds; the bound is a guard against float cycling
-            picks = []
-            for t in tokens:
-                best, best_k = t[0], 0
-                for k in range(1, len(t)):
-                    if t[k] - lam * k > best + 1e-12:
-                        best, best_k = t[k] - lam * k, k
-                picks.append(best_k)
-            value = sum(t[k] for t, k in zip(tokens, picks, strict=True)) / (fixed + len(ps) + sum(picks))
-            if value <= lam + 1e-12:
-                break
-            counts, lam = picks, value
+        # (gain, j, i): equal gains (p = 1) spread over the sequences, first drafts first
+        terms = [(p**j, j, i) for i, (p, cap) in enumerate(zip(ps, caps, strict=True)) for j in range(1, cap + 1)]
+        gains = sorted(terms, key=lambda g: (-g[0], g[1]))
+        b = len(ps)
+        best, best_d, tokens = b / self.step_cost(b), 0, float(b)
+        for d, (gain, _, _) in enumerate(gains, start=1):
+            tokens += gain
+            value = tokens / self.step_cost(b + d)
+            if value > best * (1 + 1e-12):
+                best, best_d = value, d
+        counts = [0] * b
+        for _, _, i in gains[:best_d]:
+            counts[i] += 1
         return counts
 
 
