@@ -28,16 +28,18 @@ bool vnni_available() {
 }
 
 // The default mode's kernel for 2+ rows. torch's packed int4/int8 kernels take bf16 activations through
-// AVX512-BF16 dot products where the CPU has them: on such AMD EPYCs they were as fast as ours or faster at
-// 2-31 rows, so ours ran from 32 int4 rows only. Without AVX512-BF16 (an Intel Xeon, 2026-12-01) ours were
-// 1.2-2x faster at 4-32 rows (int4) and 2-32 rows (int8): ours from 2 rows. A fixed rule per machine, not
-// a timing, so the default mode stays the same from run to run.
+// AVX512-BF16 dot products where the CPU has them: on such AMD EPYCs (2026-12-04, 2 threads) our int4 GEMM
+// was 1.05-1.64x faster at 16 rows on every shape measured (SmolLM2's, Gemma-3's, Qwen2.5-0.5B/1.5B's),
+// 0.82-1.5x at 8 rows, so ours from 16 int4 rows; torch's int8 kernel stays (ours 0.7x at 256 outputs).
+// Without AVX512-BF16 (an Intel Xeon, 2026-12-01) ours were 1.2-2x faster at 4-32 rows (int4) and 2-32 rows
+// (int8): ours from 2 rows. A fixed rule per machine, not a timing, so the default mode stays the same from
+// run to run.
 int64_t gemm_rows(bool int8) {
 #if defined(SUPERSLM_VNNI) && !defined(__AVX512BF16__)
   (void)int8;
   return 2;
 #else
-  return int8 ? INT64_MAX : 32;
+  return int8 ? INT64_MAX : 16;
 #endif
 }
 
