@@ -452,3 +452,35 @@ def test_quantized_modules_keep_torchs_kernels() -> None:
     assert torch.equal(m8(x), torch.ops.aten._weight_int8pack_mm(x, m8.codes, m8.scale))
     ext = cpu_decode.extension()
     assert ext.gemm_rows(False) in (2, 16) and ext.gemm_rows(True) in (2, 2**63 - 1)
+
+
+def test_one_row_linear_runs_the_plans_gemvs() -> None:
+    """A decode row of a layer the plan does not run (delta rule, experts) takes the plan's VNNI GEMVs: int4 and
+    int8 formats, rotated or not, padded, with a bias, equal to the GEMV on the prepared input and within bf16
+    rounding of the module; None for other formats, other row counts, hooks, and rows the GEMV cannot split."""
+    from superslm.quant.dense import Bf16Linear, Int8Linear
+    from superslm.quant.int4 import Int4Linear
+
+    ext = cpu_decode.extension()
+    if ext is None or not ext.vnni_available():
+        pytest.skip("no AVX-512 VNNI: the modules keep their own kernels")
+    g = torch.Generator().manual_seed(11)
+    w, bias = torch.randn(192, 300, generator=g), torch.randn(192, generator=g)
+    mods = [Int4Linear.from_dense(w, bias, group=32), Int4Linear.from_dense(w, group=64, rotate=3),
+            Int8Linear.from_dense(w[:, :256], bias), Int8Linear.from_dense(w, rotate=5)]  # fmt: skip
+    for m in mods:
+        x = torch.randn(1, m.in_features, generator=g).to(torch.bfloat16)
+        got = cpu_decode.one_row_linear(m, x)
+        assert got is not None and got.dtype == x.dtype and got.shape == (1, 192)
+        want = m(x).float()
+        assert ((got.float() - want).abs() <= 2**-6 * want.abs() + 2e-2 * want.abs().max()).all()
+        if isinstance(m, Int4Linear):
+            h = m.prepare_input(x).to(torch.bfloat16)
+            assert torch.equal(got, m.finish(ext.int4_gemv(h, m.qweight, m.scales_zeros, m.group)[:, :192], x.dtype))
+        assert cpu_decode.one_row_linear(m, x.repeat(2, 1)) is None
+        handle = m.register_forward_hook(lambda *a: None)
+        assert cpu_decode.one_row_linear(m, x) is None
+        handle.remove()
+    nan = torch.full((1, 300), float("nan"), dtype=torch.bfloat16)
+    assert cpu_decode.one_row_linear(mods[0], nan) is None
+    assert cpu_decode.one_row_linear(Bf16Linear.from_dense(w), torch.randn(1, 300).to(torch.bfloat16)) is None

@@ -293,6 +293,41 @@ def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = 
     return _with_bias(module, kernel(_vnni_input(ext, module, x), module.codes, module.scale, rowsum), x)
 
 
+def one_row_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """module(x) for one row of the default mode through the VNNI GEMVs that the C++ plan runs a decode row on
+    (int4 and int8 formats, as their `plan_args` hand them over), or None where they do not apply (another
+    format or shape, hooks on the module or its rotation, no VNNI): layers the plan does not run (delta rules,
+    experts) read their weights at the plan's speed. Not for deterministic mode, where every row count must
+    share one kernel's bits."""
+    if x.dim() != 2 or x.shape[0] != 1 or x.device.type != "cpu":
+        return None
+    rot = getattr(module, "rotation", None)
+    if module._forward_pre_hooks or module._forward_hooks or (
+        rot is not None and (rot._forward_pre_hooks or rot._forward_hooks)
+    ):
+        return None
+    ext = cext.vnni()
+    plan_args = getattr(module, "plan_args", None)
+    got = None if ext is None or plan_args is None else plan_args()
+    if got is None:
+        return None
+    (weight, scales, *_), (kind, group, out, _, k_pad) = got
+    if kind == 2:
+        return vnni_linear(module, x)
+    if kind != 1 or group % 4 or weight.shape[0] % 64 or not scales.is_contiguous():
+        return None
+    if rot is not None:
+        h = ext.hadamard_rows(x, rot.signs, rot.block, k_pad)
+    else:
+        h = x.to(torch.bfloat16)
+        if k_pad != h.shape[1]:
+            h = torch.nn.functional.pad(h, (0, k_pad - h.shape[1]))
+    y = ext.int4_gemv(h, weight, scales, group)
+    if y is None:  # a row the GEMV cannot split (NaN, inf, an outlier): the module's own kernel
+        return None
+    return _with_bias(module, y if y.shape[1] == out else y[:, :out], x)
+
+
 def _avx2_int8(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """module(x) for one row through the AVX2 int8 GEMV (kernels/cpu/avx2.cpp: the VNNI GEMV's bits), or
     None where it does not apply. Not in deterministic mode: AVX2 has no GEMM with the same bits, so there

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from superslm.kernels import delta_rule
+from superslm.kernels import cpu_decode, delta_rule
 from superslm.kernels.attention import AttnMetadata, QKVSpec
 from superslm.kernels.dispatch import add_rms_norm, gated_act, prepare_attention, rms_norm
 from superslm.kernels.row_blocks import by_row_blocks
@@ -24,11 +24,16 @@ from superslm.models.parts import DELTA_LAYOUTS, stack
 
 
 def _linear(lin: nn.Module, x: torch.Tensor, deterministic: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """lin(x), or lin.forward_rotated(x, dtype) for an input already rotated; in deterministic mode a linear
-    whose BLAS rounds a row by the row count multiplies 16 rows at a time (kernels/row_blocks.py)."""
+    """lin(x), or lin.forward_rotated(x, dtype) for an input already rotated; one row of the default mode on the
+    CPU through the C++ plan's GEMVs where they take lin; in deterministic mode a linear whose BLAS rounds a row
+    by the row count multiplies 16 rows at a time (kernels/row_blocks.py)."""
     def fn(rows: torch.Tensor) -> torch.Tensor:
         return lin(rows) if dtype is None else lin.forward_rotated(rows, dtype)
 
+    if not deterministic and dtype is None and x.shape[0] == 1:
+        y = cpu_decode.one_row_linear(lin, x)  # a decode row on the plan's GEMVs (the plan runs no such layer)
+        if y is not None:
+            return y
     if not deterministic or getattr(lin, "row_invariant", False):
         return fn(x)
     blocks = getattr(lin, "forward_row_blocks", None)  # the formats: one call where their kernel tiles rows
