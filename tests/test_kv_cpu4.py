@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from superslm.models.loader import materialize, open_source
 from superslm.models.transformer import Transformer
 from tests.test_engine import prompts
 from tests.test_kv_formats import _prefilled, same_bits_in_any_batch
+from tests.test_kv_formats import _ways as kv_ways
 from tests.tiny_models import CONFIGS, SMALL, build_hf_model
 
 pytestmark = pytest.mark.skipif(os.environ.get("SUPERSLM_CPU_KERNELS") == "0", reason="C++ kernels disabled")
@@ -70,25 +72,17 @@ def _no_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
 def _ways(net: Transformer, fmt: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.Tensor]:
     """One decode step of LENGTHS after prefilled pages in `fmt`: the hidden states after every layer from the
     generic path, the plan's torch reference and the C++ plan (which must not fall back), each on its own copy."""
-    out = {}
-    for way in ("generic", "reference", "cpp"):
+
+    @contextmanager
+    def plan() -> Iterator[None]:
         kv, meta, toks = _prefilled(net, LENGTHS, fmt)
-        with torch.no_grad():
-            h = net.embed(toks)
-            if way == "generic":
-                out[way] = net.run_layers(h, meta, kv.k, kv.v).float()
-                continue
-            assert cpu_decode.plan_reads(h, kv.k, kv.v) and cpu_decode.usable(net, h, kv.k)
-            tabs = net.rope_table_list(meta.positions)
-            key_slots, row_seq, lens = cpu_decode.row_key_slots(meta, h.device)
-            args = (net, h, meta.slot_mapping, key_slots, row_seq, lens, tabs, kv.k, kv.v, 0, len(net.layers))
-            if way == "reference":
-                out[way] = cpu_decode.decode_layers_reference(*args).float()
-                continue
-            with monkeypatch.context() as m:
-                _no_fallback(m)
-                out[way] = cpu_decode.decode_layers(*args).float()
-    return out
+        h = net.embed(toks)
+        assert cpu_decode.plan_reads(h, kv.k, kv.v) and cpu_decode.usable(net, h, kv.k)
+        with monkeypatch.context() as m:
+            _no_fallback(m)
+            yield
+
+    return {way: h.float() for way, (h, _) in kv_ways(net, LENGTHS, fmt, plan).items()}
 
 
 # --- the rows the plan writes --------------------------------------------------------------------------------

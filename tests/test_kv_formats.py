@@ -10,6 +10,8 @@ attended in their rotated basis).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import pytest
 import torch
@@ -305,9 +307,14 @@ def _prefilled(net: Transformer, lengths: list[int], kv_fmt: str, seed: int = 0)
     return kv, meta, torch.randint(0, a.vocab, (len(lengths),), generator=g)
 
 
-def _ways(net: Transformer, lengths: list[int], kv_fmt: str) -> dict[str, tuple[torch.Tensor, KVCache]]:
+Plan = Callable[[], AbstractContextManager[object]]
+
+
+def _ways(net: Transformer, lengths: list[int], kv_fmt: str,
+          plan: Plan = nullcontext) -> dict[str, tuple[torch.Tensor, KVCache]]:  # fmt: skip
     """Hidden states after every layer (and the cache after the step) from the generic path, the torch reference
-    of the plan and the C++ plan, each on its own copy of the same prefilled cache."""
+    of the plan and the C++ plan, each on its own copy of the same prefilled cache; the plan runs inside
+    `plan()` (e.g. a context that makes its torch fallback an error)."""
     out = {}
     for way in ("generic", "reference", "cpp"):
         kv, meta, toks = _prefilled(net, lengths, kv_fmt)
@@ -318,9 +325,12 @@ def _ways(net: Transformer, lengths: list[int], kv_fmt: str) -> dict[str, tuple[
                 continue
             tabs = net.rope_table_list(meta.positions)
             key_slots, row_seq, lens = cpu_decode.row_key_slots(meta, h.device)
-            fn = cpu_decode.decode_layers_reference if way == "reference" else cpu_decode.decode_layers
-            out[way] = (fn(net, h, meta.slot_mapping, key_slots, row_seq, lens, tabs, kv.k, kv.v, 0, len(net.layers)),
-                        kv)
+            args = (net, h, meta.slot_mapping, key_slots, row_seq, lens, tabs, kv.k, kv.v, 0, len(net.layers))
+            if way == "reference":
+                out[way] = (cpu_decode.decode_layers_reference(*args), kv)
+                continue
+            with plan():
+                out[way] = (cpu_decode.decode_layers(*args), kv)
     return out
 
 
