@@ -158,11 +158,6 @@ def test_layer_kinds_and_refusals(built, tmp_path) -> None:
     (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text", "text_config": text}))
     with pytest.raises(UnsupportedModel, match="multimodal"):
         open_source(folder)
-    from superslm.convert import convert
-
-    with pytest.raises(UnsupportedModel, match="not supported yet"):
-        convert(built["qwen3_5"][1], tmp_path / "out", format="int8")
-    assert not (tmp_path / "out").exists()
 
 
 def test_int8_linears_on_hybrid_layers(built) -> None:

@@ -4,7 +4,8 @@ Each linear is stored in its runtime format's tensors (int4 in the packed layout
 reads, so loading is a memory map, not a repack), norms in float32, the embedding as the source
 holds it (a float dtype) or bf16 (GGUF blocks). A GGUF file's Q4_0/Q4_1/Q4_K blocks are stored as
 they are ("gguf": no re-quantization) unless --format says otherwise. A PEFT LoRA adapter is merged
-(W + scale B A) before quantizing; --layers N keeps the first N layers (hidden states only).
+(W + scale B A) before quantizing; --layers N keeps the first N layers (hidden states only). Hybrid and MoE
+layers (models/layers.py PartsLayer) store each linear they run, every expert's its own, the same way.
 The folder is written atomically with a manifest (formats/native.py) and verified when loaded.
 See docs/convert.md.
 """
@@ -23,13 +24,16 @@ from typing import Any
 
 import torch
 
+from superslm.converted import EXPERTS, parts_layers
 from superslm.errors import InvalidArgument, ModelNotFound, UnsupportedModel
 from superslm.formats import native
-from superslm.models.loader import Source, Stored, canonical_names, open_source
-from superslm.models.parts import NORMS, PIECES, stack, stacked
+from superslm.models.layers import PartsLayer
+from superslm.models.loader import Source, Stored, canonical_names, canonical_tensor, open_source
+from superslm.models.parts import DELTA_LAYOUTS, NORMS, PIECES, stack, stacked
+from superslm.models.transformer import DenseLinear
 from superslm.quant import LinearFormat, linear_from_gguf
 from superslm.quant.stored import INT4_PACKED, linear_state
-from superslm.quant.swap import gguf_parts, make_linear
+from superslm.quant.swap import block_pieces, gguf_parts, layer_from_source, make_linear
 
 #: --format: the body's linears; "gguf" runs a GGUF file's int4 blocks as they are (others nearest),
 #: "dense" keeps float weights as the source holds them (GGUF blocks dequantized to float32)
@@ -94,6 +98,8 @@ class _Writer:
         self.linears: dict[str, dict[str, Any]] = {}
         #: GPTQ's int4 linears by name, kept for end-to-end tuning (`tune`)
         self.gptq: dict[str, LinearFormat] = {}
+        #: the canonical weights a GGUF source's parts layers take from its blocks (`block_pieces`), once
+        self.blocks: frozenset[str] | None = None
 
     def put(self, name: str, module: LinearFormat) -> None:
         t, meta = linear_state(module)
@@ -106,6 +112,9 @@ class _Writer:
         return make_linear(fmt, weight, bias, o["group"], o["rotate"], o["seed"], hessian)
 
     def layer(self, i: int) -> None:
+        if parts_layers(self.source.arch):
+            self.parts_layer(i)
+            return
         prefix, body, arch = f"layers.{i}.", self.opts["format"], self.source.arch
         keys = [k[len(prefix):] for k in self.names if k.startswith(prefix)]
         # GGUF blocks kept as they are need no float copy of the linears
@@ -134,6 +143,41 @@ class _Writer:
                 if hessians.get(attr) is not None:
                     self.gptq[prefix + attr] = module
             self.put(prefix + attr, module)
+
+    def parts_layer(self, i: int) -> None:
+        """A `PartsLayer`: each linear it runs (`PartsLayer.linears()`: each expert's too) in the body's format from
+        the stacked float32 weights the load path builds it from; its other tensors (norms, the convolution, a_log,
+        dt_bias, the router and the shared expert's gate, which stay dense as at load) in float32. "dense" keeps
+        every canonical tensor instead, linears' pieces in the source's float dtype; "gguf" each linear from the file's
+        blocks as `superslm.load` runs them (`quant.swap.layer_from_source`)."""
+        prefix, body, source = f"layers.{i}.", self.opts["format"], self.source
+        arch, parts = source.arch, source.recipe.parts_for(source.is_hf)
+        keys = [k[len(prefix):] for k in self.names if k.startswith(prefix)]
+        if body == "gguf" and self.blocks is None:
+            self.blocks = block_pieces(source, self.opts["layers"])
+        # GGUF blocks kept as they are need no float copy: an empty [0, in] placeholder, as `materialize` skips them
+        w = {k: torch.empty(0, self.names[prefix + k].shape[-1]) if body == "gguf" and k in (self.blocks or ())
+             else canonical_tensor(source, prefix + k, self.names[prefix + k]) for k in keys}
+        pieces = {p for s in parts.linears(arch, i).values() for p in (*s.pieces, *s.bias)}
+        pieces.update(*DELTA_LAYOUTS.values(), EXPERTS)
+        for k in keys:
+            if k not in pieces:
+                self.tensors[prefix + k] = w[k]
+            elif body == "dense":
+                self.tensors[prefix + k] = w[k].to(_float_dtype(self.names[prefix + k], exact=True))
+        if body == "dense":
+            return
+        if body == "gguf":
+            # what the blocks cannot give as they are becomes int8 from bf16 weights, as `superslm.load` makes it
+            w = {k: v.to(torch.bfloat16) if k in pieces else v for k, v in w.items()}
+        layer = PartsLayer(arch, i, w, DenseLinear)  # its linears stacked as `superslm.load` stacks them
+        if body == "gguf":
+            o = self.opts
+            layer_from_source(layer, i, source, self.names, None, o["group"], o["seed"])
+            source.gguf.release_pages()
+        for parent, attr, name in layer.linears():
+            module = getattr(parent, attr)
+            self.put(prefix + name, module if body == "gguf" else self.make(body, module.weight, module.bias))
 
     def tune(self, steps: int, progress: bool) -> dict[str, Any]:
         """GPTQ's int4 scales and zeros tuned end to end against the calibrator's dense model
@@ -255,10 +299,10 @@ def convert(
     source = open_source(src)
     if source.format == "native":
         raise InvalidArgument(f"{src} is already a converted folder")
-    if not source.recipe.parts.plain(source.arch):
-        raise UnsupportedModel(f"{src}: converting {source.arch.family} (delta-rule or expert layers) is not "
-                               "supported yet; load the folder itself (superslm.load, --quant int8/int4)")
     body, head = resolve_formats(source, format, head)
+    if parts_layers(source.arch) and calibrate not in (None, False):
+        raise UnsupportedModel(f"{src}: calibration (GPTQ) runs plain attention and MLP layers, not "
+                               f"{source.arch.family}'s delta-rule, gated-attention or expert layers")
     if lora is not None and body == "gguf":
         raise InvalidArgument("a merged LoRA changes the weights, so GGUF blocks cannot be kept as they are: "
                               "pass --format int4, int8, bf16 or dense")
@@ -290,7 +334,7 @@ def convert(
 
         calibrator = LayerCalibrator(source.path, n, calibrate, int(calibration_tokens), source.parameter_count())
     rotated = rotate and (body in ("int4", "int8") or head in ("int4", "int8"))
-    opts = {"format": body, "group": int(group), "rotate": rotate, "seed": int(seed)}
+    opts = {"format": body, "group": int(group), "rotate": rotate, "seed": int(seed), "layers": n}
     header = {"format": body, "group": int(group) if "int4" in (body, head) else None, "head": head,
               "rotation": {"seed": int(seed)} if rotated else None, "layers": n, "lora": lora_info,
               "source": {"format": source.format, "name": source.path.name, "sha256": source_sha256(source)},

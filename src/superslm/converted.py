@@ -6,11 +6,16 @@ off the CPU the formats that run there keep their form (the dispatcher's kernels
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from superslm.errors import FormatError, InvalidArgument
+from superslm.models.arch import Arch
+from superslm.models.layers import PartsLayer
 from superslm.models.loader import Source
-from superslm.models.parts import LINEAR_NAMES
+from superslm.models.parts import LINEAR_NAMES, LayerParts, LinearSpec
 from superslm.models.transformer import DenseLinear, Transformer
 from superslm.quant import ConcatLinear, LinearFormat
 from superslm.quant.stored import linear_from_state
@@ -56,40 +61,58 @@ def converted_net(
     as_dense = quant in (None, "none") or (device.type != "cpu" and not on_device)
     dt = pick_dtype(dtype, device) if dtype is not None or as_dense or body == "dense" else torch.bfloat16
     a, stored = source.arch, {name: s.load() for name, s in source.tensors.items()}
+    parts = source.recipe.parts
+    # the recipe's float32 tensors (Qwen3.5's 1 + w norms) stay float32 in a bf16 model, as `materialize` keeps them
+    keep32 = frozenset(source.recipe.float32)
 
     def get(name: str) -> torch.Tensor:
         if name not in stored:
             raise FormatError(f"{source.path}: tensor {name} is missing")
-        return stored[name].to(device=device, dtype=dt)
+        keep = torch.float32 if name.rsplit(".", 1)[-1] in keep32 else dt
+        return stored[name].to(device=device, dtype=keep)
 
     weights = {"embed": get("embed")}
     if n == a.layers:
         weights.update({k: get(k) for k in ("norm", "head") if k in stored})
-    parts = source.recipe.parts
-    norms = parts.norms(a)
-    specs = parts.linears(a).values()
+    by_layer: dict[str, list[str]] = {}
+    for name in stored:
+        if name.startswith("layers."):
+            by_layer.setdefault(name.split(".", 2)[1], []).append(name)
     for i in range(n):
-        weights.update({f"layers.{i}.{k}": get(f"layers.{i}.{k}") for k in norms})
+        pre, specs = f"layers.{i}.", parts.linears(a, i).values()
+        if body == "dense" and parts_layers(a):
+            # every canonical tensor as convert wrote it (a GGUF source's delta-rule pieces in its own layout)
+            weights.update({k: get(k) for k in by_layer.get(str(i), ())})
+            continue
+        weights.update({pre + k: get(pre + k) for k in parts.norms(a, i)})
+        if parts_layers(a):  # the tensors no format replaces: the convolution, a_log, dt_bias, the router, ...
+            mixer, mlp = parts.of_layer(a, i)
+            extra = [k for part in (mixer, mlp) for k in getattr(part, "tensors", lambda a: ())(a)]
+            weights.update({pre + k: get(pre + k) for k in extra if k not in EXPERTS})
+            weights.update({pre + k: torch.empty(0, a.dim, device=device, dtype=dt) for k in extra if k in EXPERTS})
         if body == "dense":  # the pieces as the source stored them, split or fused
             for spec in specs:
-                weights.update({f"layers.{i}.{k}": get(f"layers.{i}.{k}") for k in (*spec.pieces, *spec.bias)})
+                weights.update({pre + k: get(pre + k) for k in (*spec.pieces, *spec.bias)})
         else:  # empty placeholders: the module swap below replaces these linears
             for spec in specs:
-                weights.update({f"layers.{i}.{k}": torch.empty(0, a.dim, device=device, dtype=dt) for k in spec.pieces})
-                weights.update({f"layers.{i}.{k}": torch.empty(0, device=device, dtype=dt) for k in spec.bias})
-    net = Transformer(a, weights, n)
+                weights.update({pre + k: torch.empty(0, a.dim, device=device, dtype=dt) for k in spec.pieces})
+                weights.update({pre + k: torch.empty(0, device=device, dtype=dt) for k in spec.bias})
+    try:
+        net = Transformer(a, weights, n)
+    except KeyError as e:  # a dense parts layer without one of its tensors
+        raise FormatError(f"{source.path}: tensor {e.args[0]} of a layer is missing") from e
     q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
-    shapes = {"qkv": (a.dim, q + 2 * kv), "o": (q, a.dim), "gate_up": (a.dim, 2 * a.ffn), "down": (a.ffn, a.dim),
-              "head": (a.dim, a.vocab)}
+    plain_shapes = {"qkv": (a.dim, q + 2 * kv), "o": (q, a.dim), "gate_up": (a.dim, 2 * a.ffn),
+                    "down": (a.ffn, a.dim)}
+    states = _by_linear(stored, linears)
 
-    def build(name: str) -> torch.nn.Module:
+    def build(name: str, shape: tuple[int, int]) -> torch.nn.Module:
         if name not in linears:
             raise FormatError(f"{source.path}: linear {name} is missing from the header")
-        pre = name + "."
-        module = linear_from_state({k[len(pre):]: v for k, v in stored.items() if k.startswith(pre)}, linears[name])
-        if (module.in_features, module.out_features) != shapes[name.rsplit(".", 1)[-1]]:
+        module = linear_from_state(states[name], linears[name])
+        if (module.in_features, module.out_features) != shape:
             raise FormatError(f"{source.path}: linear {name} is {module.in_features} -> {module.out_features}, "
-                              f"the arch implies {shapes[name.rsplit('.', 1)[-1]]}")
+                              f"the arch implies {shape}")
         if not as_dense:
             return module.to(device)  # off the CPU, int4 takes the kernels' layout (Int4Linear._apply)
         bias = _bias_of(module)
@@ -97,8 +120,57 @@ def converted_net(
 
     if body != "dense":
         for i, layer in enumerate(net.layers):
+            if isinstance(layer, PartsLayer):
+                shapes = parts_linear_shapes(parts, a, i)
+                for parent, attr, name in layer.linears():
+                    setattr(parent, attr, build(f"layers.{i}.{name}", shapes[name]))
+                continue
             for attr in LINEAR_NAMES:
-                setattr(layer, attr, build(f"layers.{i}.{attr}"))
+                setattr(layer, attr, build(f"layers.{i}.{attr}", plain_shapes[attr]))
     if net.has_head and "head" in linears:
-        net.head = build("head")
+        net.head = build("head", (a.dim, a.vocab))
     return net
+
+
+#: the stacked expert tensors, which each expert's own linears replace
+EXPERTS = ("experts_gate_up", "experts_down")
+
+
+def parts_layers(a: Arch) -> bool:
+    """Whether the layers are `PartsLayer`s (delta rule, gated attention, experts), as `Transformer.plain` decides:
+    their linears are those `PartsLayer.linears()` names, not LINEAR_NAMES."""
+    return a.hybrid or a.attn_gate or any(a.moe_layers)
+
+
+def _by_linear(stored: Mapping[str, torch.Tensor], linears: Mapping[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """{linear name: {tensor name within it: tensor}}: each stored tensor under the header's linear whose name
+    ends before one of its dots (one pass, not a scan of every tensor for each of a MoE's thousands of linears)."""
+    out: dict[str, dict[str, torch.Tensor]] = {name: {} for name in linears}
+    for key, t in stored.items():
+        at = key.find(".")
+        while at >= 0:
+            if key[:at] in out:
+                out[key[:at]][key[at + 1:]] = t
+                break
+            at = key.find(".", at + 1)
+    return out
+
+
+def parts_linear_shapes(parts: LayerParts, a: Arch, i: int) -> dict[str, tuple[int, int]]:
+    """{name within the layer (as `PartsLayer.linears()` names it): (in_features, out_features)} of layer i's
+    linears: its mixer's, its MLP's or shared expert's, and each expert's."""
+    shapes = parts.shapes(a, i)
+    mixer, mlp = parts.of_layer(a, i)
+
+    def of(spec: LinearSpec) -> tuple[int, int]:
+        return shapes[spec.pieces[0]][1], sum(shapes[p][0] for p in spec.pieces)
+
+    out = {f"mixer.{s.name}": of(s) for s in mixer.linears(a)}
+    for s in mlp.linears(a):
+        shared = s.name.startswith("shared_")
+        out[f"mlp.shared.{s.name[len('shared_'):]}" if shared else f"mlp.{s.name}"] = of(s)
+    if a.experts is not None and a.moe_layers[i]:
+        (_, up, dim), (_, _, ffn) = shapes["experts_gate_up"], shapes["experts_down"]
+        for e in range(a.experts.count):
+            out[f"mlp.experts_mlp.{e}.gate_up"], out[f"mlp.experts_mlp.{e}.down"] = (dim, up), (ffn, dim)
+    return out

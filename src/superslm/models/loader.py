@@ -304,7 +304,6 @@ def materialize(
     Tensors whose short name is in `skip` (linears about to be rebuilt from their blocks) become empty
     [0, in] placeholders, so a model is never held dense in memory only to be thrown away.
     """
-    fix = src.recipe.fix_hf if src.is_hf else src.recipe.fix_gguf
     out: dict[str, torch.Tensor] = {}
     for key, stored in canonical_names(src, layers).items():
         short = key.rsplit(".", 1)[-1] if key.startswith("layers.") else key
@@ -312,15 +311,22 @@ def materialize(
             _check_shape(key, short, tuple(stored.shape), src.arch, src.recipe)  # its blocks are read later
             out[key] = torch.empty((0, int(stored.shape[-1]) if len(stored.shape) else 0), dtype=dtype, device=device)
             continue
-        t = stored.load().float()
-        t = fix(short, t, src.arch)
-        t = _unsqueezed(key, short, t, src.arch, src.recipe)
-        _check_shape(key, short, tuple(t.shape), src.arch, src.recipe)
-        if not all_finite(t):
-            raise FormatError(f"{src.path}: tensor {stored.name} holds NaN or infinite values")
+        t = canonical_tensor(src, key, stored)
         keep = torch.float32 if short in src.recipe.float32 and dtype.is_floating_point else dtype
         out[key] = t.to(device=device, dtype=keep).contiguous()
     return out
+
+
+def canonical_tensor(src: Source, key: str, stored: Stored) -> torch.Tensor:
+    """Canonical tensor `key` (a `canonical_names` key) as float32 with the recipe's fix applied, in the shape the
+    Arch implies (FormatError for another shape, or NaN / infinite values)."""
+    fix = src.recipe.fix_hf if src.is_hf else src.recipe.fix_gguf
+    short = key.rsplit(".", 1)[-1] if key.startswith("layers.") else key
+    t = _unsqueezed(key, short, fix(short, stored.load().float(), src.arch), src.arch, src.recipe)
+    _check_shape(key, short, tuple(t.shape), src.arch, src.recipe)
+    if not all_finite(t):
+        raise FormatError(f"{src.path}: tensor {stored.name} holds NaN or infinite values")
+    return t
 
 
 def all_finite(t: torch.Tensor) -> bool:

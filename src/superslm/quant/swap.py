@@ -199,43 +199,7 @@ def quantize_from_source(
         release_freed_memory()
 
     for i, layer in enumerate(net.layers):
-        # a part's linears by their spec's name ("mlp.shared.down" is "shared_down"; the routed experts, stacked
-        # in the file, are in no spec)
-        where = {_spec_name(name): (parent, attr, name) for parent, attr, name in layer.linears()}
-        for key, spec in source.recipe.parts.linears(source.arch, i).items():
-            pieces = _stored_pieces(names, i, spec)
-            if key not in where or pieces is None:
-                continue  # a part this model does not have (a MoE without a shared expert)
-            parent, attr, name = where[key]
-            old = getattr(parent, attr)
-            try:
-                parts = gguf_parts(source, names, f"layers.{i}.", pieces)
-            except UnsupportedModel:
-                if not isinstance(old, DenseLinear) or old.weight.numel() == 0:
-                    raise
-                continue  # blocks whose fix moves columns (llama.cpp's tiled value heads): int8 below
-            module = linear_from_gguf(parts, getattr(old, "bias", None), mapping)
-            check_finite(module, f"{source.path}: layer {i}'s {name}")
-            setattr(parent, attr, module)
-            done[f"layers.{i}.{name}"] = module.describe()
-        experts = getattr(getattr(layer, "mlp", None), "experts_mlp", None)
-        for key, attr in _EXPERT_LINEARS.items():
-            for e, mlp in enumerate(experts or ()):
-                parts = expert_parts(source, i, key, e)
-                if parts is None:
-                    break
-                setattr(mlp, attr, linear_from_gguf(parts, None, mapping))
-                check_finite(getattr(mlp, attr), f"{source.path}: layer {i}'s expert {e}")
-                done[f"layers.{i}.mlp.experts_mlp.{e}.{attr}"] = getattr(mlp, attr).describe()
-        # what the file's blocks could not give as they are (each expert of a stacked expert tensor, a linear
-        # whose fix is not a row permutation) is re-quantized from its dense weights, as Q5_K / Q6_K blocks are
-        for parent, attr, name in layer.linears():
-            dense = getattr(parent, attr)
-            if isinstance(dense, DenseLinear) and dense.weight.numel():
-                setattr(parent, attr, make_linear("int8", dense.weight, dense.bias, group, False, seed))
-                done[f"layers.{i}.{name}"] = getattr(parent, attr).describe()
-            elif isinstance(dense, DenseLinear):  # its dense copy was skipped for blocks that never came
-                raise UnsupportedModel(f"{source.recipe.family}: layer {i}'s {name} has no weights from the file")
+        done.update(layer_from_source(layer, i, source, names, mapping, group, seed))
         release()
     if net.embed_weight.numel() == 0:
         # the loader skipped the dense table: rows come from the file's blocks per step
@@ -258,6 +222,59 @@ def quantize_from_source(
             net.head = make_linear(head, net.head.weight, net.head.bias, group, rotate, seed)
         done["head"] = net.head.describe()
     release()
+    return done
+
+
+def layer_from_source(
+    layer: torch.nn.Module,
+    i: int,
+    source: Source,
+    names: Mapping[str, Stored],
+    mapping: Mapping[str, tuple[str, dict[str, Any]]] | None = None,
+    group: int = 128,
+    seed: int = 0,
+) -> dict[str, str]:
+    """`quantize_from_source` for layer i alone (`names`: the source's `canonical_names`): its linears from the
+    file's blocks as they are where they can be, the rest int8 from the layer's dense weights, in place. Returns
+    {module name: describe()}."""
+    done: dict[str, str] = {}
+    # a part's linears by their spec's name ("mlp.shared.down" is "shared_down"; the routed experts, stacked
+    # in the file, are in no spec)
+    where = {_spec_name(name): (parent, attr, name) for parent, attr, name in layer.linears()}
+    for key, spec in source.recipe.parts.linears(source.arch, i).items():
+        pieces = _stored_pieces(names, i, spec)
+        if key not in where or pieces is None:
+            continue  # a part this model does not have (a MoE without a shared expert)
+        parent, attr, name = where[key]
+        old = getattr(parent, attr)
+        try:
+            parts = gguf_parts(source, names, f"layers.{i}.", pieces)
+        except UnsupportedModel:
+            if not isinstance(old, DenseLinear) or old.weight.numel() == 0:
+                raise
+            continue  # blocks whose fix moves columns (llama.cpp's tiled value heads): int8 below
+        module = linear_from_gguf(parts, getattr(old, "bias", None), mapping)
+        check_finite(module, f"{source.path}: layer {i}'s {name}")
+        setattr(parent, attr, module)
+        done[f"layers.{i}.{name}"] = module.describe()
+    experts = getattr(getattr(layer, "mlp", None), "experts_mlp", None)
+    for key, attr in _EXPERT_LINEARS.items():
+        for e, mlp in enumerate(experts or ()):
+            parts = expert_parts(source, i, key, e)
+            if parts is None:
+                break
+            setattr(mlp, attr, linear_from_gguf(parts, None, mapping))
+            check_finite(getattr(mlp, attr), f"{source.path}: layer {i}'s expert {e}")
+            done[f"layers.{i}.mlp.experts_mlp.{e}.{attr}"] = getattr(mlp, attr).describe()
+    # what the file's blocks could not give as they are (each expert of a stacked expert tensor, a linear
+    # whose fix is not a row permutation) is re-quantized from its dense weights, as Q5_K / Q6_K blocks are
+    for parent, attr, name in layer.linears():
+        dense = getattr(parent, attr)
+        if isinstance(dense, DenseLinear) and dense.weight.numel():
+            setattr(parent, attr, make_linear("int8", dense.weight, dense.bias, group, False, seed))
+            done[f"layers.{i}.{name}"] = getattr(parent, attr).describe()
+        elif isinstance(dense, DenseLinear):  # its dense copy was skipped for blocks that never came
+            raise UnsupportedModel(f"{source.recipe.family}: layer {i}'s {name} has no weights from the file")
     return done
 
 
