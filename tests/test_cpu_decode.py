@@ -454,11 +454,10 @@ def test_quantized_modules_keep_torchs_kernels() -> None:
     assert ext.gemm_rows(False) in (2, 16) and ext.gemm_rows(True) in (2, 2**63 - 1)
 
 
-def test_plan_kernel_linear_runs_the_plans_kernels() -> None:
-    """Rows of a layer the plan does not run (delta rule, experts) take the plan's VNNI kernels: one row the GEMV,
-    from gemm_rows rows the GEMM; int4 and int8 formats, rotated or not, padded, with a bias, equal to the kernel
-    on the prepared input and within bf16 rounding of the module; None for other formats, row counts torch's kernel
-    runs faster, hooks, and a row the GEMV cannot split (the GEMM sends such rows to torch's kernel itself)."""
+def test_one_row_linear_runs_the_plans_gemvs() -> None:
+    """A decode row of a layer the plan does not run (delta rule, experts) takes the plan's VNNI GEMVs: int4 and
+    int8 formats, rotated or not, padded, with a bias, equal to the GEMV on the prepared input and within bf16
+    rounding of the module; None for other formats, other row counts, hooks, and rows the GEMV cannot split."""
     from superslm.quant.dense import Bf16Linear, Int8Linear
     from superslm.quant.int4 import Int4Linear
 
@@ -469,31 +468,19 @@ def test_plan_kernel_linear_runs_the_plans_kernels() -> None:
     w, bias = torch.randn(192, 300, generator=g), torch.randn(192, generator=g)
     mods = [Int4Linear.from_dense(w, bias, group=32), Int4Linear.from_dense(w, group=64, rotate=3),
             Int8Linear.from_dense(w[:, :256], bias), Int8Linear.from_dense(w, rotate=5)]  # fmt: skip
-    many = max(20, ext.gemm_rows(False))
     for m in mods:
-        for rows in (1, many):
-            x = torch.randn(rows, m.in_features, generator=g).to(torch.bfloat16)
-            got = cpu_decode.plan_kernel_linear(m, x)
-            if isinstance(m, Int8Linear) and rows > 1 and rows < ext.gemm_rows(True):
-                assert got is None  # torch's int8 kernel where it is as fast
-                continue
-            assert got is not None and got.dtype == x.dtype and got.shape == (rows, 192)
-            want = m(x).float()
-            assert ((got.float() - want).abs() <= 2**-6 * want.abs() + 2e-2 * want.abs().max()).all()
-            if isinstance(m, Int4Linear):
-                h = m.prepare_input(x).to(torch.bfloat16)
-                kernel = ext.int4_gemv if rows == 1 else ext.int4_gemm
-                assert torch.equal(got, m.finish(kernel(h, m.qweight, m.scales_zeros, m.group)[:, :192], x.dtype))
-            assert (cpu_decode.one_row_linear(m, x) is None) == (rows > 1)
-            handle = m.register_forward_hook(lambda *a: None)
-            assert cpu_decode.plan_kernel_linear(m, x) is None
-            handle.remove()
-    if ext.gemm_rows(False) > 2:
-        assert cpu_decode.plan_kernel_linear(mods[0], torch.randn(2, 300).to(torch.bfloat16)) is None
+        x = torch.randn(1, m.in_features, generator=g).to(torch.bfloat16)
+        got = cpu_decode.one_row_linear(m, x)
+        assert got is not None and got.dtype == x.dtype and got.shape == (1, 192)
+        want = m(x).float()
+        assert ((got.float() - want).abs() <= 2**-6 * want.abs() + 2e-2 * want.abs().max()).all()
+        if isinstance(m, Int4Linear):
+            h = m.prepare_input(x).to(torch.bfloat16)
+            assert torch.equal(got, m.finish(ext.int4_gemv(h, m.qweight, m.scales_zeros, m.group)[:, :192], x.dtype))
+        assert cpu_decode.one_row_linear(m, x.repeat(2, 1)) is None
+        handle = m.register_forward_hook(lambda *a: None)
+        assert cpu_decode.one_row_linear(m, x) is None
+        handle.remove()
     nan = torch.full((1, 300), float("nan"), dtype=torch.bfloat16)
-    assert cpu_decode.plan_kernel_linear(mods[0], nan) is None
-    nans = torch.randn(many, 300).to(torch.bfloat16)
-    nans[3] = float("nan")
-    got = cpu_decode.plan_kernel_linear(mods[0], nans)
-    assert torch.isnan(got[3]).all() and not torch.isnan(got[:3]).any()
-    assert cpu_decode.plan_kernel_linear(Bf16Linear.from_dense(w), torch.randn(1, 300).to(torch.bfloat16)) is None
+    assert cpu_decode.one_row_linear(mods[0], nan) is None
+    assert cpu_decode.one_row_linear(Bf16Linear.from_dense(w), torch.randn(1, 300).to(torch.bfloat16)) is None

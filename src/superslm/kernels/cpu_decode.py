@@ -293,15 +293,13 @@ def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = 
     return _with_bias(module, kernel(_vnni_input(ext, module, x), module.codes, module.scale, rowsum), x)
 
 
-def plan_kernel_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """module(x) for rows of the default mode through the VNNI kernels the C++ plan runs (int4 and int8 formats,
-    as their `plan_args` hand them over): one row on the GEMVs, from `gemm_rows` rows on the GEMMs (1.3-1.8x
-    torch's packed kernels at prompt sizes on AVX512-BF16 CPUs); None where they do not apply (another format or
-    shape, a row count torch's kernel runs faster, hooks on the module or its rotation, no VNNI). For the layers
-    the plan does not run (delta rules, experts, gated attention), whose linears then read their weights at the
-    plan's speed. Not for deterministic mode, where every row count must share one kernel's bits."""
-    rows = x.shape[0] if x.dim() == 2 else 0
-    if rows == 0 or x.device.type != "cpu":
+def one_row_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """module(x) for one row of the default mode through the VNNI GEMVs that the C++ plan runs a decode row on
+    (int4 and int8 formats, as their `plan_args` hand them over), or None where they do not apply (another
+    format or shape, hooks on the module or its rotation, no VNNI): layers the plan does not run (delta rules,
+    experts) read their weights at the plan's speed. Not for deterministic mode, where every row count must
+    share one kernel's bits."""
+    if x.dim() != 2 or x.shape[0] != 1 or x.device.type != "cpu":
         return None
     rot = getattr(module, "rotation", None)
     if module._forward_pre_hooks or module._forward_hooks or (
@@ -318,24 +316,16 @@ def plan_kernel_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor
         return vnni_linear(module, x)
     if kind != 1 or group % 4 or weight.shape[0] % 64 or not scales.is_contiguous():
         return None
-    if rows > 1 and rows < ext.gemm_rows(False):
-        return None
     if rot is not None:
         h = ext.hadamard_rows(x, rot.signs, rot.block, k_pad)
     else:
         h = x.to(torch.bfloat16)
         if k_pad != h.shape[1]:
             h = torch.nn.functional.pad(h, (0, k_pad - h.shape[1]))
-    # the GEMM sends rows it cannot split (NaN, inf, an outlier) to torch's kernel itself; the GEMV returns None
-    y = ext.int4_gemv(h, weight, scales, group) if rows == 1 else ext.int4_gemm(h, weight, scales, group)
-    if y is None:
+    y = ext.int4_gemv(h, weight, scales, group)
+    if y is None:  # a row the GEMV cannot split (NaN, inf, an outlier): the module's own kernel
         return None
     return _with_bias(module, y if y.shape[1] == out else y[:, :out], x)
-
-
-def one_row_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """`plan_kernel_linear` for one row only."""
-    return plan_kernel_linear(module, x) if x.dim() == 2 and x.shape[0] == 1 else None
 
 
 def _avx2_int8(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
