@@ -20,6 +20,7 @@ from superslm import cext
 from superslm.cache.kv import read_rows, rotated, rotation_block, rotation_signs, values_dtype
 from superslm.cext import extension
 from superslm.kernels.attention import store_kv
+from superslm.kernels.dispatch import backend
 from superslm.kernels.rope import apply_rope
 
 _ACT = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -299,8 +300,8 @@ def one_row_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | N
     format or shape, hooks on the module or its rotation, no VNNI): layers the plan does not run (delta rules,
     experts) read their weights at the plan's speed. Not for deterministic mode, where every row count must
     share one kernel's bits."""
-    if x.dim() != 2 or x.shape[0] != 1 or x.device.type != "cpu":
-        return None
+    if x.dim() != 2 or x.shape[0] != 1 or x.device.type != "cpu" or backend(x.device) != "torch":
+        return None  # the Triton kernels were asked for (SUPERSLM_KERNELS=triton: the interpreter's tests)
     rot = getattr(module, "rotation", None)
     if module._forward_pre_hooks or module._forward_hooks or (
         rot is not None and (rot._forward_pre_hooks or rot._forward_hooks)
