@@ -317,12 +317,9 @@ def one_row_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | N
         return vnni_linear(module, x)
     if kind != 1 or group % 4 or weight.shape[0] % 64 or not scales.is_contiguous():
         return None
-    if rot is not None:
-        h = ext.hadamard_rows(x, rot.signs, rot.block, k_pad)
-    else:
-        h = x.to(torch.bfloat16)
-        if k_pad != h.shape[1]:
-            h = torch.nn.functional.pad(h, (0, k_pad - h.shape[1]))
+    h = _vnni_input(ext, module, x).to(torch.bfloat16)  # rotated and padded where the module rotates
+    if k_pad != h.shape[1]:
+        h = torch.nn.functional.pad(h, (0, k_pad - h.shape[1]))
     y = ext.int4_gemv(h, weight, scales, group)
     if y is None:  # a row the GEMV cannot split (NaN, inf, an outlier): the module's own kernel
         return None
