@@ -13,8 +13,14 @@ q and k arrive L2-normalized and q scaled by Dk^-0.5 (`normalize_qk`); the state
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+
+from superslm import cext
+from superslm.kernels import dispatch
 
 #: rows per chunk of the prompt form (flash-linear-attention's chunk size)
 CHUNK = 64
@@ -131,3 +137,117 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (weight * y * F.silu(z.float())).to(x.dtype)
+
+
+def decode_step_reference(
+    mixed: torch.Tensor,
+    z: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: Sequence[int],
+    norm_weight: torch.Tensor,
+    eps: float,
+    k_heads: int,
+    k_dim: int,
+    v_heads: int,
+    v_dim: int,
+) -> torch.Tensor:
+    """`decode_step` in torch ops: the causal conv step, the q/k norms, `recurrent_` and the gated norm."""
+    b, key_width = mixed.shape[0], k_heads * k_dim
+    ids = list(slots)
+    idx = torch.tensor(ids, dtype=torch.long, device=mixed.device)
+    y, conv_state[idx] = causal_conv_step(mixed, conv_weight, conv_state[idx])
+    q, k, v = torch.split(y, [key_width, key_width, v_heads * v_dim], dim=1)
+    q, k = normalize_qk(q.reshape(b, k_heads, k_dim), k.reshape(b, k_heads, k_dim))
+    v = v.reshape(b, v_heads, v_dim)
+    if ids == list(range(ids[0], ids[0] + b)):
+        # slots in a run (one sequence, or a full batch in slot order): the state rows updated in place
+        core = recurrent_(q, k, v, g, beta, ssm_state[ids[0] : ids[0] + b])
+    else:
+        state = ssm_state[idx]
+        core = recurrent_(q, k, v, g, beta, state)
+        ssm_state[idx] = state
+    normed = gated_rms_norm(core.to(mixed.dtype), z.reshape(b, v_heads, v_dim), norm_weight, eps)
+    return normed.reshape(b, v_heads * v_dim)
+
+
+def decode_step(
+    mixed: torch.Tensor,
+    z: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: Sequence[int],
+    norm_weight: torch.Tensor,
+    eps: float,
+    k_heads: int,
+    k_dim: int,
+    v_heads: int,
+    v_dim: int,
+) -> torch.Tensor:
+    """One new row of each of B sequences through a delta-rule layer's glue: mixed [B, C] (q, k, v before the
+    conv), z [B, Hv * Dv] (the norm's gate), g (float32) and beta [B, Hv]; conv_state [S, C, K - 1] and
+    ssm_state [S, Hv, Dk, Dv] float32 updated in place at rows `slots` (distinct) -> the gated norm's output
+    [B, Hv * Dv] in mixed's dtype. On the CPU one C++ call (kernels/cpu/delta_step.cpp: ~40 small torch ops
+    otherwise), each row computed alone, so its bits do not depend on the rows beside it; else, and where the
+    extension is off or the layout is not one it takes, `decode_step_reference`."""
+    args = (mixed, z, g, beta, conv_weight, conv_state, ssm_state, slots, norm_weight, eps,
+            k_heads, k_dim, v_heads, v_dim)
+    ext = _cpu_extension(mixed.device)
+    if ext is None or not _fused_layout(*args):
+        return decode_step_reference(*args)
+    ids = torch.tensor(list(slots), dtype=torch.long)
+    return ext.delta_decode_step(mixed, z, g, beta, conv_weight, conv_state, ssm_state, ids, norm_weight, eps,
+                                 k_heads, k_dim, v_heads, v_dim)
+
+
+def _cpu_extension(device: torch.device) -> Any:
+    """The C++ extension where the fused step runs on `device` (the CPU, the torch backend), else None."""
+    if device.type != "cpu" or dispatch.backend(device) != "torch":
+        return None
+    return cext.extension()
+
+
+_FLOATS = (torch.float32, torch.bfloat16)
+
+
+def _fused_layout(
+    mixed: torch.Tensor,
+    z: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: Sequence[int],
+    norm_weight: torch.Tensor,
+    eps: float,
+    k_heads: int,
+    k_dim: int,
+    v_heads: int,
+    v_dim: int,
+) -> bool:
+    """Whether the C++ step takes these tensors as they are (dtypes, shapes, unit column strides, contiguous
+    states): the checks it would raise on, made here so the model's calls fall back rather than fail."""
+    b, c = mixed.shape if mixed.dim() == 2 else (-1, -1)
+    taps = conv_weight.shape[-1]
+    rows = (mixed, z, g, beta)
+    return (
+        mixed.dtype in _FLOATS and z.dtype == mixed.dtype and beta.dtype == mixed.dtype and g.dtype == torch.float32
+        and conv_weight.dtype in _FLOATS and conv_state.dtype in _FLOATS and norm_weight.dtype in _FLOATS
+        and ssm_state.dtype == torch.float32
+        and all(t.dim() == 2 and t.shape[0] == b and t.stride(1) == 1 for t in rows)
+        and c == 2 * k_heads * k_dim + v_heads * v_dim and v_heads % k_heads == 0
+        and tuple(z.shape) == (b, v_heads * v_dim) and tuple(g.shape) == (b, v_heads) == tuple(beta.shape)
+        and tuple(conv_weight.shape) == (c, taps) and taps >= 2 and conv_weight.is_contiguous()
+        and conv_state.dim() == 3 and tuple(conv_state.shape[1:]) == (c, taps - 1) and conv_state.is_contiguous()
+        and tuple(ssm_state.shape) == (conv_state.shape[0], v_heads, k_dim, v_dim) and ssm_state.is_contiguous()
+        and tuple(norm_weight.shape) == (v_dim,) and norm_weight.is_contiguous()
+        and len(set(slots)) == len(slots) == b and all(0 <= s < conv_state.shape[0] for s in slots)
+        and all(t.device.type == "cpu" for t in (*rows, conv_weight, conv_state, ssm_state, norm_weight))
+    )

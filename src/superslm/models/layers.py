@@ -106,7 +106,7 @@ class DeltaRule(nn.Module):
         mixed, z, b, a = torch.split(proj, [d.conv_width, d.value_width, d.v_heads, d.v_heads], dim=1)
         beta = torch.sigmoid(b)
         g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [N, Hv] log decay
-        core = torch.zeros(n, d.v_heads, d.v_dim, dtype=torch.float32, device=x.device)
+        normed = torch.empty(n, d.value_width, dtype=x.dtype, device=x.device)
         qs, lens, slots = meta.query_start, meta.seq_lens, meta.state_slots
         decode: list[int] = []
         for s in range(meta.num_seqs):
@@ -120,43 +120,33 @@ class DeltaRule(nn.Module):
                 decode.append(s)
                 continue
             if meta.deterministic:
-                # token by token: a row's state gets the same arithmetic however its prompt was chunked (the
-                # chunked form's roundings depend on where its chunks start)
-                core[r0:r1] = self._rows_one_by_one(mixed[r0:r1], g[r0:r1], beta[r0:r1], conv_state, ssm_state,
-                                                    slots[s])
+                # token by token through the decode step: a row's state gets the same arithmetic however its
+                # prompt was chunked (the chunked form's roundings depend on where its chunks start)
+                for t in range(r0, r1):
+                    normed[t : t + 1] = self._step(mixed[t : t + 1], z[t : t + 1], g[t : t + 1], beta[t : t + 1],
+                                                   conv_state, ssm_state, [slots[s]])
                 continue
             y, conv_state[slots[s]] = delta_rule.causal_conv(mixed[r0:r1], self.conv, conv_state[slots[s]])
             q, k, v = self._heads(y)
-            core[r0:r1], ssm_state[slots[s]] = delta_rule.chunked(q, k, v, g[r0:r1], beta[r0:r1],
-                                                                   ssm_state[slots[s]])
-        if decode:
+            core, ssm_state[slots[s]] = delta_rule.chunked(q, k, v, g[r0:r1], beta[r0:r1], ssm_state[slots[s]])
+            gate = z[r0:r1].reshape(r1 - r0, d.v_heads, d.v_dim)
+            normed[r0:r1] = delta_rule.gated_rms_norm(core.to(x.dtype), gate, self.delta_norm,
+                                                      self.arch.norm_eps).reshape(r1 - r0, d.value_width)
+        if len(decode) == n:  # a step of decode rows only: their rows as they are, no gather
+            normed = self._step(mixed, z, g, beta, conv_state, ssm_state, [slots[s] for s in decode])
+        elif decode:
             rows = torch.tensor([qs[s] for s in decode], device=x.device)
-            ids = [slots[s] for s in decode]
-            idx = torch.tensor(ids, device=x.device)
-            y, conv_state[idx] = delta_rule.causal_conv_step(mixed[rows], self.conv, conv_state[idx])
-            q, k, v = self._heads(y)
-            if ids == list(range(ids[0], ids[0] + len(ids))):
-                # slots in a run (one sequence, or a full batch in slot order): the state rows updated in place
-                core[rows] = delta_rule.recurrent_(q, k, v, g[rows], beta[rows], ssm_state[ids[0] : ids[-1] + 1])
-            else:
-                state = ssm_state[idx]
-                core[rows] = delta_rule.recurrent_(q, k, v, g[rows], beta[rows], state)
-                ssm_state[idx] = state
-        z = z.reshape(n, d.v_heads, d.v_dim)
-        normed = delta_rule.gated_rms_norm(core.to(x.dtype), z, self.delta_norm, self.arch.norm_eps)
-        return _linear(self.out, normed.reshape(n, d.value_width), meta.deterministic)
+            normed[rows] = self._step(mixed[rows], z[rows], g[rows], beta[rows], conv_state, ssm_state,
+                                      [slots[s] for s in decode])
+        return _linear(self.out, normed, meta.deterministic)
 
-    def _rows_one_by_one(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor,
-                         ssm_state: torch.Tensor, slot: int) -> torch.Tensor:
-        """One sequence's rows through the decode form, a row at a time -> [T, Hv, Dv] float32."""
-        out = []
-        conv, ssm = conv_state[slot : slot + 1], ssm_state[slot : slot + 1]
-        for t in range(mixed.shape[0]):
-            y, conv = delta_rule.causal_conv_step(mixed[t : t + 1], self.conv, conv)
-            q, k, v = self._heads(y)
-            out.append(delta_rule.recurrent_(q, k, v, g[t : t + 1], beta[t : t + 1], ssm))
-        conv_state[slot] = conv[0]
-        return torch.cat(out)
+    def _step(self, mixed: torch.Tensor, z: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              conv_state: torch.Tensor, ssm_state: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        """One new row of each sequence at state rows `ids` -> its gated norm's output [B, value_width]
+        (kernels/delta_rule.py decode_step: one C++ call on the CPU)."""
+        d = self.dims
+        return delta_rule.decode_step(mixed, z, g, beta, self.conv, conv_state, ssm_state, ids, self.delta_norm,
+                                      self.arch.norm_eps, d.k_heads, d.k_dim, d.v_heads, d.v_dim)
 
     def _heads(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Convolved rows [T, C] -> q, k [T, Hk, Dk] normalized, v [T, Hv, Dv]."""

@@ -19,6 +19,12 @@
 
 #include "plan_linear.h"
 
+// delta_step.cpp: a gated delta-rule layer's decode glue (conv, q/k norms, the delta rule, the gated norm)
+at::Tensor delta_decode_step(const at::Tensor& mixed, const at::Tensor& z, const at::Tensor& g,
+                             const at::Tensor& beta, const at::Tensor& conv_weight, at::Tensor conv_state,
+                             at::Tensor ssm_state, const at::Tensor& slots, const at::Tensor& norm_weight,
+                             double eps, int64_t k_heads, int64_t k_dim, int64_t v_heads, int64_t v_dim);
+
 namespace {
 
 using namespace superslm_rows;
@@ -428,4 +434,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_gemm", &int4_gemm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int8_rownorm", &int8_rownorm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int8_greedy_candidates", &int8_greedy_candidates, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("delta_decode_step", &delta_decode_step, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
