@@ -36,8 +36,9 @@ if _TEST_KV:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "float_kv: checks an engine against a float reference (transformers) within "
-                            "float rounding; skipped where SUPERSLM_TEST_KV runs the engines on quantized pages")
+    config.addinivalue_line("markers", "float_kv: checks an engine against a float reference (transformers, "
+                            "another kernel path) within float rounding; skipped where SUPERSLM_TEST_KV runs "
+                            "the engines on quantized pages")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -5,6 +5,7 @@ slow test on SmolLM2."""
 from __future__ import annotations
 
 import math
+import os
 import random
 from types import SimpleNamespace
 
@@ -215,6 +216,9 @@ def test_deterministic_mode_is_bit_identical(zoo, family) -> None:
 
 
 def test_logprobs_equal_plain_decode(zoo) -> None:
+    """Within float rounding on float pages. On quantized pages a draft's key rounded otherwise can land on the
+    next code, and every later token reads that code: there a step of one code (~1e-4 here) is the bound."""
+    tol = 1e-3 if os.environ.get("SUPERSLM_TEST_KV") else 1e-5
     model = zoo("qwen3")
     ps = copy_prompts(4, seed=3)
 
@@ -229,8 +233,8 @@ def test_logprobs_equal_plain_decode(zoo) -> None:
     for a, b in zip(spec, plain, strict=True):
         for x, y in zip(a.logprobs, b.logprobs, strict=True):
             assert (x.token, x.rank, [t for t, _ in x.top]) == (y.token, y.rank, [t for t, _ in y.top])
-            assert abs(x.logprob - y.logprob) <= 1e-5
-            assert max(abs(v - w) for (_, v), (_, w) in zip(x.top, y.top)) <= 1e-5
+            assert abs(x.logprob - y.logprob) <= tol
+            assert max(abs(v - w) for (_, v), (_, w) in zip(x.top, y.top)) <= tol
 
 
 def test_stops_lengths_min_tokens_and_penalties_equal(zoo) -> None:
@@ -442,6 +446,7 @@ def test_refusals(zoo) -> None:
         hybrid.engine(slots=1, context=32, speculative="ngram")
 
 
+@pytest.mark.float_kv  # equal tokens need float pages: one key code rounded otherwise turns a near tie
 def test_smollm2_copy_rewrite_equal_tokens(smollm2_gguf) -> None:
     """The real model rewriting a snippet with one change: the same greedy tokens, drafts kept."""
     model = superslm.load(smollm2_gguf)
