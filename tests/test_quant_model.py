@@ -6,6 +6,10 @@ path, the file's weights dequantized by gguf-py.
 
 from __future__ import annotations
 
+import os
+import shutil
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +17,7 @@ from gguf import GGMLQuantizationType, quants
 
 import superslm
 from superslm.cache.kv import KVCache
-from superslm.errors import TokenOutOfRange
+from superslm.errors import InvalidArgument, TokenOutOfRange
 from superslm.kernels.attention import AttnMetadata
 from superslm.models.llama import unpermute_qk
 from superslm.quant import (
@@ -112,6 +116,44 @@ def test_quantized_model_still_talks(smollm2_gguf, reference) -> None:
     assert "Paris" in text
 
 
+def mapped_kb(view: np.ndarray) -> int:
+    """kB of the process's RSS in the maps that hold `view`'s bytes (/proc/self/smaps)."""
+    lo, hi = view.ctypes.data, view.ctypes.data + view.nbytes
+    total, here = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                a, b = (int(x, 16) for x in head[0].split("-"))
+                here = a < hi and lo < b
+            elif here and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+def test_a_file_replaced_after_load_is_not_read_by_pread(smollm2_gguf, tmp_path) -> None:
+    """The pread reader holds the file it was opened on, checked to be the mapped one: once another file has
+    taken the path, the reader still reads the loaded file, and a new reader is refused (rows from the map)."""
+    path = tmp_path / "m.gguf"
+    shutil.copy(smollm2_gguf, path)
+    model = superslm.load(path)
+    reader = model.net.embed_rows.read
+    assert reader is not None
+    ids = torch.tensor([3, 500, 49000])
+    before = model.net.embed(ids)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"\0" * path.stat().st_size)
+    os.replace(other, path)
+    assert torch.equal(model.net.embed(ids), before)
+    gguf = model.source.gguf
+    raw = model.net.embed_rows.rows.reshape(-1)
+    assert gguf.rows_reader(raw, model.net.embed_rows.rows.shape[1]) is None
+    model.net.embed_rows.read = None  # as a load after the replace would have it
+    assert torch.equal(model.net.embed(ids), before)
+    with pytest.raises(InvalidArgument):
+        reader(np.array([model.net.arch.vocab]))
+
+
 def test_embedding_rows_come_from_the_file(smollm2_gguf) -> None:
     # the default GGUF load keeps no dense embedding table: each step's rows are dequantized from the map
     model = superslm.load(smollm2_gguf)
@@ -124,8 +166,15 @@ def test_embedding_rows_come_from_the_file(smollm2_gguf) -> None:
     assert net.embed(ids[:0]).shape == (0, net.arch.dim)
     with pytest.raises(TokenOutOfRange):
         net.embed(torch.tensor([-1]))
-    # the file's pages go every RELEASE_ROWS rows (a prompt's scattered rows would stay in RSS), and the
-    # rows read after a release are the same
+    # rows come by pread: no page of the file enters the process (through the map a scattered row faulted
+    # in a whole page-cache folio, ~1 MB of RSS a row)
+    assert net.embed_rows.read is not None
+    src.gguf.release_pages()
+    many = (torch.arange(200) * 7919 % net.arch.vocab).reshape(50, 4)  # a decode step's rows, 50 times
+    assert all(torch.equal(net.embed(step), dense[step]) for step in many)
+    assert mapped_kb(src.gguf._data) == 0
+    # without pread: the file's pages go every RELEASE_ROWS rows, and the rows read after a release are the same
+    net.embed_rows.read = None
     calls = []
     net.embed_rows.release = lambda: (calls.append(1), src.gguf.release_pages())
     rows = net.embed_rows.RELEASE_ROWS

@@ -84,33 +84,39 @@ def _int8_by_rows(part: GGUFPart, bias: torch.Tensor | None, note: str,
 
 class GGUFEmbedding(torch.nn.Module):
     """Token embeddings read from the GGUF blocks on demand: each step's rows are dequantized from the
-    memory map (the values `materialize` would give), so the [vocab, dim] table is never held dense.
-    For Gemma-3-270M that is 335 MB of bf16 (and 670 MB of float32 while loading) not spent."""
+    file (the values `materialize` would give), so the [vocab, dim] table is never held dense. For
+    Gemma-3-270M that is 335 MB of bf16 (and 670 MB of float32 while loading) not spent. With `read`
+    (formats.gguf.FileRows) the rows come by pread and no page of the file enters RSS; else from the
+    memory map, its pages dropped every RELEASE_ROWS rows."""
 
     #: rows read between two calls of `release`: a prompt's scattered rows fault in ~64 KB of the file each
     #: (7 MB for a 512-token prompt on SmolLM2), and a long session would gather the whole table in RSS
     RELEASE_ROWS = 256
 
     def __init__(self, raw: np.ndarray, block_type: type[BlockType], shape: Sequence[int], dtype: torch.dtype,
-                 fix: Any = None, release: Callable[[], None] | None = None) -> None:
+                 fix: Any = None, release: Callable[[], None] | None = None,
+                 read: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         super().__init__()
         n, k = (int(d) for d in shape)
         if k % block_type.block_size or block_type.n_elements(raw) != n * k:
             raise InvalidArgument(f"{block_type.name}: {raw.size} bytes are not [{n}, {k}] embeddings in whole blocks")
         self.rows = raw.reshape(n, k // block_type.block_size * block_type.type_size)  # [vocab, row bytes]
         self.block_type, self.vocab, self.dim, self.dtype, self.fix = block_type, n, k, dtype, fix
-        self.release, self._unreleased = release, 0
+        self.release, self._unreleased, self.read = release, 0, read
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [N] -> embeddings [N, dim] in the model dtype, on the tokens' device."""
         idx = tokens.detach().to("cpu", torch.long).numpy()
         if idx.size and (idx.min() < 0 or idx.max() >= self.vocab):
             raise TokenOutOfRange(f"token ids must be in 0..{self.vocab - 1}")
-        raw = np.ascontiguousarray(self.rows[idx]).reshape(-1)
-        self._unreleased += len(idx)
-        if self.release is not None and self._unreleased >= self.RELEASE_ROWS:
-            self.release()  # the rows are copied: the file's pages can go (a later read faults them back)
-            self._unreleased = 0
+        if self.read is not None:
+            raw = self.read(idx).reshape(-1)
+        else:
+            raw = np.ascontiguousarray(self.rows[idx]).reshape(-1)
+            self._unreleased += len(idx)
+            if self.release is not None and self._unreleased >= self.RELEASE_ROWS:
+                self.release()  # the rows are copied: the file's pages can go (a later read faults them back)
+                self._unreleased = 0
         values = torch.from_numpy(self.block_type.dequantize(raw)).view(len(idx), self.dim)
         if self.fix is not None:
             values = self.fix(values)

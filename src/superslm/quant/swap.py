@@ -207,8 +207,10 @@ def quantize_from_source(
         if part[3] is not None:
             raise UnsupportedModel(f"{source.recipe.family}: the GGUF embedding's rows are permuted")
         fix = source.recipe.fix_gguf
+        k = int(part[2][1])  # [vocab, dim]
+        read = source.gguf.rows_reader(part[0], k // part[1].block_size * part[1].type_size)
         net.embed_rows = GGUFEmbedding(part[0], part[1], part[2], net.dtype,
-                                       lambda t: fix("embed", t, source.arch), source.gguf.release_pages)
+                                       lambda t: fix("embed", t, source.arch), source.gguf.release_pages, read)
         # a tied head checks the same blocks below
         if ("head" in names or head != "nearest") and not net.embed_rows.all_finite():
             raise FormatError(f"{source.path}: the embedding holds NaN or infinite values")
