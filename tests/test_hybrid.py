@@ -250,8 +250,12 @@ def test_a_hybrid_prefix_cache_resumes_from_checkpointed_states(built) -> None:
     p = _tokens(30, 11)
     s = Sampling(temperature=0.8, seed=3, logprobs=1, ignore_eos=True)
     plain = model.engine(slots=2, context=160, page_size=4, prefix_caching=False)
+    assert plain.checkpoints is None and plain.saved_states is None  # no cache: no checkpoint rows taken
     for deterministic in (False, True):
         engine = model.engine(slots=2, context=160, page_size=4, deterministic=deterministic)
+        # checkpoint rows start unwritten (they take memory once used): NaN there proves each is written first
+        engine.saved_states.conv.fill_(float("nan"))
+        engine.saved_states.ssm.fill_(float("nan"))
         cold = engine.generate([Request(p, 8, s)])[0]
         warm = engine.generate([Request(p, 8, s)])[0]
         assert cold.cached == 0 and warm.cached == 28  # 7 full pages; the last prompt token is always computed

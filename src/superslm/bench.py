@@ -69,8 +69,10 @@ def bench_superslm(path: str, threads: int, prefill: int, decode: int, streams: 
     engine.generate(reqs)
     agg = streams * decode / (time.perf_counter() - t)
     kv_mb = (engine.kv.k.numel() * engine.kv.k.element_size() * 2) / 2**20
+    if engine.states is not None:  # a delta-rule model's recurrent states: one row a slot, like its KV pages
+        kv_mb += sum(t.numel() * t.element_size() for t in (engine.states.conv, engine.states.ssm)) / 2**20
     return {"load_s": load_s, "prefill": prefill_tps, "decode": decode_tps, "streams": agg, "rss_mb": _rss_mb(),
-            "kv_mb": kv_mb}
+            "kv_mb": kv_mb, "states": float(engine.states is not None)}
 
 
 def bench_llama_cpp(path: str, threads: int, prefill: int, decode: int, streams: int) -> dict[str, float]:
@@ -193,7 +195,8 @@ def table(model: str, threads: int, rows: dict[str, dict[str, Any]], streams: in
         # a converted folder: its files (the weights are memory-mapped as a GGUF's are)
         files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else []
         size = sum(p.stat().st_size for p in files) / 2**20 if files else float("nan")
-        lines.append(f"superslm peak RSS {ours['rss_mb']:.0f} MB = file {size:.0f} MB + KV {ours['kv_mb']:.0f} MB + "
+        kv = "KV and recurrent states" if ours.get("states") else "KV"
+        lines.append(f"superslm peak RSS {ours['rss_mb']:.0f} MB = file {size:.0f} MB + {kv} {ours['kv_mb']:.0f} MB + "
                      f"{ours['rss_mb'] - size - ours['kv_mb']:.0f} MB")
     return "\n".join(lines)
 

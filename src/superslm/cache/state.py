@@ -15,10 +15,13 @@ class RecurrentStates:
     v_dim] (float32) of `layers` delta-rule layers."""
 
     def __init__(self, layers: int, slots: int, channels: int, taps: int, v_heads: int, k_dim: int, v_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", zeroed: bool = True) -> None:
+        """zeroed=False leaves the rows unwritten (for rows always written before they are read: checkpoints),
+        so on the CPU a row takes memory only once it is used."""
         self.layers, self.slots = layers, slots
-        self.conv = torch.zeros(layers, slots, channels, taps - 1, dtype=dtype, device=device)
-        self.ssm = torch.zeros(layers, slots, v_heads, k_dim, v_dim, dtype=torch.float32, device=device)
+        new = torch.zeros if zeroed else torch.empty
+        self.conv = new(layers, slots, channels, taps - 1, dtype=dtype, device=device)
+        self.ssm = new(layers, slots, v_heads, k_dim, v_dim, dtype=torch.float32, device=device)
 
     @staticmethod
     def slot_bytes(layers: int, channels: int, taps: int, v_heads: int, k_dim: int, v_dim: int,

@@ -185,7 +185,7 @@ class Engine(SequenceMixin, ContractsMixin):
         # the one owner of pages and of what runs next; launching steps ahead is its variant's decision
         kind = AsyncScheduler if self.overlap else Scheduler
         # a delta-rule model resumes a cached prefix only where its states were checkpointed (a page boundary)
-        self.checkpoints, self.saved_states = self._state_checkpoints(slots, dtype, device)
+        self.checkpoints, self.saved_states = self._state_checkpoints(slots, dtype, device, prefix_caching)
         self.scheduler = kind(self.pool, slots, rows, prefix_caching, chunk=chunk, copy_page=self._copy_page,
                               recurrent=self.states is not None, copy_state=self._copy_state,
                               usable_prefix=self._usable_prefix if self.checkpoints is not None else None)
@@ -211,19 +211,20 @@ class Engine(SequenceMixin, ContractsMixin):
         return RecurrentStates(self.net.state_layers, slots + 1, d.conv_width, d.conv, d.v_heads, d.k_dim, d.v_dim,
                                dtype, device)
 
-    def _state_checkpoints(self, slots: int, dtype: torch.dtype, device: torch.device
+    def _state_checkpoints(self, slots: int, dtype: torch.dtype, device: torch.device, prefix_caching: bool
                            ) -> tuple[Checkpoints | None, RecurrentStates | None]:  # fmt: skip
         """The index and rows of the checkpoints of recurrent states at page boundaries, for the prefix cache of a
-        delta-rule model (None, None for other models): 4 a slot, fewer where that passes 256 MB, at least one a
-        slot (Qwen3.5-0.8B's states take 19 MB a row)."""
+        delta-rule model (None, None for other models and without a prefix cache): 4 a slot, fewer where that
+        passes 256 MB, at least one a slot (Qwen3.5-0.8B's states take 19 MB a row). Rows are written before
+        they are read, so they are left unwritten: a row takes memory once a checkpoint fills it."""
         d = self.net.arch.delta
-        if self.states is None or d is None:
+        if self.states is None or d is None or not prefix_caching:
             return None, None
         size = RecurrentStates.slot_bytes(self.net.state_layers, d.conv_width, d.conv, d.v_heads, d.k_dim, d.v_dim,
                                           dtype)
         n = max(slots, min(4 * slots, _CHECKPOINT_BYTES // size))
         rows = RecurrentStates(self.net.state_layers, n, d.conv_width, d.conv, d.v_heads, d.k_dim, d.v_dim, dtype,
-                               device)
+                               device, zeroed=False)
         return Checkpoints(n), rows
 
     def _decode_graphs(self, graphs: bool | None) -> DecodeGraphs | None:
