@@ -84,6 +84,20 @@ def test_in_place_recurrent_step_equals_the_reference() -> None:
     assert torch.equal(o1, got_o[1:2]) and torch.equal(alone, got_s[1:2])
 
 
+@pytest.mark.parametrize(("hk", "hv", "t"), [(16, 16, 200), (8, 16, 130), (3, 9, 70)])
+def test_the_prompt_form_by_head_groups_is_bit_identical(hk: int, hv: int, t: int) -> None:
+    """chunked works on HEAD_GROUP value heads at a time (its temporaries scale with heads x rows): every group
+    size, whole key heads or not, gives the bits of all heads at once."""
+    torch.manual_seed(0)
+    q, k = delta_rule.normalize_qk(torch.randn(t, hk, 32), torch.randn(t, hk, 32))
+    v, g, beta = torch.randn(t, hv, 24), -torch.rand(t, hv), torch.rand(t, hv)
+    state = torch.randn(hv, 32, 24) * 0.1
+    want_o, want_s = delta_rule.chunked(q, k, v, g, beta, state, head_group=hv)
+    for group in (1, 2, 4, 5):
+        o, s = delta_rule.chunked(q, k, v, g, beta, state, head_group=group)
+        assert torch.equal(o, want_o) and torch.equal(s, want_s)
+
+
 def test_causal_conv_equals_transformers() -> None:
     from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn, causal_conv1d_update
 
