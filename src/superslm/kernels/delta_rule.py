@@ -103,15 +103,8 @@ def chunked(
     return torch.cat(outs, dim=1), torch.cat(states)
 
 
-def _chunked(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             state: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`chunked` on all the heads it is given at once."""
     t, hv = v.shape[0], v.shape[-2]
     pad = (-t) % chunk  # padded rows have k = 0 and g = 0: they leave the state as it was
