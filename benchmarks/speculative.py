@@ -195,12 +195,15 @@ class StepTimes:
         return {r: (1e3 * statistics.mean(v), len(v)) for r, v in sorted(self.by_rows.items())}
 
 
-def timed_batch(engine: Any, ids: list[list[int]], decode: int) -> tuple[float, list[list[int]], float]:
-    """(decode tok/s, each request's tokens, prefill s) of the requests run together (see the docstring)."""
+def timed_batch(engine: Any, ids: list[list[int]], decode: int,
+                samplings: list[Any] | None = None) -> tuple[float, list[list[int]], float]:
+    """(decode tok/s, each request's tokens, prefill s) of the requests run together (see the docstring): `decode`
+    tokens each with EOS ignored, or at most that many with `samplings` of their own."""
     from superslm import Request, Sampling
 
     t0 = time.perf_counter()
-    rids = [engine.add(Request(p, decode, Sampling(ignore_eos=True))) for p in ids]
+    rids = [engine.add(Request(p, decode, s))
+            for p, s in zip(ids, samplings or [Sampling(ignore_eos=True)] * len(ids), strict=True)]
     got: dict[int, list[int]] = {r: [] for r in rids}
     arrivals: list[tuple[float, int]] = []  # (time, tokens) of every progress after a sequence's first token
     started = 0.0
@@ -216,7 +219,7 @@ def timed_batch(engine: Any, ids: list[list[int]], decode: int) -> tuple[float, 
             else:
                 got[p.id] += p.tokens
                 arrivals.append((now, len(p.tokens)))
-    if any(len(t) != decode for t in got.values()):
+    if samplings is None and any(len(t) != decode for t in got.values()):
         raise RuntimeError(f"tokens decoded {[len(t) for t in got.values()]}, not {decode} each")
     window = [(t, n) for t, n in arrivals if t > started]
     end = max(t for t, _ in window)

@@ -157,6 +157,66 @@ def test_fill_bitmasks_batch(tok: Tokenizer, compiler: GrammarCompiler) -> None:
         assert np.array_equal(bitmask[i].numpy(), expected)
 
 
+# --- drafts ------------------------------------------------------------------------------------
+
+
+def test_drafts_are_cut_where_the_grammar_refuses(tok: Tokenizer, compiler: GrammarCompiler) -> None:
+    state = GrammarState(compiler.compile(Constraint.json_schema(PERSON)))
+    state.accept_many(ids(tok, '{"name": "Al'))
+    before = list(state.tokens)
+    good = ids(tok, 'ice", "age": 4')
+    assert state.valid_drafts(good) == len(good)
+    assert state.valid_drafts(good + ids(tok, "x")) == len(good)  # an age is digits
+    assert state.valid_drafts([tok.eos_id] + good) == 0  # a draft never ends the output
+    assert state.valid_drafts(ids(tok, "ice") + [10**9]) == len(ids(tok, "ice"))  # outside the vocabulary
+    assert state.tokens == before and not state.is_dead
+    # independent check: each kept draft is allowed by the mask of a state that accepted the ones before it
+    probe = GrammarState.from_state(state.state(), compiler)
+    for t in good:
+        assert int(t) in allowed_ids(mask_of(probe)).tolist()
+        probe.accept(t)
+    waiting = GrammarState(compiler.compile(Constraint.regex("(yes|no)")), after=7)
+    assert waiting.valid_drafts([3, 4, 7, 9]) == 2  # cut before the token that starts the constraint
+
+
+def test_masks_along_drafts_equal_a_state_that_accepted_them(tok: Tokenizer, compiler: GrammarCompiler) -> None:
+    grammar = compiler.compile(Constraint.json_schema(PERSON))
+    walked = random_walk(GrammarState(grammar), tok.all_token_bytes(), random.Random(5))
+    for cut in range(0, len(walked.tokens) - 1, 3):
+        state = GrammarState(grammar)
+        state.accept_many(walked.tokens[:cut])
+        drafts = walked.tokens[cut : cut + 6]
+        drafts = drafts[: state.valid_drafts(drafts)]
+        rows = np.zeros((len(drafts) + 1, compiler.bitmask_words), dtype=np.int32)
+        state.fill_bitmasks_along(drafts, rows)
+        assert state.tokens == walked.tokens[:cut]  # the state did not move
+        for j in range(len(drafts) + 1):
+            twin = GrammarState(grammar)
+            twin.accept_many(walked.tokens[: cut + j])
+            assert np.array_equal(rows[j], mask_of(twin)), (cut, j)
+        assert np.array_equal(rows[0], mask_of(state))
+    # a draft past what the grammar allows leaves no bit in the rows from there
+    state = GrammarState(grammar)
+    bad = ids(tok, '{"name": 5')
+    rows = np.full((len(bad) + 1, compiler.bitmask_words), 7, dtype=np.int32)
+    state.fill_bitmasks_along(bad, rows)
+    n = state.valid_drafts(bad)
+    assert n < len(bad) and not rows[n + 1 :].any() and rows[: n + 1].any(axis=1).all()
+    with pytest.raises(InvalidArgument):
+        state.fill_bitmasks_along(bad, rows[:2])
+
+
+def test_forced_draft_spells_what_the_grammar_forces(tok: Tokenizer, compiler: GrammarCompiler) -> None:
+    schema = {"type": "object", "properties": {"temperature_celsius": {"type": "integer"}},
+              "required": ["temperature_celsius"], "additionalProperties": False}
+    state = GrammarState(compiler.compile(Constraint.json_schema(schema, max_whitespace=0)))
+    draft = state.forced_draft(16)
+    assert draft and state.valid_drafts(draft) == len(draft) and state.tokens == []
+    assert text_of(tok, draft) == '{"temperature_celsius":'  # every byte the grammar forces, the last token too
+    assert len(state.forced_draft(2)) == 2
+    assert GrammarState(compiler.compile(Constraint.regex("[0-9]+"))).forced_draft(8) == []
+
+
 def test_one_requests_lexer_error_does_not_end_the_next_ones(tok: Tokenizer) -> None:
     """Matchers copied from a cached template share its lexer, and the lexer's state limit counts them all:
     one request that explored a regex's states to the limit ended every later request of that grammar at its

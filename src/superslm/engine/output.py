@@ -139,8 +139,11 @@ class OutputProcessor:
 
                     apply_token_bitmask(row, bitmask)
                 token = damped_choice(row[0].log_softmax(-1), seq.anti, damped)
-            self.take(seq, token, logprobs[j], p)
-            if seq.end or j == len(drafts) or token != drafts[j]:
+            last = j == len(drafts) or token != drafts[j]
+            # jump-forward only after the step's last token: draft rows past it already sample what a grammar
+            # forces (their masks allow it alone), and forced tokens appended between would shift them
+            self.take(seq, token, logprobs[j], p, jump=last)
+            if seq.end or last:
                 break
             accepted += 1
         if drafts:
@@ -179,7 +182,7 @@ class OutputProcessor:
     def bitmask(self, rows: list[tuple[Sequence, tuple[int, ...]]]) -> torch.Tensor | None:
         """int32 [rows, ceil(vocab / 32)] of the tokens each row (a sequence, and the drafts before it) may sample
         (grammar masks, allowed_token_ids, min_tokens' and bad words' bans), or None where every row may sample
-        any token. Rows after drafts have no grammar: a sequence with a grammar never drafts."""
+        any token. A row after drafts gets its grammar's mask as it will be once they are accepted."""
         bans = [self.banned(s, ahead) for s, ahead in rows]
         seqs = [s for s, _ in rows]
         grammar = any(s.grammar is not None for s in seqs)
@@ -190,14 +193,24 @@ class OutputProcessor:
         if grammar:
             from superslm.grammar import fill_bitmasks
 
-            fill_bitmasks([s.grammar for s in seqs], bitmask)
+            # the sequences' own positions at once (llguidance's executor), then each one's draft rows
+            first = [i for i, (_, ahead) in enumerate(rows) if not ahead]
+            fill_bitmasks([seqs[i].grammar for i in first], view := bitmask[first])
+            bitmask[first] = view
+            for i in first:
+                seq, d = seqs[i], 0
+                while i + d + 1 < len(rows) and rows[i + d + 1][0] is seq:
+                    d += 1
+                if d and seq.grammar is not None:
+                    seq.grammar.fill_bitmasks_along(rows[i + d][1], bitmask[i : i + d + 1])
         for row, (seq, banned) in enumerate(zip(seqs, bans, strict=True)):
             apply_row(bitmask[row], seq.allowed, banned)
         return bitmask.to(self.net.device)
 
-    def take(self, seq: Sequence, token: int, lp: TokenLogprobs | None, p: Progress | None = None) -> Progress:
-        """Accept one sampled token, then any tokens the grammar forces after it (reported in `p`, or a new
-        Progress)."""
+    def take(self, seq: Sequence, token: int, lp: TokenLogprobs | None, p: Progress | None = None,
+             jump: bool = True) -> Progress:
+        """Accept one sampled token, then any tokens the grammar forces after it unless `jump` is False (reported
+        in `p`, or a new Progress)."""
         if p is None:
             p = Progress(seq.id, cached=seq.cached)
         if seq.grammar is not None and seq.grammar.is_dead:
@@ -222,7 +235,7 @@ class OutputProcessor:
             return p
         if seq.grammar is not None:
             # jump-forward: tokens the grammar allows as the only continuation, without sampling
-            jump = self.jump_forward and params.logprobs is None  # logprobs: every token computed (see add)
+            jump = jump and self.jump_forward and params.logprobs is None  # logprobs: every token computed (add)
             limit = max(0, seq.max_tokens - len(seq.output)) if jump else 0
             for forced in seq.grammar.take_forced(limit):
                 seq.sampler.append_token(forced)

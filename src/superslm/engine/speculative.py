@@ -15,9 +15,15 @@ With the seeded Gumbel race of sampling/noise.py this is the standard rejection 
 renormalized; and since its noise is a function of (seed, position), the tokens are the very tokens plain
 decoding gives (bit-identical where the logits are: deterministic mode), not merely tokens of the same law.
 
-Not drafted: rows with a grammar (their matcher would have to walk and roll back along the drafts), damped greedy
-(its anti-LM state likewise), requests that opt out (`Request.speculative=False`), and a sequence's last token
-(max_tokens). Models with delta-rule layers are refused (their recurrent state cannot roll back a rejected row).
+A sequence with a grammar drafts the lookup's guess as far as its grammar allows it, else the bytes the grammar
+forces from here as the tokenizer writes them (`GrammarState.forced_draft`: where the grammar forces text but leaves
+its spelling in tokens open, jump-forward cannot take it, a draft can); each draft row is masked as the grammar
+will stand once the drafts before it are accepted, and jump-forward runs after the step's last kept token only (the
+draft rows before it sample what the grammar forces: their masks allow it alone).
+
+Not drafted: damped greedy (its anti-LM state would have to walk and roll back along the drafts), requests that
+opt out (`Request.speculative=False`), and a sequence's last token (max_tokens). Models with delta-rule layers are
+refused (their recurrent state cannot roll back a rejected row).
 
 Adaptive: each sequence keeps an estimate p of the chance that a draft token is kept (a moving average over the
 drafts verified: each kept draft a success, the first rejected one a failure). The step's decoding sequences choose
@@ -198,7 +204,7 @@ class Speculator:
     @staticmethod
     def drafts_for(seq: Sequence) -> bool:
         """Whether seq may carry drafts at all (see the module's docstring for why the others do not)."""
-        return seq.request.speculative is not False and seq.grammar is None and seq.sampler.params.damped is None
+        return seq.request.speculative is not False and seq.sampler.params.damped is None
 
     def propose(self, seq: Sequence) -> list[int]:
         """The drafts of seq's next decode step when it decodes alone (see `propose_all`)."""
@@ -224,7 +230,11 @@ class Speculator:
             if 0 <= st.guess_at < len(tokens):  # the plain step since the last proposal: was the guess right?
                 st.learn(tokens[st.guess_at] == st.guess, c.decay)
             st.guess_at = -1
-            guesses.append(st.drafter.propose(tokens, room))
+            guess = st.drafter.propose(tokens, room)
+            if seq.grammar is not None:
+                # the lookup's guess as far as the grammar allows it, else the bytes the grammar forces
+                guess = guess[: seq.grammar.valid_drafts(guess)] or seq.grammar.forced_draft(room)
+            guesses.append(guess)
             rates.append(st.rate)
         counts = c.draft_counts(rates, [len(g) for g in guesses])
         for seq, g, k in zip(seqs, guesses, counts, strict=True):

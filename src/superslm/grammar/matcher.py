@@ -236,6 +236,57 @@ class GrammarState:
         self.num_forced += len(out)
         return out
 
+    # --- drafts: tokens proposed ahead, checked and masked without being accepted ----------------
+
+    def valid_drafts(self, drafts: Sequence[int]) -> int:
+        """How many of `drafts`, from here in order, the grammar allows: up to the first it refuses, a stop token
+        (a draft never ends the output), or, while the constraint waits for its `after` token, that token (the
+        masks after it would be the constraint's). The state does not move."""
+        if self._dead is not None or self._stopped:
+            return 0
+        if self._matcher is None:
+            return next((i for i, t in enumerate(drafts) if t == self.after), len(drafts))
+        vocab = self.grammar.compiler.vocab_size
+        n = next((i for i, t in enumerate(drafts) if t in self._stops or not 0 <= t < vocab), len(drafts))
+        return self._matcher.validate_tokens([int(t) for t in drafts[:n]]) if n else 0
+
+    def forced_draft(self, limit: int) -> list[int]:
+        """The bytes the grammar forces from here (all of them, the last token included, which llguidance's own
+        fast-forward leaves out because the text after it may merge into it), tokenized as the tokenizer writes
+        them and cut to what the grammar allows: a guess at the next tokens where the grammar leaves other
+        spellings, for the model to verify (`valid_drafts`). [] where nothing is forced."""
+        if self._matcher is None or self._dead is not None or self._stopped or limit <= 0:
+            return []
+        forced = self._matcher.compute_ff_bytes()
+        if not forced:
+            return []
+        tokens = self.grammar.compiler.ll_tokenizer.tokenize_bytes(forced)[:limit]
+        return tokens[: self.valid_drafts(tokens)]
+
+    def fill_bitmasks_along(self, drafts: Sequence[int], rows: Any) -> None:
+        """Row j of `rows` (int32 [len(drafts) + 1, W], CPU) gets the mask after drafts[:j], as `fill_bitmask`
+        would write it once they were accepted (no bit where they lead to a dead end or past the grammar's
+        end). The state does not move: a copy of the matcher walks the drafts."""
+        arr = _as_numpy(rows)
+        if not isinstance(arr, np.ndarray) or arr.dtype != np.int32 or arr.shape != (len(drafts) + 1, self._words):
+            raise InvalidArgument(f"bitmask rows must be int32 [{len(drafts) + 1}, {self._words}]")
+        self.fill_bitmask(arr[0])
+        if not drafts:
+            return
+        if self._matcher is None:
+            if self.after in drafts:
+                raise InvalidArgument("drafts may not start the constraint (valid_drafts cuts them before it)")
+            arr[1:].fill(-1)
+            return
+        probe = self._matcher.deep_copy() if self._dead is None and not self._stopped else None
+        for j, token in enumerate(drafts, start=1):
+            ok = probe is not None and int(token) not in self._stops and probe.consume_token(int(token))
+            mask = self._compute(probe) if ok else None
+            if mask is None:
+                arr[j:].fill(0)  # a refused draft: the rows after it are never taken (verification stops there)
+                return
+            arr[j] = mask
+
     def rollback(self, n: int) -> None:
         """Undo the last `n` accepted tokens of the constrained part (speculative drafts)."""
         if n < 0 or n > len(self.tokens):
