@@ -455,15 +455,18 @@ def test_quantized_modules_keep_torchs_kernels() -> None:
 
 
 def test_one_row_linear_runs_the_plans_gemvs() -> None:
-    """A decode row of a layer the plan does not run (delta rule, experts) takes the plan's VNNI GEMVs: int4 and
-    int8 formats, rotated or not, padded, with a bias, equal to the GEMV on the prepared input and within bf16
-    rounding of the module; None for other formats, other row counts, hooks, and rows the GEMV cannot split."""
+    """A decode row of a layer the plan does not run (delta rule, experts) takes the plan's GEMVs (VNNI, else
+    AVX2): int4 and int8 formats, rotated or not, padded, with a bias, equal to the GEMV on the prepared input and
+    within bf16 rounding of the module; a ConcatLinear part by part; None for other formats, other row counts,
+    hooks, and rows the GEMV cannot split."""
     from superslm.quant.dense import Bf16Linear, Int8Linear
+    from superslm.quant.gguf_map import ConcatLinear
     from superslm.quant.int4 import Int4Linear
 
     ext = cpu_decode.extension()
-    if ext is None or not ext.vnni_available():
-        pytest.skip("no AVX-512 VNNI: the modules keep their own kernels")
+    if ext is None or not (ext.vnni_available() or ext.avx2_available()):
+        pytest.skip("neither AVX-512 VNNI nor AVX2: the modules keep their own kernels")
+    vnni = ext.vnni_available()
     g = torch.Generator().manual_seed(11)
     w, bias = torch.randn(192, 300, generator=g), torch.randn(192, generator=g)
     mods = [Int4Linear.from_dense(w, bias, group=32), Int4Linear.from_dense(w, group=64, rotate=3),
@@ -476,11 +479,19 @@ def test_one_row_linear_runs_the_plans_gemvs() -> None:
         assert ((got.float() - want).abs() <= 2**-6 * want.abs() + 2e-2 * want.abs().max()).all()
         if isinstance(m, Int4Linear):
             h = m.prepare_input(x).to(torch.bfloat16)
-            assert torch.equal(got, m.finish(ext.int4_gemv(h, m.qweight, m.scales_zeros, m.group)[:, :192], x.dtype))
+            y = (ext.int4_gemv(h, m.qweight, m.scales_zeros, m.group) if vnni
+                 else ext.int4_gemv_avx2(h, m.qweight, m.scales_zeros, m.group, 0))
+            assert torch.equal(got, m.finish(y[:, :192], x.dtype))
         assert cpu_decode.one_row_linear(m, x.repeat(2, 1)) is None
         handle = m.register_forward_hook(lambda *a: None)
         assert cpu_decode.one_row_linear(m, x) is None
         handle.remove()
     nan = torch.full((1, 300), float("nan"), dtype=torch.bfloat16)
     assert cpu_decode.one_row_linear(mods[0], nan) is None
-    assert cpu_decode.one_row_linear(Bf16Linear.from_dense(w), torch.randn(1, 300).to(torch.bfloat16)) is None
+    x = torch.randn(1, 300, generator=g).to(torch.bfloat16)
+    assert cpu_decode.one_row_linear(Bf16Linear.from_dense(w), x) is None
+    cat = ConcatLinear([mods[0], mods[3]])
+    got = cpu_decode.one_row_linear(cat, x)
+    parts = [cpu_decode.one_row_linear(m, x) for m in (mods[0], mods[3])]
+    assert got is not None and torch.equal(got, torch.cat(parts, 1))
+    assert cpu_decode.one_row_linear(ConcatLinear([mods[0], Bf16Linear.from_dense(w)]), x) is None

@@ -295,11 +295,12 @@ def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = 
 
 
 def one_row_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """module(x) for one row of the default mode through the VNNI GEMVs that the C++ plan runs a decode row on
-    (int4 and int8 formats, as their `plan_args` hand them over), or None where they do not apply (another
-    format or shape, hooks on the module or its rotation, no VNNI): layers the plan does not run (delta rules,
-    experts) read their weights at the plan's speed. Not for deterministic mode, where every row count must
-    share one kernel's bits."""
+    """module(x) for one row of the default mode through the GEMVs that the C++ plan runs a decode row on (int4
+    and int8 formats, as their `plan_args` hand them over; a ConcatLinear part by part), or None where they do
+    not apply (another format or shape, hooks on the module or its rotation, neither VNNI nor AVX2): layers the
+    plan does not run (delta rules, experts) read their weights at the plan's speed. Without VNNI the AVX2 GEMVs
+    (kernels/cpu/avx2.cpp: the same bits). Not for deterministic mode, where every row count must share one
+    kernel's bits."""
     if x.dim() != 2 or x.shape[0] != 1 or x.device.type != "cpu" or backend(x.device) != "torch":
         return None  # the Triton kernels were asked for (SUPERSLM_KERNELS=triton: the interpreter's tests)
     rot = getattr(module, "rotation", None)
@@ -307,7 +308,7 @@ def one_row_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | N
         rot is not None and (rot._forward_pre_hooks or rot._forward_hooks)
     ):
         return None
-    ext = cext.vnni()
+    ext = cext.extension()
     plan_args = getattr(module, "plan_args", None)
     got = None if ext is None or plan_args is None else plan_args()
     if got is None:
@@ -315,13 +316,20 @@ def one_row_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | N
     (weight, scales, *_), (kind, group, out, _, k_pad) = got
     if kind == 2:
         return vnni_linear(module, x)
+    if kind == 4:  # a ConcatLinear: its parts side by side, each as the plan runs it
+        ys = [one_row_linear(part, x) for part in getattr(module, "parts", ())]
+        return torch.cat(ys, dim=1) if ys and all(y is not None for y in ys) else None  # type: ignore[misc]
     if kind != 1 or group % 4 or weight.shape[0] % 64 or not scales.is_contiguous():
+        return None
+    vnni = ext.vnni_available()
+    if not vnni and (not ext.avx2_available() or cext.torch_kernels_forced()):
         return None
     h = _vnni_input(ext, module, x).to(torch.bfloat16)  # rotated and padded where the module rotates
     if k_pad != h.shape[1]:
         h = torch.nn.functional.pad(h, (0, k_pad - h.shape[1]))
-    y = ext.int4_gemv(h, weight, scales, group)
-    if y is None:  # a row the GEMV cannot split (NaN, inf, an outlier): the module's own kernel
+    # block 0: torch's packed layout on this CPU, which the int4 format keeps where the VNNI kernels do not run
+    y = ext.int4_gemv(h, weight, scales, group) if vnni else ext.int4_gemv_avx2(h, weight, scales, group, 0)
+    if y is None:  # a row the GEMV cannot split (NaN, inf, an outlier), or a layout it does not read
         return None
     return _with_bias(module, y if y.shape[1] == out else y[:, :out], x)
 
