@@ -174,6 +174,19 @@ def test_layer_kinds_and_refusals(built, tmp_path) -> None:
         open_source(folder)
 
 
+def test_a_moe_config_without_a_dense_width_loads(built, tmp_path) -> None:
+    """Qwen3.5-MoE's published configs name moe_intermediate_size only (no intermediate_size): the Arch reads it."""
+    folder = tmp_path / "moe"
+    folder.mkdir()
+    cfg = json.loads((built["qwen3_5_moe"][1] / "config.json").read_text())
+    cfg.pop("intermediate_size", None)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    for f in built["qwen3_5_moe"][1].glob("*.safetensors"):
+        (folder / f.name).symlink_to(f)
+    a = open_source(folder).arch
+    assert a.ffn == cfg["moe_intermediate_size"] and a.experts.ffn == cfg["moe_intermediate_size"]
+
+
 def test_int8_linears_on_hybrid_layers(built) -> None:
     """quant="int8" swaps the parts' linears, each expert's included (the routers stay dense); the logits' error is
     within 3x the error transformers itself makes in bf16, on a hybrid and on a MoE model."""

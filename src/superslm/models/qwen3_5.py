@@ -60,10 +60,10 @@ def hybrid_fields(cfg: Mapping[str, Any], family: str) -> dict[str, Any]:
     layers = whole(cfg, "num_hidden_layers")
     kinds = mixers(cfg, layers)
     plain = {k: v for k, v in cfg.items() if k != "layer_types"}  # delta layers are not sliding windows
+    if "intermediate_size" not in plain and "moe_intermediate_size" in plain:
+        plain["intermediate_size"] = plain["moe_intermediate_size"]  # a MoE config names its experts' width only
     fields = hf_common(plain, family, qk_norm=True, attn_gate=True, norm_float=True)
     fields.update(mixers=kinds, delta=delta_of(cfg))
-    if "intermediate_size" not in cfg and "moe_intermediate_size" in cfg:
-        fields["ffn"] = whole(cfg, "moe_intermediate_size")
     return fields
 
 
