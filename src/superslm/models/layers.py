@@ -4,7 +4,9 @@
 (Qwen3.5, Qwen3-Next, Qwen3-MoE): norm, mixer, residual add, norm, MLP. Its mixer's cache is the layer's
 KV pages (attention) or the slots' recurrent states (a delta rule: `cache.state.RecurrentStates` rows), so
 the transformer hands each layer the two tensors of its own kind. The C++ plan and the decode graphs do not
-run these parts: `Transformer.plain` is False and both executors refuse the net.
+run these parts: `Transformer.plain` is False and both executors refuse the net. Their pieces have C++ calls of
+their own on the CPU: a delta rule's decode glue (kernels/delta_rule.py decode_step), a MoE block's decode rows
+(kernels/moe_step.py), one-row linears (kernels/cpu_decode.py one_row_linear).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from superslm.kernels import cpu_decode, delta_rule
+from superslm.kernels import cpu_decode, delta_rule, moe_step
 from superslm.kernels.attention import AttnMetadata, QKVSpec
 from superslm.kernels.dispatch import add_rms_norm, gated_act, prepare_attention, rms_norm
 from superslm.kernels.row_blocks import by_row_blocks
@@ -198,8 +200,15 @@ class MoE(nn.Module):
             self.shared = DenseMLP(arch, stack(w, ("shared_gate", "shared_up")), w["shared_down"], linear)  # type: ignore[arg-type]
             self.shared_scale = linear(w["shared_scale"])
         self.tokens_per_expert = torch.zeros(e.count, dtype=torch.long)
+        self._parts: tuple[list[nn.Module | None], moe_step.MoEParts] | None = None
 
-    def forward(self, x: torch.Tensor, deterministic: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, deterministic: bool, decode: bool = False) -> torch.Tensor:
+        """x [N, dim] -> [N, dim]. `decode`: every row is a sequence's decode row; in the default mode the CPU then
+        runs the block in one C++ call (kernels/moe_step.py) where it takes the experts' linears."""
+        if decode and not deterministic:
+            y = moe_step.run(x, self.moe_parts(), self.tokens_per_expert)
+            if y is not None:
+                return y
         e = self.experts
         logits = _linear(self.router, x, deterministic)
         probs = torch.softmax(logits.float(), dim=-1)
@@ -225,6 +234,27 @@ class MoE(nn.Module):
             scale = torch.sigmoid(_linear(self.shared_scale, x, deterministic))
             out = out + scale * self.shared(x, deterministic)
         return out
+
+    def moe_parts(self) -> moe_step.MoEParts:
+        """This block as kernels/moe_step.py takes it, built once and again when a linear was swapped (quant.swap
+        replaces the experts' placeholders after construction); read from _modules (nn.Module's __getattr__ per
+        expert would cost more than the check)."""
+        mlps = [*self.experts_mlp._modules.values(), *([] if self.shared is None else [self.shared])]
+        mods: list[nn.Module | None] = [self._modules["router"], self._modules.get("shared_scale")]
+        for mlp in mlps:
+            mods += mlp._modules.values()  # type: ignore[union-attr]
+        cached = self._parts
+        if cached is not None and len(cached[0]) == len(mods) and all(a is b for a, b in zip(cached[0], mods)):
+            return cached[1]
+        e = self.experts
+        assert e is not None
+        pairs = [(m.gate_up, m.down) for m in self.experts_mlp]  # type: ignore[union-attr]
+        shared = None if self.shared is None else (self.shared.gate_up, self.shared.down)
+        parts = moe_step.MoEParts(self.router, pairs, e.top_k, e.norm_top_k, self.act, shared,
+                                  None if self.shared is None else self.shared_scale,
+                                  watch=tuple(self.modules())[1:])
+        self._parts = (mods, parts)
+        return parts
 
 
 class PartsLayer(nn.Module):
@@ -272,4 +302,12 @@ class PartsLayer(nn.Module):
             x, h = add_rms_norm(pending, h, self.attn_norm, a.norm_eps, a.norm_float)
         mixed = self.mixer(x, meta, cos_sin, cache_a, cache_b)
         x, h = add_rms_norm(mixed, h, self.ffn_norm, a.norm_eps, a.norm_float)
+        if isinstance(self.mlp, MoE):
+            return h, self.mlp(x, meta.deterministic, _all_decode(meta, x.shape[0]))
         return h, self.mlp(x, meta.deterministic)
+
+
+def _all_decode(meta: AttnMetadata, rows: int) -> bool:
+    """Whether the step's rows are one decode row of each sequence, unpadded (once per step)."""
+    return rows == meta.num_seqs and meta.step_cache(
+        "all_decode", lambda: all(b - a == 1 for a, b in zip(meta.query_start, meta.query_start[1:])))

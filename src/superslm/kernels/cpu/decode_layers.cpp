@@ -24,6 +24,8 @@ at::Tensor delta_decode_step(const at::Tensor& mixed, const at::Tensor& z, const
                              const at::Tensor& beta, const at::Tensor& conv_weight, at::Tensor conv_state,
                              at::Tensor ssm_state, const at::Tensor& slots, const at::Tensor& norm_weight,
                              double eps, int64_t k_heads, int64_t k_dim, int64_t v_heads, int64_t v_dim);
+// moe_step.cpp: a mixture-of-experts block's decode rows (its class MoEStep, registered into this module)
+void register_moe_step(pybind11::module& m);
 
 namespace {
 
@@ -435,4 +437,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_rownorm", &int8_rownorm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int8_greedy_candidates", &int8_greedy_candidates, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("delta_decode_step", &delta_decode_step, pybind11::call_guard<pybind11::gil_scoped_release>());
+  register_moe_step(m);
 }
