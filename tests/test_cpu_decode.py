@@ -388,6 +388,43 @@ def test_q5_0_linears_run_in_the_plan(folders) -> None:
     assert (cpp.float() - generic.float()).abs().max().item() <= 0.03 * scale
 
 
+def test_iq4_linears_run_in_the_plan(folders) -> None:
+    """GGUF IQ4_NL weights run as they are (quant/iq4.py) inside the C++ plan, equal to the reference; the same
+    greedy tokens as the int8 re-quantization they replace; a decode row of a layer the plan does not run takes
+    their GEMV (one_row_linear)."""
+    from superslm.formats.blocks import IQ4_NL
+    from superslm.quant.gguf_map import iq4_runs, linear_from_gguf
+    from superslm.quant.iq4 import GGUFIQ4Linear
+    from tests.test_iq4 import quantize_iq4_nl
+
+    if not iq4_runs():
+        pytest.skip("no IQ4 kernels: IQ4 runs as int8")
+    src = open_source(folders["llama"])
+    nets = {}
+    for fmt in ("giq4", "int8"):
+        net = Transformer(src.arch, materialize(src, torch.bfloat16))
+        for layer in net.layers:
+            for name in ("qkv", "gate_up", "down"):
+                w = getattr(layer, name).weight.detach().float().numpy()
+                raw = quantize_iq4_nl(w)
+                setattr(layer, name, linear_from_gguf([(raw, IQ4_NL, w.shape, None)], mapping={"IQ4_NL": (fmt, {})}))
+        nets[fmt] = net
+    net = nets["giq4"]
+    assert isinstance(net.layers[0].qkv, GGUFIQ4Linear) and cpu_decode.plan_for(net) is not None
+    generic, ref, cpp = _three_ways(net, [2, 7, 13, 35])
+    scale = generic.float().abs().max().item()
+    assert (cpp.float() - ref.float()).abs().max().item() <= 2**-6 * scale
+    assert (cpp.float() - generic.float()).abs().max().item() <= 0.03 * scale
+    # the file's values (iq4) against their int8 re-quantization: the same hidden states within int8's error
+    other, _, _ = _three_ways(nets["int8"], [2, 7, 13, 35])
+    cos = torch.nn.functional.cosine_similarity(cpp.float(), other.float(), dim=-1)
+    assert cos.min().item() > 0.99
+    m = net.layers[0].down
+    x = torch.randn(1, m.in_features).to(torch.bfloat16)
+    got = cpu_decode.one_row_linear(m, x)
+    assert got is not None and torch.equal(got, m(x))
+
+
 def test_a_nan_row_stays_its_own(folders) -> None:
     # a NaN in one sequence's hidden state is NaN in its output (the vector exp keeps it) and touches no other
     src = open_source(folders["llama"])

@@ -49,7 +49,7 @@ from superslm.quant import (
     rotate_weight,
     unrotate_weight,
 )
-from superslm.quant.gguf_map import int5_runs
+from superslm.quant.gguf_map import int5_runs, iq4_runs
 from superslm.quant.int4 import cpu_block, pack_int4, to_cpu_layout, to_stored_layout, unpack_int4
 from superslm.quant.int5 import GGUFInt5Linear, pack_bits, unpack_bits
 
@@ -277,8 +277,9 @@ def test_gguf_fused_parts_and_nearest_formats() -> None:
     alone = torch.cat([GGUFInt4Linear.from_gguf(q, Q4_K, (64, 256)).dequantize(),
                        GGUFInt4Linear.from_gguf(k, Q4_K, (32, 256)).dequantize()])  # fmt: skip
     assert torch.equal(native.dequantize(), alone)
-    # Q8_0 / Q6_K / the IQ types (and Q5_0 without the C++ kernels): re-quantized to int8 per channel, and said so
-    iq = (IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_S, IQ2_XS, IQ2_XXS)
+    # Q8_0 / Q6_K / the IQ types (and Q5_0, IQ4_NL, IQ4_XS without the C++ kernels): re-quantized to int8 per
+    # channel, and said so
+    iq = (IQ3_S, IQ3_XXS, IQ2_S, IQ2_XS, IQ2_XXS) + (() if iq4_runs() else (IQ4_NL, IQ4_XS))
     for block in (Q8_0, *iq) if int5_runs() else (Q5_0, Q8_0, *iq):
         raw = gguf_bytes(block, rng.standard_normal((32, 256)).astype(np.float32))
         m = linear_from_gguf([(raw, block, (32, 256), None)])

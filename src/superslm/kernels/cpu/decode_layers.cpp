@@ -436,6 +436,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_gemm", &int4_gemm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int8_rownorm", &int8_rownorm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int8_greedy_candidates", &int8_greedy_candidates, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("iq4_available", &iq4_available);
+  m.def("iq4_gemv", &iq4_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("iq4_gemm", &iq4_gemm, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("iq4_dequantize", &iq4_dequantize, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("delta_decode_step", &delta_decode_step, pybind11::call_guard<pybind11::gil_scoped_release>());
   register_moe_step(m);
 }

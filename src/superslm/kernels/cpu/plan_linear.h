@@ -32,6 +32,12 @@ at::Tensor int8_gemv_avx2(const at::Tensor& x, const at::Tensor& codes, const at
 std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const at::Tensor& codes,
                                                     const at::Tensor& scale, const at::Tensor& rowsum,
                                                     const at::Tensor& w2, int64_t limit);
+// iq4.cpp
+bool iq4_available();
+at::Tensor iq4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table);
+at::Tensor iq4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table,
+                    bool rows16);
+at::Tensor iq4_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table);
 
 namespace superslm_plan {
 
@@ -63,7 +69,8 @@ inline at::Tensor rotate_input(const at::Tensor& x, const at::Tensor& signs_f, i
 
 // CONCAT: parts of different formats (quant/gguf_map.py ConcatLinear, e.g. Q4_K q, k with a Q6_K v)
 // INT5: GGUF Q5_0 as it is (quant/int5.py): int4 nibbles, `extra` their fifth bits
-enum LinKind : int64_t { DENSE_MODULE = 0, INT4 = 1, INT8 = 2, DENSE_FORMAT = 3, CONCAT = 4, INT5 = 5 };
+// IQ4: GGUF IQ4_NL / IQ4_XS as they are (quant/iq4.py): codes, float scales, `extra` the 16-value table
+enum LinKind : int64_t { DENSE_MODULE = 0, INT4 = 1, INT8 = 2, DENSE_FORMAT = 3, CONCAT = 4, INT5 = 5, IQ4 = 6 };
 
 // MKL picks its kernel, and a dot product's term order, by the matrix shape: on an Intel Xeon a row of a
 // 64-row GEMM got other bits than in a 16-row one. One shape for every call: 16 rows (x has a multiple).
@@ -86,7 +93,7 @@ struct Lin {
   at::Tensor a, b, bias;
   // block Hadamard rotation of the input (kernels/hadamard.py Rotation): signs [kpad], H [block, block]
   at::Tensor signs, hadamard, signs_f;  // signs_f: the signs as float, for rotate_rows
-  // INT5: the fifth-bit masks (int64 [N / 64, K / 4, 4])
+  // INT5: the fifth-bit masks (int64 [N / 64, K / 4, 4]); IQ4: the table (int8 [16])
   at::Tensor extra;
   // int8: sum of each output row's codes, for the VNNI GEMV's offset correction
   at::Tensor rowsum;
@@ -117,8 +124,9 @@ struct Lin {
                   "DecodePlan: a rotation that does not fit the linear's input");
       l.signs_f = l.signs.to(at::kFloat).contiguous();
     }
-    TORCH_CHECK(l.kind >= DENSE_MODULE && l.kind <= INT5, "DecodePlan: unknown linear kind ", l.kind);
+    TORCH_CHECK(l.kind >= DENSE_MODULE && l.kind <= IQ4, "DecodePlan: unknown linear kind ", l.kind);
     TORCH_CHECK(l.kind != INT5 || (l.extra.defined() && l.b.defined()), "DecodePlan: an int5 linear without its bits");
+    TORCH_CHECK(l.kind != IQ4 || (l.extra.defined() && l.b.defined()), "DecodePlan: an iq4 linear without its table");
     TORCH_CHECK(l.kind == CONCAT || l.a.defined(), "DecodePlan: a linear without its weight");
     if (l.kind == INT8) l.rowsum = int8_rowsum(l.a);
     l.fits4 = l.kind == INT4 && l.group % 4 == 0 && l.a.size(0) % 64 == 0 && l.b.is_contiguous();
@@ -172,6 +180,11 @@ struct Lin {
     } else if (kind == INT5) {
       // no torch kernel for 5-bit codes: the VNNI kernels at every row count (their rows batch-invariant)
       y = h.size(0) == 1 ? int5_gemv(h, a, b, extra) : int5_gemm(h, a, b, extra);
+      if (y.size(1) != out) y = y.narrow(1, 0, out);
+    } else if (kind == IQ4) {
+      // the GEMV for a row of the default mode; deterministic steps take the 16-row float32 GEMM at every row
+      // count (the GEMV's bits are not the GEMM's), as the module's forward_row_blocks does
+      y = h.size(0) == 1 && !deterministic ? iq4_gemv(h, a, b, extra) : iq4_gemm(h, a, b, extra, deterministic);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == INT8) {
       // as int4: the VNNI kernels for one row, for every row count in deterministic steps, else from gemm_rows

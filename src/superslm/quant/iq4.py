@@ -1,0 +1,168 @@
+"""GGUF IQ4_NL and IQ4_XS weights run as they are: 4-bit codes into a 16-value table, a float32 scale per 32.
+
+Both are groups of 32 values: weight = scale * table[code], table = ggml's kvalues_iq4nl (-127 .. 113). IQ4_NL's
+scale is the block's f16 d; IQ4_XS's is d * (ls - 32) with the 6-bit sub-scale ls, exact in float32 (not in
+bf16: 11 + 6 significant bits), and so is every weight (+ 7 bits for the table value). As int8 per output channel
+(quant/gguf_map.py before this format) they took 8 bits a weight where the file has 4.5 (IQ4_NL) or 4.25
+(IQ4_XS), and decode, which reads every weight once a step, ran at half llama.cpp's speed on Qwen2.5-0.5B IQ4_XS.
+Here: the file's code bytes (qweight uint8 [N, K / 2], per group 16 bytes, byte j = codes j and j + 16) and the
+scales float32 [N, K / 32]: 5 bits a weight, the same as Q4_K's packed int4 with its bf16 (scale, zero) pairs.
+
+The C++ kernels (kernels/cpu/iq4.cpp) run one row through an AVX2 GEMV (the table lookup is a byte shuffle) and
+prompts through a float32 GEMM over blocks of decoded rows; `iq4_matmul` is their torch twin. Without the
+extension the module multiplies with a dense float copy of the weight, built at first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from superslm import cext
+from superslm.errors import InvalidArgument
+from superslm.formats.blocks import _IQ4_VALUES, IQ4_NL, IQ4_XS, BlockType, _f16
+from superslm.quant.base import LinearFormat, as_bias, register_format
+
+#: the 16 table values as the kernels take them
+TABLE = torch.from_numpy(_IQ4_VALUES.astype(np.int8))
+
+
+def iq4_params(raw: np.ndarray, block_type: type[BlockType], shape: Sequence[int],
+               row_perm: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """IQ4_NL / IQ4_XS bytes of a weight [out, in] -> (codes uint8 [out, in / 2] in the file's byte order per
+    group of 32, scales float32 [out, in / 32]), rows taken in `row_perm` order if given."""
+    n, k = (int(d) for d in shape)
+    if block_type not in (IQ4_NL, IQ4_XS):
+        raise InvalidArgument(f"the iq4 format runs IQ4_NL and IQ4_XS blocks, not {block_type.name}")
+    if block_type.n_elements(raw) != n * k or k % block_type.block_size:
+        raise InvalidArgument(f"{block_type.name}: {raw.size} bytes do not hold a [{n}, {k}] weight")
+    blocks = np.ascontiguousarray(raw).reshape(-1, block_type.type_size)
+    if block_type is IQ4_NL:
+        codes = blocks[:, 2:]  # [n * k / 32, 16]
+        scales = _f16(blocks, 0)  # [n * k / 32, 1]
+    else:
+        m = blocks.shape[0]
+        low = (blocks[:, 4:8].reshape(m, 4, 1) >> np.array([0, 4], dtype=np.uint8)).reshape(m, 8) & np.uint8(0x0F)
+        high = (blocks[:, 2:4].copy().view("<u2") >> np.arange(0, 16, 2, dtype=np.uint16)) & np.uint16(3)  # [m, 8]
+        ls = (low.astype(np.int16) | (high.astype(np.int16) << 4)) - 32
+        scales = _f16(blocks, 0) * ls.astype(np.float32)  # [m, 8]: exact (11 + 6 bits)
+        codes = blocks[:, 8:]  # [m, 128]: 8 groups of 16 bytes, each laid out as IQ4_NL's
+    codes = np.ascontiguousarray(codes).reshape(n, k // 2)
+    scales = np.ascontiguousarray(scales, dtype=np.float32).reshape(n, k // 32)
+    if row_perm is not None:
+        perm = torch.as_tensor(row_perm, dtype=torch.long).numpy()
+        if perm.shape != (n,) or not np.array_equal(np.sort(perm), np.arange(n)):
+            raise InvalidArgument(f"row_perm must be a permutation of {n} rows")
+        codes, scales = codes[perm], scales[perm]
+    return codes, scales
+
+
+def iq4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The torch twin of the extension's iq4_dequantize: the weight float32 [N, K] (scale * table[code])."""
+    n = qweight.shape[0]
+    q = qweight.view(n, -1, 16)  # [N, groups, 16]
+    codes = torch.cat([q & 15, q >> 4], dim=-1).long()  # [N, groups, 32]: codes j, then j + 16
+    return (table.float()[codes] * scales.float()[..., None]).view(n, -1)
+
+
+def iq4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The torch twin of the extension's iq4_gemv / iq4_gemm: x [M, K] rounded to bf16 times the exact weight
+    in float32 -> [M, N] bf16 (the GEMV's int16 parts of x are within 2^-15 of each group's largest element)."""
+    return (x.to(torch.bfloat16).float() @ iq4_dequantize(qweight, scales, table).t()).to(torch.bfloat16)
+
+
+def iq4_kernels() -> Any:
+    """The extension where its IQ4 GEMV runs (AVX2 built here, not SUPERSLM_KERNELS=torch), else None."""
+    ext = cext.extension()
+    if ext is None or cext.torch_kernels_forced() or not ext.iq4_available():
+        return None
+    return ext
+
+
+@register_format
+class GGUFIQ4Linear(LinearFormat):
+    """GGUF IQ4_NL / IQ4_XS blocks as they are (groups of 32: a float32 scale times a table value)."""
+
+    name: ClassVar[str] = "giq4"
+
+    def __init__(self, codes: np.ndarray | torch.Tensor, scales: torch.Tensor, in_features: int, out_features: int,
+                 bias: torch.Tensor | None = None, note: str = "", table: torch.Tensor | None = None) -> None:
+        """codes uint8 [N, K / 2] (per group of 32: byte j = codes j and j + 16), scales float32 [N, K / 32]."""
+        q = torch.as_tensor(codes).to(torch.uint8).contiguous()
+        n, half = q.shape
+        k = 2 * half
+        if k % 32 or tuple(scales.shape) != (n, k // 32) or n != out_features or in_features > k:
+            raise InvalidArgument(f"giq4: codes {tuple(q.shape)} and scales {tuple(scales.shape)} do not match")
+        t = TABLE if table is None else table.to(torch.int8).contiguous()
+        if t.shape != (16,):
+            raise InvalidArgument("giq4: a table of 16 values")
+        super().__init__(in_features, out_features, k, bias, None, note)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", scales.float().contiguous())
+        self.register_buffer("table", t.clone())
+
+    @classmethod
+    def from_gguf_parts(cls, parts: Sequence[tuple[np.ndarray, type[BlockType], Sequence[int], Any]],
+                        bias: torch.Tensor | None = None) -> GGUFIQ4Linear:
+        """IQ4_NL / IQ4_XS tensors (raw, block_type, shape, row_perm) fused along out (qkv, gate_up)."""
+        got = [iq4_params(*p) for p in parts]
+        codes = torch.from_numpy(np.concatenate([g[0] for g in got]))
+        scales = torch.from_numpy(np.concatenate([g[1] for g in got]))
+        n, k = codes.shape[0], codes.shape[1] * 2
+        names = "+".join(dict.fromkeys(p[1].name for p in parts))
+        return cls(codes, scales, k, n, as_bias(bias, n), f"from {names}, codes exact")
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, block_type: type[BlockType], shape: Sequence[int],  # type: ignore[override]
+                  row_perm: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> GGUFIQ4Linear:
+        return cls.from_gguf_parts([(raw, block_type, shape, row_perm)], bias)
+
+    @classmethod
+    def from_dense(cls, *args: Any, **kwargs: Any) -> LinearFormat:
+        raise InvalidArgument("the giq4 format is built from GGUF IQ4_NL / IQ4_XS blocks (from_gguf)")
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def, override]
+        # .to(bf16) on a model must not round the scales: the kernels read them in float32, exact
+        kept = self.scales
+        out = super()._apply(fn, recurse)
+        if self.scales.dtype != torch.float32:
+            self._buffers["scales"] = kept.to(self.scales.device)
+        return out
+
+    def plan_args(self) -> tuple[list[torch.Tensor | None], list[int]] | None:
+        if iq4_kernels() is None:
+            return None
+        return [self.qweight, self.scales, self.bias, None, None, self.table], [6, 32, *self._plan_ints()]
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        ext = iq4_kernels()
+        if ext is None or x.device.type != "cpu" or self.qweight.device.type != "cpu":
+            # no kernels here (a folder converted on another machine, another device): a dense copy in x's
+            # dtype, built once
+            dense = getattr(self, "_dense", None)
+            if dense is None or dense.dtype != x.dtype or dense.device != x.device:
+                dense = self._dense = self.dequantize_stored().to(device=x.device, dtype=x.dtype)
+            return F.linear(x, dense)
+        if x.shape[0] == 1:
+            return ext.iq4_gemv(x, self.qweight, self.scales, self.table)
+        return ext.iq4_gemm(x, self.qweight, self.scales, self.table, False)
+
+    def dequantize_stored(self) -> torch.Tensor:
+        return iq4_dequantize(self.qweight.cpu(), self.scales.cpu(), self.table.cpu())
+
+    def _describe_format(self) -> str:
+        return "gguf IQ4 (table g32)"
+
+    def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return {"qweight": self.qweight, "scales": self.scales, "table": self.table}, {}
+
+    @classmethod
+    def _from_state(cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], **common: Any) -> LinearFormat:
+        if common.get("rotation") is not None:
+            raise InvalidArgument("giq4 weights are never rotated")
+        return cls(tensors["qweight"].contiguous(), tensors["scales"], common["in_features"], common["out_features"],
+                   common.get("bias"), common.get("note", ""), tensors["table"])
