@@ -36,8 +36,6 @@ def random_iq4(block: type, n: int, k: int, rng: np.random.Generator) -> np.ndar
 def build(folder: Path) -> None:
     import transformers
 
-    from tests.tiny_models import write_tokenizer
-
     config = transformers.Qwen2Config(**QWEN05)
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -48,6 +46,16 @@ def build(folder: Path) -> None:
             p.normal_(0, 0.02)
     model.save_pretrained(folder, safe_serialization=True)
     write_tokenizer(folder, config.vocab_size)
+
+
+def write_tokenizer(folder: Path, vocab: int) -> None:
+    """A word-level tokenizer of exactly `vocab` tokens (any id the random model picks decodes)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text('{"bos_token": "t1", "eos_token": "t2", "add_bos_token": false}')
 
 
 def load(folder: Path, fmt: str):  # noqa: ANN201
@@ -64,7 +72,7 @@ def load(folder: Path, fmt: str):  # noqa: ANN201
     for layer in model.net.layers:
         for name in ("qkv", "o", "gate_up", "down"):
             old = getattr(layer, name)
-            n, k = old.out_features, old.in_features
+            n, k = old.weight.shape if hasattr(old, "weight") else (old.out_features, old.in_features)
             block = IQ4_XS if k % 256 == 0 else IQ4_NL
             setattr(layer, name, linear_from_gguf([(random_iq4(block, n, k, rng), block, (n, k), None)],
                                                   getattr(old, "bias", None), mapping))
@@ -94,8 +102,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", choices=("giq4", "int8"), help="one format (its RSS alone)")
     ns = ap.parse_args()
+    import superslm
+
+    superslm.set_threads(ns.threads)
     folder = Path(tempfile.gettempdir()) / "superslm-qwen05-random"
     if not (folder / "model.safetensors").exists():
         build(folder)

@@ -98,12 +98,14 @@ void gemv_rows(const uint8_t* q, const float* s, const __m128i tbl, const int16_
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sc[r][g] * sl), acc[r]);
     }
   }
-  for (int r = 0; r < nr; ++r) {
+  float res[4];  // every accumulator reduced with a constant index: a dynamic one would keep acc in memory
+  for (int r = 0; r < 4; ++r) {
     __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
     v = _mm_add_ps(v, _mm_movehl_ps(v, v));
     v = _mm_add_ss(v, _mm_movehdup_ps(v));
-    out[r] = _mm_cvtss_f32(v);
+    res[r] = _mm_cvtss_f32(v);
   }
+  for (int r = 0; r < nr; ++r) out[r] = res[r];
 }
 #endif
 
