@@ -169,11 +169,22 @@ def test_draft_counts_maximize_the_steps_tokens_per_cost() -> None:
         got = c.draft_counts(rates, rooms)
         assert all(0 <= k <= min(c.k, r) for k, r in zip(got, rooms, strict=True))
         assert value(got) >= best * (1 - 1e-9)
-    c = Speculative()
+    c = Speculative(fixed_cost=0.85, row_cost=0.25, row_tile=4)  # the VNNI kernels' curve
     assert c.step_cost(1) == 1 and c.step_cost(2) == c.step_cost(4) < c.step_cost(5)  # rows in tiles of 4
     assert c.draft_counts([0.7], [8]) == [3] and c.draft_counts([0.7] * 8, [8] * 8) == [0] * 8
     assert c.draft_counts([0.95] * 8, [8] * 8) == [3] * 8  # copying pays at batch 8 too, in shorter drafts
     assert c.draft_counts([0.95, 0.2], [8, 8]) == [6, 0]  # each sequence by its own estimate
+    # AVX2's kernels: rows cost half a step each, shared by nothing: drafts pay alone, hardly ever beside 7 others
+    a = Speculative(fixed_cost=0.4, row_cost=0.5, row_tile=1)
+    assert a.step_cost(2) == 1.4 and a.step_cost(8) == 4.4
+    assert a.draft_counts([0.6], [8]) == [1] and a.draft_counts([0.8] * 8, [8] * 8) == [0] * 8
+    # the default is this CPU's curve
+    from superslm.engine.speculative import AVX2_STEP_COSTS, VNNI_STEP_COSTS, cpu_step_costs
+
+    assert cpu_step_costs() in (AVX2_STEP_COSTS, VNNI_STEP_COSTS)
+    fixed, per_row, tile = cpu_step_costs()
+    mine = Speculative(fixed_cost=fixed, row_cost=per_row, row_tile=tile)
+    assert all(Speculative().step_cost(r) == mine.step_cost(r) for r in range(1, 20))
 
 
 # --- the engine -----------------------------------------------------------------------------------
@@ -520,3 +531,35 @@ def test_smollm2_copy_rewrite_equal_tokens(smollm2_gguf) -> None:
     same_ends(spec, plain)
     assert spec[0].logprobs == plain[0].logprobs
     assert e.stats()["drafts_accepted"] > 0
+
+
+@pytest.mark.slow
+def test_smollm2_json_extraction_drafts_exactly(smollm2_gguf) -> None:
+    """The real model filling a JSON schema from a document it quotes: drafts kept (values copied from the prompt,
+    keys the schema forces), the same tokens and logprobs as without drafts in deterministic mode, valid JSON."""
+    import json
+
+    import jsonschema
+
+    from superslm.grammar import Constraint
+
+    model = superslm.load(smollm2_gguf)
+    doc = ("Margaret Ellison, property manager at Harbor View Apartments LLC, 1820 Shoreline Drive, Portland, "
+           "Oregon, signed the maintenance contract with Northwind Mechanical Services Inc. on 14 March 2024.")
+    keys = ("person_name", "job_title", "company_name", "street_address", "city", "contractor_name", "date")
+    schema = {"type": "object", "properties": {k: {"type": "string", "maxLength": 60} for k in keys},
+              "required": list(keys), "additionalProperties": False}
+    chat = [{"role": "user", "content": f"{doc}\n\nExtract {', '.join(keys)} from the text above as JSON."}]
+    prompt = model.chat_tokens(chat)
+
+    def reqs():
+        return [Request(prompt, 200, Sampling(logprobs=1, grammar=Constraint.json_schema(schema, max_whitespace=0)))]
+
+    exact = dict(slots=1, context=512, page_size=16, deterministic=True)
+    plain, e0 = generate(model, reqs(), **exact)
+    spec, e1 = generate(model, reqs(), **exact, speculative="ngram")
+    same_ends(spec, plain)
+    assert spec[0].logprobs == plain[0].logprobs
+    jsonschema.validate(json.loads(spec[0].text), schema)
+    assert e1.stats()["drafts_accepted"] > 10 and e1.stats()["steps"] < e0.stats()["steps"]
+
