@@ -48,3 +48,35 @@ def test_a_second_process_says_it_waits(fresh, capsys) -> None:
     err = capsys.readouterr().err
     assert "another process is building the C++ kernels" in err and "ready (" in err
     assert kernels.exists()
+
+
+def test_a_lock_left_by_a_killed_build_is_removed(fresh, capsys) -> None:
+    """A build killed mid-way (SIGKILL: torch's FileBaton never releases) left its lock; torch would wait on it
+    forever. A lock older than STALE_LOCK_S is removed and this process builds; a fresh one is waited on."""
+    import os
+    import time
+    import unittest.mock
+
+    real_build_dir = cext._build_dir
+    ages = []
+
+    def with_lock(name):
+        folder = real_build_dir(name)
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = folder / "lock"
+        lock.write_text("")
+        old = time.time() - ages[-1]
+        os.utime(lock, (old, old))
+        return folder
+
+    ages.append(cext.STALE_LOCK_S + 60)
+    with unittest.mock.patch.object(cext, "_build_dir", with_lock):
+        cext.extension()
+    err = capsys.readouterr().err
+    assert "building the C++ kernels" in err and "another process" not in err
+    folder = real_build_dir("x")
+    folder.mkdir(parents=True)
+    (folder / "lock").write_text("")
+    assert not cext.clear_stale_lock(folder) and (folder / "lock").exists()  # a build in progress: kept
+    assert cext.clear_stale_lock(folder, now=time.time() + cext.STALE_LOCK_S + 1) and not (folder / "lock").exists()
+    assert not cext.clear_stale_lock(folder)  # no lock: nothing to do

@@ -102,6 +102,7 @@ def extension() -> Any:
         # the first use on a machine compiles (145 s on 2 cores of an AMD EPYC): say so rather than look hung;
         # a second process waits on the first one's lock (torch's FileBaton) and says that instead
         build_dir.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(build_dir)
         if (build_dir / "lock").exists():
             print("superslm: another process is building the C++ kernels for this machine; waiting for it...",
                   file=sys.stderr, flush=True)
@@ -122,6 +123,25 @@ def extension() -> Any:
         log.warning("superslm: C++ decode layers unavailable (%s); using the torch path", str(e).splitlines()[0])
         _ext = None
     return _ext
+
+
+#: a build lock older than this was left by a process killed mid-build (builds take 1-3 minutes, ~12 under heavy
+#: load): torch's FileBaton would wait on it forever
+STALE_LOCK_S = 30 * 60
+
+
+def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
+    """Remove `build_dir`'s build lock when it is older than STALE_LOCK_S; True when one was removed."""
+    lock = build_dir / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= STALE_LOCK_S:
+        return False
+    log.warning("superslm: removing a stale C++ kernels build lock (%.0f min old): %s", age / 60, lock)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def vnni() -> Any:
