@@ -19,6 +19,7 @@ import shutil
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from superslm.errors import InvalidArgument, ModelNotFound, UnsupportedModel
 from superslm.formats import native
 from superslm.models.layers import PartsLayer
 from superslm.models.loader import Source, Stored, canonical_names, canonical_tensor, open_source
-from superslm.models.parts import DELTA_LAYOUTS, NORMS, PIECES, stack, stacked
+from superslm.models.parts import DELTA_LAYOUTS, NORMS, PIECES, mtp_arch, stack, stacked
 from superslm.models.transformer import DenseLinear
 from superslm.quant import LinearFormat, linear_from_gguf
 from superslm.quant.stored import INT4_PACKED, linear_state
@@ -144,21 +145,23 @@ class _Writer:
                     self.gptq[prefix + attr] = module
             self.put(prefix + attr, module)
 
-    def parts_layer(self, i: int) -> None:
+    def parts_layer(self, i: int, mtp: bool = False) -> None:
         """A `PartsLayer`: each linear it runs (`PartsLayer.linears()`: each expert's too) in the body's format from
         the stacked float32 weights the load path builds it from; its other tensors (norms, the convolution, a_log,
         dt_bias, the router and the shared expert's gate, which stay dense as at load) in float32. "dense" keeps
         every canonical tensor instead, linears' pieces in the source's float dtype; "gguf" each linear from the file's
-        blocks as `superslm.load` runs them (`quant.swap.layer_from_source`)."""
-        prefix, body, source = f"layers.{i}.", self.opts["format"], self.source
-        arch, parts = source.arch, source.recipe.parts_for(source.is_hf)
+        blocks as `superslm.load` runs them (`quant.swap.layer_from_source`). `mtp`: the MTP block's layer i."""
+        body, source = self.opts["format"], self.source
+        prefix, arch, index = ((f"mtp.layers.{i}.", mtp_arch(source.arch, i), 0) if mtp
+                               else (f"layers.{i}.", source.arch, i))
+        parts = source.recipe.parts_for(source.is_hf)
         keys = [k[len(prefix):] for k in self.names if k.startswith(prefix)]
         if body == "gguf" and self.blocks is None:
             self.blocks = block_pieces(source, self.opts["layers"])
         # GGUF blocks kept as they are need no float copy: an empty [0, in] placeholder, as `materialize` skips them
         w = {k: torch.empty(0, self.names[prefix + k].shape[-1]) if body == "gguf" and k in (self.blocks or ())
              else canonical_tensor(source, prefix + k, self.names[prefix + k]) for k in keys}
-        pieces = {p for s in parts.linears(arch, i).values() for p in (*s.pieces, *s.bias)}
+        pieces = {p for s in parts.linears(arch, index).values() for p in (*s.pieces, *s.bias)}
         pieces.update(*DELTA_LAYOUTS.values(), EXPERTS)
         for k in keys:
             if k not in pieces:
@@ -170,14 +173,31 @@ class _Writer:
         if body == "gguf":
             # what the blocks cannot give as they are becomes int8 from bf16 weights, as `superslm.load` makes it
             w = {k: v.to(torch.bfloat16) if k in pieces else v for k, v in w.items()}
-        layer = PartsLayer(arch, i, w, DenseLinear)  # its linears stacked as `superslm.load` stacks them
+        layer = PartsLayer(arch, index, w, DenseLinear)  # its linears stacked as `superslm.load` stacks them
         if body == "gguf":
             o = self.opts
-            layer_from_source(layer, i, source, self.names, None, o["group"], o["seed"])
+            layer_from_source(layer, i, source, self.names, None, o["group"], o["seed"], mtp=mtp)
             source.gguf.release_pages()
         for parent, attr, name in layer.linears():
             module = getattr(parent, attr)
             self.put(prefix + name, module if body == "gguf" else self.make(body, module.weight, module.bias))
+
+    def mtp(self) -> None:
+        """The MTP block (models/mtp.py): its norms in float32, fc as a body linear (from the file's blocks for
+        "gguf", as `superslm.load` takes it), its decoder layers as parts layers."""
+        source, body = self.source, self.opts["format"]
+        for k in ("enorm", "hnorm", "norm"):
+            self.tensors[f"mtp.{k}"] = canonical_tensor(source, f"mtp.{k}", self.names[f"mtp.{k}"])
+        if body == "gguf":
+            self.put("mtp.fc", linear_from_gguf(gguf_parts(source, self.names, "mtp.", ("fc",))))
+        else:
+            fc = canonical_tensor(source, "mtp.fc", self.names["mtp.fc"])
+            if body == "dense":
+                self.tensors["mtp.fc"] = fc.to(_float_dtype(self.names["mtp.fc"], exact=True))
+            else:
+                self.put("mtp.fc", self.make(body, fc, None))
+        for j in range(source.arch.mtp):
+            self.parts_layer(j, mtp=True)
 
     def tune(self, steps: int, progress: bool) -> dict[str, Any]:
         """GPTQ's int4 scales and zeros tuned end to end against the calibrator's dense model
@@ -339,8 +359,10 @@ def convert(
               "rotation": {"seed": int(seed)} if rotated else None, "layers": n, "lora": lora_info,
               "source": {"format": source.format, "name": source.path.name, "sha256": source_sha256(source)},
               "int4_layout": INT4_PACKED, "calibration": calibrator.info if calibrator is not None else None}
+    # with --layers the MTP block goes with the final norm and the head
     config = {"superslm_format": native.FORMAT_VERSION, "model_type": source.recipe.hf_types[0],
-              "arch": arch.summary(), "layers": n, "source_config": _source_config(source)}
+              "arch": (arch if n == arch.layers else replace(arch, mtp=0)).summary(), "layers": n,
+              "source_config": _source_config(source)}
     from tqdm import tqdm
 
     with native.partial_folder(dst, overwrite) as tmp:
@@ -350,6 +372,8 @@ def convert(
         writer = _Writer(source, names, opts, adapter, calibrator)
         for i in tqdm(range(n + 1), desc=f"converting to {body}", unit="layer", disable=not progress):
             writer.layer(i) if i < n else writer.globals(head)
+        if n == arch.layers and arch.mtp:
+            writer.mtp()
         if tune_steps:
             header["calibration"] = dict(header["calibration"], tune=writer.tune(tune_steps, progress))
         native.write_tensors(tmp / native.WEIGHTS, writer.tensors, dict(header, linears=writer.linears))

@@ -15,7 +15,7 @@ from superslm.errors import FormatError, InvalidArgument
 from superslm.models.arch import Arch
 from superslm.models.layers import PartsLayer
 from superslm.models.loader import Source
-from superslm.models.parts import LINEAR_NAMES, LayerParts, LinearSpec
+from superslm.models.parts import LINEAR_NAMES, LayerParts, LinearSpec, mtp_arch
 from superslm.models.transformer import DenseLinear, Transformer
 from superslm.quant import ConcatLinear, LinearFormat
 from superslm.quant.stored import linear_from_state
@@ -78,16 +78,18 @@ def converted_net(
     for name in stored:
         if name.startswith("layers."):
             by_layer.setdefault(name.split(".", 2)[1], []).append(name)
-    for i in range(n):
-        pre, specs = f"layers.{i}.", parts.linears(a, i).values()
-        if body == "dense" and parts_layers(a):
+    def layer_weights(la: Arch, i: int, pre: str, names: Any) -> None:
+        """Layer i of `la` (its tensors' keys start with `pre`; `names`: those keys where a dense parts layer
+        takes every one)."""
+        specs = parts.linears(la, i).values()
+        if body == "dense" and parts_layers(la):
             # every canonical tensor as convert wrote it (a GGUF source's delta-rule pieces in its own layout)
-            weights.update({k: get(k) for k in by_layer.get(str(i), ())})
-            continue
-        weights.update({pre + k: get(pre + k) for k in parts.norms(a, i)})
-        if parts_layers(a):  # the tensors no format replaces: the convolution, a_log, dt_bias, the router, ...
-            mixer, mlp = parts.of_layer(a, i)
-            extra = [k for part in (mixer, mlp) for k in getattr(part, "tensors", lambda a: ())(a)]
+            weights.update({k: get(k) for k in names})
+            return
+        weights.update({pre + k: get(pre + k) for k in parts.norms(la, i)})
+        if parts_layers(la):  # the tensors no format replaces: the convolution, a_log, dt_bias, the router, ...
+            mixer, mlp = parts.of_layer(la, i)
+            extra = [k for part in (mixer, mlp) for k in getattr(part, "tensors", lambda a: ())(la)]
             weights.update({pre + k: get(pre + k) for k in extra if k not in EXPERTS})
             weights.update({pre + k: torch.empty(0, a.dim, device=device, dtype=dt) for k in extra if k in EXPERTS})
         if body == "dense":  # the pieces as the source stored them, split or fused
@@ -97,6 +99,16 @@ def converted_net(
             for spec in specs:
                 weights.update({pre + k: torch.empty(0, a.dim, device=device, dtype=dt) for k in spec.pieces})
                 weights.update({pre + k: torch.empty(0, device=device, dtype=dt) for k in spec.bias})
+
+    for i in range(n):
+        layer_weights(a, i, f"layers.{i}.", by_layer.get(str(i), ()))
+    mtp = a.mtp if n == a.layers else 0  # the MTP block (models/mtp.py) where the folder keeps every layer
+    if mtp:
+        weights.update({f"mtp.{k}": get(f"mtp.{k}") for k in ("enorm", "hnorm", "norm")})
+        weights["mtp.fc"] = get("mtp.fc") if body == "dense" else torch.empty(0, 2 * a.dim, device=device, dtype=dt)
+        for j in range(mtp):
+            pre = f"mtp.layers.{j}."
+            layer_weights(mtp_arch(a, j), 0, pre, [k for k in stored if k.startswith(pre)])
     try:
         net = Transformer(a, weights, n)
     except KeyError as e:  # a dense parts layer without one of its tensors
@@ -127,6 +139,12 @@ def converted_net(
                 continue
             for attr in LINEAR_NAMES:
                 setattr(layer, attr, build(f"layers.{i}.{attr}", plain_shapes[attr]))
+        if net.mtp is not None:
+            net.mtp.fc = build("mtp.fc", (2 * a.dim, a.dim))
+            for j, layer in enumerate(net.mtp.layers):  # type: ignore[arg-type]
+                shapes = parts_linear_shapes(parts, mtp_arch(a, j), 0)
+                for parent, attr, name in layer.linears():
+                    setattr(parent, attr, build(f"mtp.layers.{j}.{name}", shapes[name]))
     if net.has_head and "head" in linears:
         net.head = build("head", (a.dim, a.vocab))
     return net

@@ -205,7 +205,8 @@ def layer_kinds(a: Any) -> str:
         shared = f" and a shared expert of {e.shared_ffn}" if e.shared_ffn else ""
         where = "every layer" if sparse == a.layers else f"{sparse} layers (the rest dense)"
         mlp = f"{e.count} experts of {e.ffn}, top {e.top_k}{shared}, on {where}"
-    return f"{a.layers}: {', '.join(mixers)}; {mlp}"
+    mtp = f"; MTP: {a.mtp} layer{'s' if a.mtp > 1 else ''} (draft logits, models/mtp.py)" if a.mtp else ""
+    return f"{a.layers}: {', '.join(mixers)}; {mlp}{mtp}"
 
 
 def _linear_summary(net: Transformer) -> dict[str, int]:

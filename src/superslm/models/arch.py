@@ -248,6 +248,9 @@ class Arch:
     #: the mixture of experts of the layers `moe_layers` marks (empty: none; the rest have the dense MLP)
     experts: Experts | None = None
     moe_layers: tuple[bool, ...] = ()
+    #: multi-token prediction layers after the body (Qwen3.5 / Qwen3-Next `mtp.*`, llama.cpp's "nextn" blocks):
+    #: each a full-attention layer that drafts a token from a hidden state and the next token (models/mtp.py)
+    mtp: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab", "dim", "ffn", "layers", "heads", "kv_heads", "head_dim"):
@@ -280,6 +283,8 @@ class Arch:
             object.__setattr__(self, "moe_layers", (self.experts is not None,) * self.layers)
         if len(self.moe_layers) != self.layers or (any(self.moe_layers) and self.experts is None):
             raise UnsupportedModel(f"{self.family}: {len(self.moe_layers)} expert flags for {self.layers} layers")
+        if not isinstance(self.mtp, int) or isinstance(self.mtp, bool) or self.mtp < 0:
+            raise UnsupportedModel(f"{self.family}: {self.mtp!r} multi-token prediction layers")
         if self.rope.kind == "longrope" and len(self.rope.long_factors or ()) != self.rotary_dim // 2:
             raise UnsupportedModel(f"{self.family}: longrope needs {self.rotary_dim // 2} factors, got "
                                    f"{len(self.rope.long_factors or ())}")
@@ -306,6 +311,8 @@ class Arch:
             del out["attn_gate"]
         if self.experts is None:
             del out["experts"], out["moe_layers"]
+        if not self.mtp:
+            del out["mtp"]
         return out
 
     @property

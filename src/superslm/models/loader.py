@@ -16,6 +16,7 @@ import torch
 
 from superslm.errors import FormatError, ModelNotFound, UnsupportedModel
 from superslm.models.arch import Arch, DeltaNet, Experts, Rope, eos_tuple, gguf_longrope
+from superslm.models.parts import MTP_TENSORS, mtp_arch, mtp_shapes
 from superslm.models.registry import Recipe, recipe_for_gguf, recipe_for_hf
 
 
@@ -118,7 +119,19 @@ def open_hf(folder: Path) -> Source:
         except (ValueError, TypeError, AttributeError) as e:
             raise FormatError(f"{gen}: malformed eos_token_id ({e})") from e
         arch = replace(arch, eos_ids=tuple(dict.fromkeys(arch.eos_ids + ids)))
-    return Source(folder, "hf", recipe, arch, _hf_tensors(folder), config)
+    tensors = _hf_tensors(folder)
+    return Source(folder, "hf", recipe, replace(arch, mtp=_hf_mtp_layers(recipe, tensors)), tensors, config)
+
+
+def _hf_mtp_layers(recipe: Recipe, tensors: Mapping[str, Stored]) -> int:
+    """How many MTP layers a folder holds ("mtp.layers.{j}." tensors; none for a family without MTP). The tensors
+    decide, not the config: Qwen3.5 configs say mtp_num_hidden_layers=1 where transformers' save_pretrained dropped
+    the tensors (its model ignores "mtp.*" keys), and Qwen3-Next configs do not say (llama.cpp's converter counts
+    them too)."""
+    if not recipe.hf_mtp or recipe.hf_mtp["fc"] not in tensors:
+        return 0
+    found = {int(n.split(".")[2]) for n in tensors if n.startswith("mtp.layers.") and n.split(".")[2].isdecimal()}
+    return max(found) + 1 if found else 0
 
 
 def _read_arch(read: Callable[[Mapping[str, Any]], Arch], config: Mapping[str, Any], where: Path) -> Arch:
@@ -282,7 +295,44 @@ def canonical_names(src: Source, layers: int | None = None) -> dict[str, Stored]
             if t is None:
                 raise FormatError(f"{src.path}: missing tensor {prefix}{_spelled(per_layer.get(key, key))}")
             out[f"layers.{i}.{key}"] = t
+    if n == arch.layers and arch.mtp:
+        out.update(_mtp_names(src))
     return out
+
+
+def _mtp_names(src: Source) -> dict[str, Stored]:
+    """The MTP block's canonical tensors ("mtp." + MTP_TENSORS, "mtp.layers.{j}." + a layer's parts): HF's
+    "mtp.*", or llama.cpp's block N "nextn" tensors and blocks N + j (N: the body's layers)."""
+    arch, recipe, hf = src.arch, src.recipe, src.is_hf
+    names, per_layer = recipe.mtp_names(hf), recipe.layer_names(hf)
+    out: dict[str, Stored] = {}
+    for key in MTP_TENSORS:
+        name = names[key] if hf else f"blk.{arch.layers}.{names[key]}"
+        t = _find(src, name)
+        if t is None and not hf and key == "norm":
+            # llama.cpp's graph_mtp falls back to the body's final norm where the file has no shared_head_norm
+            t = _find(src, recipe.global_names(hf)["norm"])
+        if t is None:
+            raise FormatError(f"{src.path}: missing tensor {name}")
+        out[f"mtp.{key}"] = t
+    if not hf:
+        for extra in ("nextn.embed_tokens.weight", "nextn.shared_head_head.weight"):
+            if f"blk.{arch.layers}.{extra}" in src.tensors:  # llama.cpp would use them; we would not, so refuse
+                raise UnsupportedModel(f"{src.path}: the MTP block's own {extra} is not supported")
+    for j in range(arch.mtp):
+        prefix = f"mtp.layers.{j}." if hf else f"blk.{arch.layers + j}."
+        for key in recipe.parts_for(hf).tensors(mtp_arch(arch, j), 0):
+            t = _stored(src, prefix, per_layer[key]) if key in per_layer else None
+            if t is None:
+                raise FormatError(f"{src.path}: missing tensor {prefix}{_spelled(per_layer.get(key, key))}")
+            out[f"mtp.layers.{j}.{key}"] = t
+    return out
+
+
+def short_name(key: str) -> str:
+    """A canonical key's name within its layer or block ("layers.3.q" and "mtp.layers.0.q": "q"; "mtp.fc": "fc"),
+    what the recipe's fixes, float32 list and a load's skip set name."""
+    return key.rsplit(".", 1)[-1] if key.startswith(("layers.", "mtp.")) else key
 
 
 def _spelled(spec: Any) -> str:
@@ -306,7 +356,7 @@ def materialize(
     """
     out: dict[str, torch.Tensor] = {}
     for key, stored in canonical_names(src, layers).items():
-        short = key.rsplit(".", 1)[-1] if key.startswith("layers.") else key
+        short = short_name(key)
         if short in skip:
             _check_shape(key, short, tuple(stored.shape), src.arch, src.recipe)  # its blocks are read later
             out[key] = torch.empty((0, int(stored.shape[-1]) if len(stored.shape) else 0), dtype=dtype, device=device)
@@ -321,7 +371,7 @@ def canonical_tensor(src: Source, key: str, stored: Stored) -> torch.Tensor:
     """Canonical tensor `key` (a `canonical_names` key) as float32 with the recipe's fix applied, in the shape the
     Arch implies (FormatError for another shape, or NaN / infinite values)."""
     fix = src.recipe.fix_hf if src.is_hf else src.recipe.fix_gguf
-    short = key.rsplit(".", 1)[-1] if key.startswith("layers.") else key
+    short = short_name(key)
     t = _unsqueezed(key, short, fix(short, stored.load().float(), src.arch), src.arch, src.recipe)
     _check_shape(key, short, tuple(t.shape), src.arch, src.recipe)
     if not all_finite(t):
@@ -336,6 +386,10 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 def _want_shape(key: str, short: str, a: Arch, recipe: Recipe) -> tuple[int, ...]:
+    if key.startswith("mtp.layers."):
+        return recipe.parts.shapes(mtp_arch(a, int(key.split(".")[2])), 0)[short]
+    if key.startswith("mtp."):
+        return mtp_shapes(a)[short]
     layer = int(key.split(".")[1]) if key.startswith("layers.") else 0
     shapes: Mapping[str, tuple[int, ...]] = {
         "embed": (a.vocab, a.dim), "head": (a.vocab, a.dim), "norm": (a.dim,), **recipe.parts.shapes(a, layer)}

@@ -11,7 +11,7 @@ declaration instead of a list of names each.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -189,6 +189,27 @@ class LayerParts:
         out = {**mixer.shapes(a), **mlp.shapes(a)}
         out.update({n: (a.dim,) for n in POST_NORMS})
         return out
+
+
+#: the multi-token prediction block's own tensors beside its decoder layers (models/mtp.py): `fc` [dim, 2 dim]
+#: over the normed embedding and the normed hidden state side by side, the two norms before it (`enorm` of the
+#: embedding, `hnorm` of the hidden state) and the norm before the shared head (`norm`); canonical names
+#: "mtp." + these, and "mtp.layers.{j}." + a layer's parts for its decoder layers
+MTP_TENSORS = ("fc", "enorm", "hnorm", "norm")
+
+
+def mtp_shapes(a: Arch) -> dict[str, tuple[int, ...]]:
+    """The shapes of MTP_TENSORS."""
+    return {"fc": (a.dim, 2 * a.dim), "enorm": (a.dim,), "hnorm": (a.dim,), "norm": (a.dim,)}
+
+
+def mtp_arch(a: Arch, j: int) -> Arch:
+    """MTP layer j as a one-layer Arch whose layer 0 is it: full attention (no window, rotary positions), and the
+    MLP vLLM builds for it (Qwen3NextDecoderLayer / Qwen3_5DecoderLayer with the layer index j of the MTP stack:
+    experts where `moe_layers[j]` has them). Its parts, shapes and PartsLayer come from this Arch."""
+    moe = bool(a.moe_layers[min(j, a.layers - 1)]) and a.experts is not None
+    return replace(a, layers=1, mixers=("attention",), windows=(None,), rope_layers=(True,), moe_layers=(moe,),
+                   mtp=0)
 
 
 def stack(w: Mapping[str, torch.Tensor | None], names: tuple[str, ...]) -> torch.Tensor:

@@ -18,17 +18,20 @@ from superslm.models.registry import (
     GGUF_DELTA,
     GGUF_LAYER,
     GGUF_MOE,
+    GGUF_MTP,
     HF_DELTA,
     HF_LAYER,
     HF_MOE,
+    HF_MTP,
     Recipe,
     register,
 )
 
 #: rope_parameters' multimodal keys: text positions are the same on all three axes, so they change nothing
 _MROPE_KEYS = ("mrope_section", "mrope_interleaved")
-#: the norms that compute x * (1 + w) (the delta rule's gated norm multiplies by w itself)
-PLUS_ONE = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "norm")
+#: the norms that compute x * (1 + w) (the delta rule's gated norm multiplies by w itself); enorm and hnorm are the
+#: MTP block's norms before its fc (Qwen3_5RMSNorm in vLLM's qwen3_5_mtp.py, as its final norm, "mtp.norm")
+PLUS_ONE = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "norm", "enorm", "hnorm")
 
 
 def mixers(cfg: Mapping[str, Any], layers: int) -> tuple[str, ...]:
@@ -94,9 +97,20 @@ def hybrid_gguf_fields(md: Mapping[str, Any], family: str) -> dict[str, Any]:
         return gguf_get(md, f"{a}.{name}", default, required=default is None)
 
     fields = gguf_common(md, family, qk_norm=True, attn_gate=True, norm_float=True)
+    # llama.cpp counts its MTP ("nextn") blocks in block_count and recurrent_layers, after the body's
+    nextn = key("nextn_predict_layers", 0)
+    if isinstance(nextn, bool) or not isinstance(nextn, (int, float)) or nextn != int(nextn) \
+            or not 0 <= nextn < fields["layers"]:
+        raise FormatError(f"{a}: nextn_predict_layers {nextn!r} for {fields['layers']} blocks")
+    nextn = int(nextn)
+    fields.update(layers=fields["layers"] - nextn, mtp=nextn)
     recurrent = key("attention.recurrent_layers")
-    if not isinstance(recurrent, list) or len(recurrent) != fields["layers"]:
-        raise FormatError(f"{a}: attention.recurrent_layers must be {fields['layers']} flags, got {recurrent!r}")
+    if not isinstance(recurrent, list) or len(recurrent) != fields["layers"] + nextn:
+        raise FormatError(f"{a}: attention.recurrent_layers must be {fields['layers'] + nextn} flags, "
+                          f"got {recurrent!r}")
+    if any(recurrent[fields["layers"]:]):
+        raise FormatError(f"{a}: an MTP (nextn) block marked recurrent")
+    recurrent = recurrent[: fields["layers"]]
     v_heads = int(key("ssm.time_step_rank"))
     inner = int(key("ssm.inner_size"))
     if v_heads <= 0 or inner % v_heads:
@@ -163,5 +177,5 @@ GGUF_HYBRID = {**GGUF_LAYER, **GGUF_DELTA, **GGUF_MOE}
 RECIPE = register(
     Recipe(family="qwen3_5", hf_types=("qwen3_5_text", "qwen3_5_moe_text"), gguf_archs=("qwen35", "qwen35moe"),
            arch_from_hf=arch_from_hf, arch_from_gguf=arch_from_gguf, hf_layer=HF_HYBRID, gguf_layer=GGUF_HYBRID,
-           fix_hf=fix_hf, fix_gguf=fix_gguf, float32=PLUS_ONE)
+           fix_hf=fix_hf, fix_gguf=fix_gguf, float32=PLUS_ONE, hf_mtp=HF_MTP, gguf_mtp=GGUF_MTP)
 )

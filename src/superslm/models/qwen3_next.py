@@ -15,7 +15,7 @@ from superslm.models.parts import GatedDeltaNet, LayerParts
 from superslm.models.qwen3_5 import GGUF_HYBRID, HF_HYBRID, PLUS_ONE, a_log_of, hybrid_fields, hybrid_gguf_fields
 from superslm.models.qwen3_5 import fix_hf as qwen3_5_fix
 from superslm.models.qwen3_moe import experts_of, sparse_layers
-from superslm.models.registry import Recipe, register
+from superslm.models.registry import GGUF_MTP, HF_MTP, Recipe, register
 
 
 def arch_from_hf(cfg: Mapping[str, Any]) -> Arch:
@@ -53,5 +53,5 @@ RECIPE = register(
            arch_from_gguf=arch_from_gguf, hf_layer=HF_HYBRID, gguf_layer=GGUF_HYBRID,
            parts=LayerParts(delta=GatedDeltaNet(layout="fused")),
            gguf_parts=LayerParts(delta=GatedDeltaNet(layout="qkv_z_ba")), fix_hf=regroup, fix_gguf=fix_gguf,
-           float32=PLUS_ONE)
+           float32=PLUS_ONE, hf_mtp=HF_MTP, gguf_mtp=GGUF_MTP)
 )

@@ -70,6 +70,15 @@ GGUF_MOE: dict[str, Any] = {
     "shared_down": "ffn_down_shexp.weight", "shared_scale": "ffn_gate_inp_shexp.weight",
 }
 
+#: the MTP block's own tensors (parts.MTP_TENSORS): Qwen3.5 / Qwen3-Next checkpoints keep them under "mtp." (vLLM's
+#: qwen3_next_mtp.py / qwen3_5_mtp.py load the same names: fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm), its
+#: decoder layers under "mtp.layers.{j}."; llama.cpp's converter (conversion/qwen.py _QwenMtpMixin) writes them as
+#: block N (= the body's layers) "nextn" tensors, its layers as blocks N + j with the body's tensor names
+HF_MTP = {"fc": "mtp.fc.weight", "enorm": "mtp.pre_fc_norm_embedding.weight",
+          "hnorm": "mtp.pre_fc_norm_hidden.weight", "norm": "mtp.norm.weight"}
+GGUF_MTP = {"fc": "nextn.eh_proj.weight", "enorm": "nextn.enorm.weight", "hnorm": "nextn.hnorm.weight",
+            "norm": "nextn.shared_head_norm.weight"}
+
 #: a transform of one loaded tensor: (canonical name, tensor, arch) -> tensor
 Fix = Callable[[str, torch.Tensor, Arch], torch.Tensor]
 
@@ -104,6 +113,9 @@ class Recipe:
     #: tensors (short names) kept in float32 whatever the compute dtype: x * (1 + w) norms, whose 1 + w in
     #: bf16 would scale every channel off by up to 2**-8 where the checkpoint computes it in float32
     float32: tuple[str, ...] = ()
+    #: where the family's multi-token prediction block is (HF_MTP, GGUF_MTP); empty: the family has none
+    hf_mtp: Mapping[str, str] = field(default_factory=dict)
+    gguf_mtp: Mapping[str, str] = field(default_factory=dict)
 
     def parts_for(self, hf: bool) -> LayerParts:
         """The layers' parts as a HF folder (hf) or a GGUF file stores them."""
@@ -114,6 +126,9 @@ class Recipe:
 
     def global_names(self, hf: bool) -> Mapping[str, str]:
         return self.hf_global if hf else GGUF_GLOBAL
+
+    def mtp_names(self, hf: bool) -> Mapping[str, str]:
+        return self.hf_mtp if hf else self.gguf_mtp
 
 
 _BY_HF: dict[str, Recipe] = {}

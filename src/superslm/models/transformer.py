@@ -39,6 +39,7 @@ from superslm.kernels.rope import rope_cos_sin
 from superslm.kernels.row_blocks import BLOCK, by_row_blocks, pad_rows
 from superslm.models.arch import Arch
 from superslm.models.layers import PartsLayer, _linear
+from superslm.models.mtp import MTP
 from superslm.models.parts import LINEAR_NAMES, NORMS, LayerParts, stacked
 
 
@@ -267,6 +268,11 @@ class Transformer(nn.Module):
             self.register_buffer("norm_weight", weights["norm"], persistent=False)
             head = weights["embed"] if arch.tied or weights.get("head") is None else weights["head"]
             self.head = DenseLinear(head)  # type: ignore[arg-type]
+        #: the multi-token prediction block where the checkpoint has one and every layer is kept (models/mtp.py:
+        #: `draft` computes its logits; the steps above never run it)
+        self.mtp: nn.Module | None = None
+        if self.has_head and arch.mtp and weights.get("mtp.fc") is not None:
+            self.mtp = MTP(arch, weights, DenseLinear)
         self._inv_freq: dict[int, tuple[torch.Tensor, float]] = {}
         self._long_inv_freq: dict[int, torch.Tensor] = {}
         self._kinds = sorted({self.rope_key(i) for i in range(n)})

@@ -14,7 +14,7 @@ import torch
 from superslm.errors import FormatError, InvalidArgument, UnsupportedModel
 from superslm.memory import release_freed_memory
 from superslm.models.loader import Source, Stored, all_finite, canonical_names
-from superslm.models.parts import DELTA_LAYOUTS, LinearSpec
+from superslm.models.parts import DELTA_LAYOUTS, LinearSpec, mtp_arch
 from superslm.models.transformer import DenseLinear, Transformer
 from superslm.quant.base import LinearFormat, format_class
 from superslm.quant.gguf_map import GGUFEmbedding, GGUFPart, linear_from_gguf
@@ -58,18 +58,28 @@ def quantize_linears(
     if body == "gguf" or head == "gguf":
         raise InvalidArgument("the gguf format comes from GGUF blocks: use quantize_from_source")
     done: dict[str, str] = {}
-    for i, layer in enumerate(net.layers):
-        for parent, attr, name in layer.linears():
-            dense = getattr(parent, attr)
-            if body is None or not isinstance(dense, DenseLinear):
-                continue
-            module = make_linear(body, dense.weight, dense.bias, group, rotate, seed)
-            setattr(parent, attr, module)
-            done[f"layers.{i}.{name}"] = module.describe()
+    for parent, attr, name in body_linears(net):
+        dense = getattr(parent, attr)
+        if body is None or not isinstance(dense, DenseLinear):
+            continue
+        module = make_linear(body, dense.weight, dense.bias, group, rotate, seed)
+        setattr(parent, attr, module)
+        done[name] = module.describe()
     if getattr(net, "has_head", False) and head is not None and isinstance(net.head, DenseLinear):
         net.head = make_linear(head, net.head.weight, net.head.bias, group, rotate, seed)
         done["head"] = net.head.describe()
     return done
+
+
+def body_linears(net: Transformer) -> list[tuple[torch.nn.Module, str, str]]:
+    """(parent module, attribute, full name) of every linear but the head: each layer's ("layers.{i}." + its name),
+    then the MTP block's where the model keeps one ("mtp." + MTP.linears' names)."""
+    out = [(parent, attr, f"layers.{i}.{name}") for i, layer in enumerate(net.layers)
+           for parent, attr, name in layer.linears()]
+    mtp = getattr(net, "mtp", None)
+    if mtp is not None:
+        out += [(parent, attr, f"mtp.{name}") for parent, attr, name in mtp.linears()]
+    return out
 
 
 def row_permutation(source: Source, short: str, rows: int) -> torch.Tensor | None:
@@ -107,12 +117,12 @@ def gguf_parts(source: Source, names: Mapping[str, Stored], prefix: str, keys: t
     return out
 
 
-def _stored_pieces(names: Mapping[str, Stored], i: int, spec: LinearSpec) -> tuple[str, ...] | None:
-    """The pieces of layer i's linear `spec` as the file stores them: the spec's, or for a delta-rule input
-    projection the layout the file has (llama.cpp keeps Qwen3-Next's q, k, v, z apart, b and a fused); None
-    where the file has neither."""
+def _stored_pieces(names: Mapping[str, Stored], prefix: str, spec: LinearSpec) -> tuple[str, ...] | None:
+    """The pieces of a layer's linear `spec` (its canonical keys start with `prefix`, "layers.{i}.") as the file
+    stores them: the spec's, or for a delta-rule input projection the layout the file has (llama.cpp keeps
+    Qwen3-Next's q, k, v, z apart, b and a fused); None where the file has neither."""
     for pieces in (spec.pieces, *(DELTA_LAYOUTS.values() if spec.pieces in DELTA_LAYOUTS.values() else ())):
-        if all(f"layers.{i}.{k}" in names for k in pieces):
+        if all(f"{prefix}{k}" in names for k in pieces):
             return pieces
     return None
 
@@ -159,7 +169,7 @@ def block_pieces(source: Source, layers: int) -> frozenset[str]:
     for i in range(layers):
         for spec in source.recipe.parts.linears(source.arch, i).values():
             # a linear is rebuilt from blocks whole or not at all: all its pieces, or none skipped
-            pieces = _stored_pieces(names, i, spec)
+            pieces = _stored_pieces(names, f"layers.{i}.", spec)
             try:
                 for key in pieces or ():
                     row_permutation(source, key, source.gguf.tensors[names[f"layers.{i}.{key}"].name].shape[0])
@@ -201,6 +211,10 @@ def quantize_from_source(
     for i, layer in enumerate(net.layers):
         done.update(layer_from_source(layer, i, source, names, mapping, group, seed))
         release()
+    mtp = getattr(net, "mtp", None)
+    if mtp is not None:
+        done.update(mtp_from_source(mtp, source, names, mapping, group, seed))
+        release()
     if net.embed_weight.numel() == 0:
         # the loader skipped the dense table: rows come from the file's blocks per step
         part = gguf_parts(source, names, "", ("embed",))[0]
@@ -235,48 +249,73 @@ def layer_from_source(
     mapping: Mapping[str, tuple[str, dict[str, Any]]] | None = None,
     group: int = 128,
     seed: int = 0,
+    mtp: bool = False,
 ) -> dict[str, str]:
     """`quantize_from_source` for layer i alone (`names`: the source's `canonical_names`): its linears from the
     file's blocks as they are where they can be, the rest int8 from the layer's dense weights, in place. Returns
-    {module name: describe()}."""
+    {module name: describe()}. `mtp`: the layer is the MTP block's decoder layer i (block layers + i of the file)."""
     done: dict[str, str] = {}
+    a = source.arch
+    arch, index, prefix, block = (a, i, f"layers.{i}.", i) if not mtp else (mtp_arch(a, i), 0, f"mtp.layers.{i}.",
+                                                                            a.layers + i)
+    label = f"MTP layer {i}" if mtp else f"layer {i}"
     # a part's linears by their spec's name ("mlp.shared.down" is "shared_down"; the routed experts, stacked
     # in the file, are in no spec)
     where = {_spec_name(name): (parent, attr, name) for parent, attr, name in layer.linears()}
-    for key, spec in source.recipe.parts.linears(source.arch, i).items():
-        pieces = _stored_pieces(names, i, spec)
+    for key, spec in source.recipe.parts.linears(arch, index).items():
+        pieces = _stored_pieces(names, prefix, spec)
         if key not in where or pieces is None:
             continue  # a part this model does not have (a MoE without a shared expert)
         parent, attr, name = where[key]
         old = getattr(parent, attr)
         try:
-            parts = gguf_parts(source, names, f"layers.{i}.", pieces)
+            parts = gguf_parts(source, names, prefix, pieces)
         except UnsupportedModel:
             if not isinstance(old, DenseLinear) or old.weight.numel() == 0:
                 raise
             continue  # blocks whose fix moves columns (llama.cpp's tiled value heads): int8 below
         module = linear_from_gguf(parts, getattr(old, "bias", None), mapping)
-        check_finite(module, f"{source.path}: layer {i}'s {name}")
+        check_finite(module, f"{source.path}: {label}'s {name}")
         setattr(parent, attr, module)
-        done[f"layers.{i}.{name}"] = module.describe()
+        done[f"{prefix}{name}"] = module.describe()
     experts = getattr(getattr(layer, "mlp", None), "experts_mlp", None)
     for key, attr in _EXPERT_LINEARS.items():
         for e, mlp in enumerate(experts or ()):
-            parts = expert_parts(source, i, key, e)
+            parts = expert_parts(source, block, key, e)
             if parts is None:
                 break
             setattr(mlp, attr, linear_from_gguf(parts, None, mapping))
-            check_finite(getattr(mlp, attr), f"{source.path}: layer {i}'s expert {e}")
-            done[f"layers.{i}.mlp.experts_mlp.{e}.{attr}"] = getattr(mlp, attr).describe()
+            check_finite(getattr(mlp, attr), f"{source.path}: {label}'s expert {e}")
+            done[f"{prefix}mlp.experts_mlp.{e}.{attr}"] = getattr(mlp, attr).describe()
     # what the file's blocks could not give as they are (each expert of a stacked expert tensor, a linear
     # whose fix is not a row permutation) is re-quantized from its dense weights, as Q5_K / Q6_K blocks are
     for parent, attr, name in layer.linears():
         dense = getattr(parent, attr)
         if isinstance(dense, DenseLinear) and dense.weight.numel():
             setattr(parent, attr, make_linear("int8", dense.weight, dense.bias, group, False, seed))
-            done[f"layers.{i}.{name}"] = getattr(parent, attr).describe()
+            done[f"{prefix}{name}"] = getattr(parent, attr).describe()
         elif isinstance(dense, DenseLinear):  # its dense copy was skipped for blocks that never came
-            raise UnsupportedModel(f"{source.recipe.family}: layer {i}'s {name} has no weights from the file")
+            raise UnsupportedModel(f"{source.recipe.family}: {label}'s {name} has no weights from the file")
+    return done
+
+
+def mtp_from_source(
+    mtp: torch.nn.Module,
+    source: Source,
+    names: Mapping[str, Stored],
+    mapping: Mapping[str, tuple[str, dict[str, Any]]] | None = None,
+    group: int = 128,
+    seed: int = 0,
+) -> dict[str, str]:
+    """`layer_from_source` for the MTP block (models/mtp.py): its fc from the file's blocks (llama.cpp's
+    nextn.eh_proj), each decoder layer as a body layer. Returns {module name: describe()}."""
+    done: dict[str, str] = {}
+    fc = linear_from_gguf(gguf_parts(source, names, "mtp.", ("fc",)), None, mapping)
+    check_finite(fc, f"{source.path}: the MTP block's fc")
+    mtp.fc = fc
+    done["mtp.fc"] = fc.describe()
+    for j, layer in enumerate(mtp.layers):  # type: ignore[arg-type]
+        done.update(layer_from_source(layer, j, source, names, mapping, group, seed, mtp=True))
     return done
 
 
@@ -291,7 +330,7 @@ def check_finite(module: torch.nn.Module, where: str) -> None:
 def linear_summary(net: Transformer) -> dict[str, int]:
     """{describe() of a linear: how many modules} over the whole model (for `superslm info`)."""
     out: dict[str, int] = {}
-    modules = [getattr(parent, attr) for layer in net.layers for parent, attr, _ in layer.linears()]
+    modules = [getattr(parent, attr) for parent, attr, _ in body_linears(net)]
     if getattr(net, "has_head", False):
         modules.append(net.head)
     for m in modules:
