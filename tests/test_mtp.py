@@ -213,11 +213,12 @@ def test_formats_swap_the_mtp_linears(tmp_path) -> None:
 
 
 @pytest.mark.slow  # llama.cpp's converter (fetched from PyPI once)
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", list(_MODULES))
 def test_gguf_from_llama_cpp_converter_keeps_the_mtp_block(family: str, tmp_path) -> None:
     """llama.cpp's converter without --no-mtp writes the block as nextn tensors of block N and block N's layer
     tensors: the Arch has the body's layers and one MTP layer, every MTP tensor equals the folder's after the
-    converter's transforms (norms + 1), and the GGUF's draft logits equal the folder's."""
+    converter's transforms (norms + 1), and the GGUF's draft logits equal the folder's; run from the file's blocks
+    they stay close, and a converted folder of the file gives the same drafts."""
     from tests.llama_cpp_convert import convert
 
     folder = tmp_path / "hf"
@@ -244,7 +245,13 @@ def test_gguf_from_llama_cpp_converter_keeps_the_mtp_block(family: str, tmp_path
         native = superslm.load(gguf)  # the file's blocks as they are (bf16 activations), the MTP's linears too
         assert all(isinstance(getattr(p, at), LinearFormat) for p, at, _ in native.net.mtp.linears())
         q = draft_rows(native.net, hidden.to(native.net.dtype), tokens[1:], (14,))
-    assert torch.corrcoef(torch.stack([q.flatten(), want.flatten()]))[0, 1] > 0.99
+        assert torch.corrcoef(torch.stack([q.flatten(), want.flatten()]))[0, 1] > 0.99
+        # `superslm convert` of the file keeps the block's blocks as the load runs them
+        from superslm.convert import convert as ours
+
+        kept = superslm.load(ours(gguf, tmp_path / "ours"))
+        assert kept.arch.mtp == 1 and linear_summary(kept.net) == linear_summary(native.net)
+        assert torch.equal(draft_rows(kept.net, hidden.to(kept.net.dtype), tokens[1:], (14,)), q)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "dense"])
@@ -268,3 +275,30 @@ def test_convert_keeps_the_mtp_block(fmt: str, tmp_path) -> None:
         assert torch.equal(draft_rows(got.net, hidden_states(got.net, tokens)[:-1], tokens[1:], (13,)), want)
     cut = superslm.load(convert(folder, tmp_path / "cut", format=fmt, layers=2), dtype="float32")
     assert cut.arch.mtp == 0 and cut.net.mtp is None
+
+
+@pytest.mark.slow  # llama.cpp's converter and quantizer
+def test_a_q4_0_file_runs_the_mtp_block_from_its_blocks(tmp_path) -> None:
+    """llama.cpp's quantizer writes the MTP block's linears as Q4_0 (nextn.eh_proj included) or its fallback
+    types: they run as stored (codes exact), and the drafts follow the folder's float32 ones."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from tests.llama_cpp_convert import convert
+
+    folder = tmp_path / "hf"
+    build_mtp_folder("qwen3_5_moe", folder, vocab=302)
+    write_tokenizer(folder, 300)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    wide, q4 = convert(folder, tmp_path / "model.gguf"), tmp_path / "model-q4_0.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    assert llama_cpp.llama_model_quantize(str(wide).encode(), str(q4).encode(), params) == 0
+    stored = superslm.load(q4)
+    kinds = [getattr(p, a).describe() for p, a, _ in stored.net.mtp.linears()]
+    assert "codes exact" in kinds[0] and all("from Q" in k or "from F16" in k for k in kinds), kinds
+    ref = superslm.load(folder, dtype="float32", quant="none")
+    tokens = _tokens(15, 4)
+    with torch.no_grad():
+        hidden = hidden_states(ref.net, tokens)[:-1]
+        want = draft_rows(ref.net, hidden, tokens[1:], (14,))
+        got = draft_rows(stored.net, hidden.to(stored.net.dtype), tokens[1:], (14,))
+    assert torch.corrcoef(torch.stack([got.flatten(), want.flatten()]))[0, 1] > 0.99
