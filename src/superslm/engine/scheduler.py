@@ -252,6 +252,13 @@ class Scheduler:
                 self._preempt(victim, step)
                 if victim is seq:
                     break
+                # the one that came last may have been scheduled already (a decoding sequence that came after a
+                # preempted one now recomputing its prompt): its chunk goes with it, rows back to the budget
+                for k, (other, m) in enumerate(step.chunks):
+                    if other is victim:
+                        del step.chunks[k]
+                        budget += m
+                        break
             if seq in self.running:
                 step.chunks.append((seq, n))
                 budget -= n
