@@ -3,6 +3,11 @@
 A delta-rule layer keeps, for each running sequence, the last inputs of its causal convolution and its
 delta-rule state; unlike KV pages they are overwritten every token, so a sequence owns one row (a state
 slot) while it runs. The scheduler grants and frees rows; a row is zeroed when its sequence starts.
+
+Speculative decoding adds scratch rows after the slots' (`scratch_rows`): a step whose sequences carry drafts
+keeps there the states after each of their rows but the last (engine/speculative.py), and once the drafts are
+verified the state after a sequence's last kept row is copied back into its own row. They belong to the step that
+writes them: nothing reads them after that step is accepted.
 """
 
 from __future__ import annotations
@@ -11,17 +16,27 @@ import torch
 
 
 class RecurrentStates:
-    """conv [layers, slots, channels, taps - 1] (the compute dtype) and ssm [layers, slots, v_heads, k_dim,
-    v_dim] (float32) of `layers` delta-rule layers."""
+    """conv [layers, slots + scratch, channels, taps - 1] (the compute dtype) and ssm [layers, slots + scratch,
+    v_heads, k_dim, v_dim] (float32) of `layers` delta-rule layers: `slots` rows, then `scratch` rows for the
+    states after a step's draft rows (see the module's docstring)."""
 
     def __init__(self, layers: int, slots: int, channels: int, taps: int, v_heads: int, k_dim: int, v_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", zeroed: bool = True) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", zeroed: bool = True,
+                 scratch: int = 0) -> None:
         """zeroed=False leaves the rows unwritten (for rows always written before they are read: checkpoints),
-        so on the CPU a row takes memory only once it is used."""
-        self.layers, self.slots = layers, slots
-        new = torch.zeros if zeroed else torch.empty
-        self.conv = new(layers, slots, channels, taps - 1, dtype=dtype, device=device)
-        self.ssm = new(layers, slots, v_heads, k_dim, v_dim, dtype=torch.float32, device=device)
+        so on the CPU a row takes memory only once it is used; scratch rows are always left so."""
+        self.layers, self.slots, self.scratch = layers, slots, scratch
+        rows = slots + scratch
+        self.conv = torch.empty(layers, rows, channels, taps - 1, dtype=dtype, device=device)
+        self.ssm = torch.empty(layers, rows, v_heads, k_dim, v_dim, dtype=torch.float32, device=device)
+        if zeroed:
+            self.conv[:, :slots].zero_()
+            self.ssm[:, :slots].zero_()
+
+    @property
+    def scratch_rows(self) -> range:
+        """The rows after the slots' that hold the states after a step's draft rows."""
+        return range(self.slots, self.slots + self.scratch)
 
     @staticmethod
     def slot_bytes(layers: int, channels: int, taps: int, v_heads: int, k_dim: int, v_dim: int,
@@ -41,7 +56,8 @@ class RecurrentStates:
         self.ssm[:, idx] = ssm.to(self.ssm)
 
     def copy_row(self, src: RecurrentStates, src_row: int, row: int) -> None:
-        """Row `row` of these states := row `src_row` of `src` (a checkpoint taken or resumed)."""
+        """Row `row` of these states := row `src_row` of `src` (a checkpoint taken or resumed, a verified draft
+        row's states kept)."""
         self.conv[:, row] = src.conv[:, src_row]
         self.ssm[:, row] = src.ssm[:, src_row]
 

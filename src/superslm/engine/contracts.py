@@ -28,6 +28,7 @@ from superslm.kernels.attention import AttnMetadata
 
 if TYPE_CHECKING:
     from superslm.engine.engine import Engine
+    from superslm.engine.runner import StepWork
 
 
 @dataclass(eq=False)
@@ -225,20 +226,36 @@ class ContractsMixin:
                 return k
         return 0
 
-    def _checkpoint_states(self: Engine, chunks: list[tuple[Sequence, int]]) -> None:
-        """After a step: the states of each running sequence that reached a page boundary, kept under the hash of
-        the page that ends there (what a later prompt starting the same way resumes from)."""
+    def _keep_state(self: Engine, seq: Sequence, row: int) -> None:
+        """seq's recurrent states := those of scratch row `row`, the states after its last kept draft row (for the
+        scheduler's rollback)."""
+        assert self.states is not None and seq.state_slot is not None
+        self.states.copy_row(self.states, row, seq.state_slot)
+
+    def _checkpoint_states(self: Engine, work: StepWork) -> None:
+        """After a step is accepted: the states of each running sequence at each page boundary its verified tokens
+        reached, kept under the hash of the page that ends there (what a later prompt starting the same way resumes
+        from). A boundary inside a step's kept draft rows takes the states its scratch row kept after that row;
+        rows past the kept ones never reach a checkpoint."""
         if self.checkpoints is None or self.saved_states is None or self.states is None:
             return
         ps = self.page_size
-        for seq, _ in chunks:
+        for i, (seq, rows) in enumerate(work.chunks):
             n = seq.num_computed_tokens
-            if seq.state_slot is None or not n or n % ps or not self.scheduler.prefix_caching:
+            if seq.state_slot is None or not n or not self.scheduler.prefix_caching:
+                continue
+            start = work.meta.seq_lens[i] - rows  # the computed tokens before the step
+            scratch = work.draft_states(i)  # scratch[j]: the states after start + j + 1 tokens
+            ends = [(b, scratch[b - start - 1]) for b in range(start - start % ps + ps, n, ps) if scratch]
+            if n % ps == 0:
+                ends.append((n, seq.state_slot))
+            if not ends:
                 continue
             self.scheduler.register(seq)  # the pool hashes its new full pages, chained on the ones before
-            key = self.pool.hash_of(seq.block_table[n // ps - 1])
-            if key is not None:
-                self.saved_states.copy_row(self.states, seq.state_slot, self.checkpoints.claim(key))
+            for b, row in ends:
+                key = self.pool.hash_of(seq.block_table[b // ps - 1])
+                if key is not None:
+                    self.saved_states.copy_row(self.states, row, self.checkpoints.claim(key))
 
     def _check_adapter(self: Engine, adapter: Any) -> None:
         from superslm.adapters import Adapter

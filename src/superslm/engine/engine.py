@@ -96,8 +96,9 @@ class Engine(SequenceMixin, ContractsMixin):
     `speculative`: "ngram" (or a `Speculative`) drafts each decoding sequence's next tokens by prompt lookup and
     verifies them in one step (engine/speculative.py): the same tokens and logprobs as without drafts (bit-identical
     in deterministic mode), fewer steps where the answer repeats its context; `stats()` counts the drafts. It
-    launches no step ahead (overlap: the next step's drafts come from this step's tokens), and a model with
-    delta-rule layers refuses it (their states cannot roll back a rejected draft).
+    launches no step ahead (overlap: the next step's drafts come from this step's tokens). A model with delta-rule
+    layers steps a drafting sequence's rows one at a time, keeps the recurrent states after each in scratch rows
+    and, once verified, resumes from the state after the last kept row.
     `kv`: the KV page format (cache/kv.py kv_format): "bf16", "fp16", "fp32", "int8" (codes and a scale per token
     and head: about half the bytes, so the same kv_budget holds ~2x the tokens), "k8v4", "k4v8", "k4v4" (4-bit
     rows of each head rotated by a Hadamard transform: about a quarter), or "auto": the model dtype's pages where
@@ -140,7 +141,8 @@ class Engine(SequenceMixin, ContractsMixin):
         self.slots, self.context, self.rows, self.page_size = slots, context, rows, page_size
         device, dtype = model.device, model.dtype
         layers = self.net.kv_layers  # delta-rule layers keep a recurrent state per slot instead of KV pages
-        self.states = self._recurrent_states(slots, dtype, device)
+        spec = Speculative.of(speculative)
+        self.states = self._recurrent_states(slots, dtype, device, spec)
         want = slots * -(-context // page_size)
         if kv_budget is None:
             budget = _available_memory(device) // 2
@@ -172,10 +174,6 @@ class Engine(SequenceMixin, ContractsMixin):
         self._graphs = self._decode_graphs(graphs)
         if overlap and self._graphs is None:
             raise InvalidArgument("overlap=True launches decode steps ahead from the decode graphs, which are off")
-        spec = Speculative.of(speculative)
-        if spec is not None and self.states is not None:
-            raise InvalidArgument("speculative decoding needs every layer's state to roll back a rejected draft; this "
-                                  "model's delta-rule layers keep one recurrent state per sequence")
         if spec is not None and overlap:
             raise InvalidArgument("overlap=True launches the next decode step before this one's tokens are known, "
                                   "and so before its drafts exist: speculative decoding runs without it")
@@ -188,7 +186,9 @@ class Engine(SequenceMixin, ContractsMixin):
         self.checkpoints, self.saved_states = self._state_checkpoints(slots, dtype, device, prefix_caching)
         self.scheduler = kind(self.pool, slots, rows, prefix_caching, chunk=chunk, copy_page=self._copy_page,
                               recurrent=self.states is not None, copy_state=self._copy_state,
-                              usable_prefix=self._usable_prefix if self.checkpoints is not None else None)
+                              usable_prefix=self._usable_prefix if self.checkpoints is not None else None,
+                              draft_rows=None if self.states is None else self.states.scratch,
+                              keep_state=self._keep_state)
         self.vocab = a.vocab
         self.speculator = None if spec is None else Speculator(spec)
         self.output = OutputProcessor(self.net, self.scheduler, frozenset(model.stop_ids), a.vocab, bool(jump_forward),
@@ -202,14 +202,22 @@ class Engine(SequenceMixin, ContractsMixin):
         self._rng = random.Random()
         self._manual: ManualSlots | None = None
 
-    def _recurrent_states(self, slots: int, dtype: torch.dtype, device: torch.device) -> RecurrentStates | None:
+    def _recurrent_states(self, slots: int, dtype: torch.dtype, device: torch.device,
+                          spec: Speculative | None = None) -> RecurrentStates | None:
         """A row of recurrent states per slot for the net's delta-rule layers, and one more (the last) where a
-        prefix handle is prefilled; None where the net has no such layers."""
+        prefix handle is prefilled; None where the net has no such layers. With drafts, scratch rows for the states
+        after a step's draft rows: k a slot, fewer where that passes 256 MB, never fewer than k (a sequence drafting
+        alone drafts fully); unwritten until used, so on the CPU they take memory as drafts use them."""
         d = self.net.arch.delta
         if not self.net.state_layers or d is None:
             return None
+        scratch = 0
+        if spec is not None:
+            size = RecurrentStates.slot_bytes(self.net.state_layers, d.conv_width, d.conv, d.v_heads, d.k_dim,
+                                              d.v_dim, dtype)
+            scratch = max(spec.k, min(spec.k * slots, _CHECKPOINT_BYTES // size))
         return RecurrentStates(self.net.state_layers, slots + 1, d.conv_width, d.conv, d.v_heads, d.k_dim, d.v_dim,
-                               dtype, device)
+                               dtype, device, scratch=scratch)
 
     def _state_checkpoints(self, slots: int, dtype: torch.dtype, device: torch.device, prefix_caching: bool
                            ) -> tuple[Checkpoints | None, RecurrentStates | None]:  # fmt: skip
@@ -331,7 +339,7 @@ class Engine(SequenceMixin, ContractsMixin):
             tokens = self.output.greedy_tokens(work)  # sample: greedy rows certified by the head, or all logits
             logits = self.runner.logits(work) if tokens is None else None
         out.extend(self.output.accept(work, logits, tokens))  # update
-        self._checkpoint_states(work.chunks)
+        self._checkpoint_states(work)
         return out
 
     @property

@@ -77,12 +77,12 @@ class OutputProcessor:
         """A finished step's tokens into its sequences: `logits` of its logit rows (`StepWork.logit_rows`), or the
         rows' `tokens` certified by the head. A chunk with drafts keeps those its rows' choices agree with and the
         token after; its other rows are rolled back. Then each decoding sequence's next drafts are proposed."""
-        seqs: list[tuple[Sequence, tuple[int, ...]]] = []
+        seqs: list[tuple[Sequence, tuple[int, ...], tuple[int, ...]]] = []
         for i, ((seq, n), row) in enumerate(zip(work.chunks, work.sample_rows)):
             drafts = work.drafts_of(i)
             seq.num_computed_tokens += n - len(drafts)  # a draft's K/V counts once the draft is accepted
             if row >= 0:
-                seqs.append((seq, drafts))
+                seqs.append((seq, drafts, work.draft_states(i)))
                 if seq.prefill_hidden is None and work.h is not None:
                     # the prefill hidden state: final norm at the last prompt position
                     seq.prefill_hidden = self.net.final_norm(work.h[row - len(drafts)]).float().clone()
@@ -91,7 +91,7 @@ class OutputProcessor:
         out: list[Progress] = []
         if seqs:
             # one sampling row per logit row: a draft row j samples as plain decoding would once drafts[:j] are in
-            rows = [(seq, drafts[:j]) for seq, drafts in seqs for j in range(len(drafts) + 1)]
+            rows = [(seq, drafts[:j]) for seq, drafts, _ in seqs for j in range(len(drafts) + 1)]
             if tokens is not None:  # plain greedy rows, certified by the head (greedy_tokens)
                 bitmask, chosen, logprobs = None, tokens.tolist(), [None] * len(rows)
             else:
@@ -101,30 +101,33 @@ class OutputProcessor:
                 result = sample(logits, states, bitmask=bitmask)
                 chosen, logprobs = result.token_list(), result.logprobs()
             r = 0
-            for seq, drafts in seqs:
+            for seq, drafts, states in seqs:
                 first, r = r, r + len(drafts) + 1
                 if seq.end == END_CANCELLED:
                     self.finish(seq, END_CANCELLED, into=out)
                     continue
                 p = self.verify(seq, drafts, chosen[first:r], logprobs[first:r],
                                 None if logits is None else logits[first : first + 1],
-                                None if bitmask is None else bitmask[first : first + 1])
+                                None if bitmask is None else bitmask[first : first + 1], states)
                 out.append(p)
         for seq, _ in work.chunks:
             if seq.end == END_CANCELLED and seq.id in self.seqs:
                 self.finish(seq, END_CANCELLED, into=out)
         if self.speculator is not None:
-            decoding = [seq for seq, _ in seqs if seq.id in self.seqs and seq.num_tokens - seq.num_computed_tokens == 1]
+            decoding = [seq for seq, _, _ in seqs
+                        if seq.id in self.seqs and seq.num_tokens - seq.num_computed_tokens == 1]
             for seq, drafts in zip(decoding, self.speculator.propose_all(decoding), strict=True):
                 seq.drafts = drafts
         return out
 
     def verify(self, seq: Sequence, drafts: tuple[int, ...], chosen: list[int], logprobs: list[TokenLogprobs | None],
-               logits: torch.Tensor | None, bitmask: torch.Tensor | None) -> Progress:
+               logits: torch.Tensor | None, bitmask: torch.Tensor | None, states: tuple[int, ...] = ()) -> Progress:
         """Take seq's tokens of one step: `chosen[j]` is row j's choice (row 0 its newest token's, row j > 0 after
         drafts[:j]); draft j is kept while the choices before it kept theirs and row j chose it, and the choice
         after the last kept draft is the step's last token. Rows of drafts not kept are rolled back: the pages past
-        the computed tokens go back to the scheduler. `logits`, `bitmask`: row 0's (a damped-greedy row's choice)."""
+        the computed tokens go back to the scheduler, and a delta-rule model's recurrent states are those after
+        the last kept row (`states[j]`: the scratch row holding them after row j < len(drafts)). `logits`,
+        `bitmask`: row 0's (a damped-greedy row's choice)."""
         p = Progress(seq.id, cached=seq.cached)
         accepted = 0
         for j, token in enumerate(chosen):
@@ -150,7 +153,9 @@ class OutputProcessor:
             if self.speculator is not None:
                 self.speculator.record(seq, len(drafts), accepted)
             if not seq.end:
-                self.scheduler.rollback(seq)
+                # rows 0..accepted are kept; the state row holds the state after the last row computed
+                kept = states[accepted] if states and accepted < len(drafts) else None
+                self.scheduler.rollback(seq, kept)
         return p
 
     def banned(self, seq: Sequence, ahead: tuple[int, ...] = ()) -> tuple[int, ...]:

@@ -46,6 +46,11 @@ class StepWork:
         """The drafts chunk i verifies (none for most)."""
         return self.drafts[i] if self.drafts else ()
 
+    def draft_states(self, i: int) -> tuple[int, ...]:
+        """The scratch rows holding chunk i's recurrent states after each of its rows but the last (a delta-rule
+        model's chunk with drafts; none otherwise)."""
+        return self.meta.state_drafts[i] if self.meta.state_drafts else ()
+
     def logit_rows(self) -> list[int]:
         """The rows whose logits the step samples, in chunk order: each sampling chunk's newest token's row, then
         its drafts' rows."""
@@ -54,9 +59,12 @@ class StepWork:
 
 
 def build_step(
-    chunks: list[tuple[Sequence, int]], page_size: int, device: torch.device, deterministic: bool = False
+    chunks: list[tuple[Sequence, int]], page_size: int, device: torch.device, deterministic: bool = False,
+    scratch: range | None = None,
 ) -> StepWork:
-    """Rows, positions, slot mapping and block tables of the scheduled chunks."""
+    """Rows, positions, slot mapping and block tables of the scheduled chunks. `scratch`: the recurrent states'
+    scratch rows (a delta-rule model's, cache.state.RecurrentStates.scratch_rows), handed out in row order to the
+    draft rows (AttnMetadata.state_drafts); the scheduler schedules no more drafts than there are."""
     tokens: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -98,9 +106,21 @@ def build_step(
         deterministic=deterministic,
         lora=lora,
         state_slots=tuple(-1 if seq.state_slot is None else seq.state_slot for seq, _ in chunks),
+        state_drafts=_state_drafts(drafts, scratch) if scratch is not None and any(drafts) else (),
     )
     return StepWork(chunks, torch.tensor(tokens, dtype=torch.long, device=device), meta, sample_rows,
                     drafts=tuple(drafts) if any(drafts) else ())
+
+
+def _state_drafts(drafts: list[tuple[int, ...]], scratch: range) -> tuple[tuple[int, ...], ...]:
+    """Per chunk, the scratch rows that keep the states after its rows but the last (one a draft)."""
+    out, used = [], 0
+    for d in drafts:
+        out.append(tuple(scratch[used : used + len(d)]))
+        used += len(d)
+    if used > len(scratch):
+        raise AssertionError(f"a step carries {used} drafts; the recurrent states keep {len(scratch)}")
+    return tuple(out)
 
 
 def run_layers(net: Transformer, kv: KVCache, work: StepWork, budget: int | None = None,
@@ -185,7 +205,8 @@ class ModelRunner:
                 return None
             if self.threads is not None:
                 self.threads.choose()
-            self.work = build_step(chunks, self.page_size, self.net.device, self.deterministic)
+            scratch = None if self.states is None else self.states.scratch_rows
+            self.work = build_step(chunks, self.page_size, self.net.device, self.deterministic, scratch)
         assert self.work is not None, "no step to go on with"
         if not run_layers(self.net, self.kv, self.work, layer_budget, self.states):
             return None

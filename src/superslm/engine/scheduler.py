@@ -44,7 +44,8 @@ class Scheduler:
                  extra_key: Callable[[Sequence], ExtraKey] | None = None, chunk: int | None = None,
                  copy_page: Callable[[int, int, int], None] | None = None, recurrent: bool = False,
                  copy_state: Callable[[Sequence], None] | None = None,
-                 usable_prefix: Callable[[list[int]], int] | None = None) -> None:
+                 usable_prefix: Callable[[list[int]], int] | None = None, draft_rows: int | None = None,
+                 keep_state: Callable[[Sequence, int], None] | None = None) -> None:
         self.pool, self.slots, self.rows = pool, slots, rows
         #: free rows of the recurrent states (models with delta-rule layers), one per running sequence
         self.free_states: list[int] | None = list(range(slots)) if recurrent else None
@@ -54,6 +55,12 @@ class Scheduler:
         #: usable_prefix(pages): how many of a prefix cache match's pages a recurrent model can resume after (the
         #: longest run whose states were checkpointed); None: none can
         self.usable_prefix = usable_prefix
+        #: the most draft rows one step carries (a delta-rule model keeps the states after each in a scratch row
+        #: of its recurrent states); None: as many as the rows allow
+        self.draft_rows = draft_rows
+        self._drafts_left = draft_rows
+        #: keep_state(seq, row): the recurrent states of scratch row `row` into seq's row (a rollback's)
+        self.keep_state = keep_state
         #: the most prompt tokens one sequence reads in a step
         self.chunk = chunk or rows
         #: copy_page(src, dst, n): the KV of a page's first n slots into another page (the KV's owner does it)
@@ -147,10 +154,16 @@ class Scheduler:
         seq.block_table.extend(self.grant(need))
         return True
 
-    def rollback(self, seq: Sequence) -> None:
+    def rollback(self, seq: Sequence, state: int | None = None) -> None:
         """Take back the pages past seq's computed tokens: a step wrote its rejected drafts' K/V there, which
         nothing reads (a page is registered only once full and computed, and every later step writes a
-        position's K/V before it attends to it), so they hold nothing seq needs."""
+        position's K/V before it attends to it), so they hold nothing seq needs. `state`: the scratch row of the
+        recurrent states after seq's last kept row (a delta-rule model's rejected rows advanced its own row past
+        it), copied back into seq's row."""
+        if state is not None:
+            if self.keep_state is None or seq.state_slot is None:
+                raise TypeError("a rollback of recurrent states needs the scheduler's keep_state and a state row")
+            self.keep_state(seq, state)
         keep = self.pages_for(seq.num_computed_tokens)
         if len(seq.block_table) > keep:
             extra = seq.block_table[keep:]
@@ -214,8 +227,11 @@ class Scheduler:
         are checkpointed where a prompt starting the same way can resume (the few tokens after come next step)."""
         done = seq.num_computed_tokens
         if seq.num_tokens - done == 1 and seq.drafts:
-            # a decode row and its drafts, as many as the budget holds (the ones left out are proposed again)
+            # a decode row and its drafts, as many as the budget and the step's draft rows hold (the ones left out
+            # are proposed again)
             n = min(1 + len(seq.drafts), max(1, budget - reserve))
+            if self._drafts_left is not None:
+                n = min(n, 1 + self._drafts_left)
             del seq.drafts[n - 1 :]
             return n
         seq.drafts.clear()  # a sequence with more than its newest token to compute verifies nothing this step
@@ -229,6 +245,7 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
         budget = self.rows
+        self._drafts_left = self.draft_rows
         # generating sequences first, then running prefills; each group in arrival order
         order = sorted(self.running, key=lambda s: (s.prefilling, s.id))
         decoding = sum(not s.prefilling for s in order)  # each one's next token comes before anyone's drafts
@@ -262,6 +279,8 @@ class Scheduler:
             if seq in self.running:
                 step.chunks.append((seq, n))
                 budget -= n
+                if self._drafts_left is not None:
+                    self._drafts_left -= len(seq.drafts)  # what _chunk left of them (none where grow dropped them)
         if step.preempted:
             return step  # no admissions in a step that had to preempt
         while self.waiting and budget > 0 and len(self.running) < self.slots:

@@ -22,8 +22,16 @@ will stand once the drafts before it are accepted, and jump-forward runs after t
 draft rows before it sample what the grammar forces: their masks allow it alone).
 
 Not drafted: damped greedy (its anti-LM state would have to walk and roll back along the drafts), requests that
-opt out (`Request.speculative=False`), and a sequence's last token (max_tokens). Models with delta-rule layers are
-refused (their recurrent state cannot roll back a rejected row).
+opt out (`Request.speculative=False`), and a sequence's last token (max_tokens).
+
+Delta-rule layers (Qwen3.5, Qwen3-Next) keep a recurrent state per sequence, which every row advances, the rejected
+ones too. So a drafting sequence's rows go through the recurrent step one at a time, as plain decoding steps them
+(the same arithmetic, so deterministic mode stays bit-identical), and the states after each row but the last are
+kept in scratch rows of the recurrent states (`RecurrentStates.scratch_rows`, laid out by `runner.build_step` as
+`AttnMetadata.state_drafts`); verification names the last kept row, and the scheduler's rollback copies the states
+after it back into the sequence's row. The scheduler schedules no more drafts a step than there are scratch rows,
+and prefix-cache checkpoints are taken after verification, from the sequence's row or the scratch row of a kept
+row that ends a page: only verified states are ever checkpointed.
 
 Adaptive: each sequence keeps an estimate p of the chance that a draft token is kept (a moving average over the
 drafts verified: each kept draft a success, the first rejected one a failure). The step's decoding sequences choose

@@ -70,6 +70,10 @@ class AttnMetadata:
     lora: Any = None
     #: S rows of the recurrent states (cache.state.RecurrentStates) each sequence's delta-rule layers read and write
     state_slots: tuple[int, ...] = ()
+    #: per sequence, the scratch rows of the recurrent states that receive its states after each of its rows but
+    #: the last, where its rows are a decode row and its drafts (engine/speculative.py); empty for the others, and
+    #: () where no sequence of the step carries drafts
+    state_drafts: tuple[tuple[int, ...], ...] = ()
     _slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _masks: dict[tuple[int, int | None], tuple[int, torch.Tensor]] = field(default_factory=dict, repr=False)
     _decode: dict[int | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)

@@ -84,7 +84,8 @@ class GatedAttention(nn.Module):
 class DeltaRule(nn.Module):
     """A gated delta-rule layer over each sequence's recurrent state (kernels/delta_rule.py): the input
     projection, the causal convolution of q, k and v, the delta rule (chunked for prompt rows, recurrent for
-    decode rows, all decode rows of a step at once), the gated norm and the output projection."""
+    decode rows, all decode rows of a step at once, and a drafting sequence's rows one at a time with the states
+    after each kept for verification), the gated norm and the output projection."""
 
     linear_names = ("in_proj", "out")
 
@@ -102,14 +103,16 @@ class DeltaRule(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttnMetadata, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
         """x [N, dim] -> [N, dim]; conv_state [slots, C, taps - 1] and ssm_state [slots, Hv, Dk, Dv] hold each
-        sequence's state (meta.state_slots), read and written here; a sequence at position 0 starts from zeros."""
+        sequence's state (meta.state_slots), read and written here; a sequence at position 0 starts from zeros.
+        A sequence with drafts (meta.state_drafts) steps its rows one at a time, as plain decoding would, and
+        leaves the states after each but its last in its scratch rows (its own row ends after its last)."""
         d, n = self.dims, x.shape[0]
         proj = _linear(self.in_proj, x, meta.deterministic)
         mixed, z, b, a = torch.split(proj, [d.conv_width, d.value_width, d.v_heads, d.v_heads], dim=1)
         beta = torch.sigmoid(b)
         g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [N, Hv] log decay
         normed = torch.empty(n, d.value_width, dtype=x.dtype, device=x.device)
-        qs, lens, slots = meta.query_start, meta.seq_lens, meta.state_slots
+        qs, lens, slots, drafts = meta.query_start, meta.seq_lens, meta.state_slots, meta.state_drafts
         decode: list[int] = []
         for s in range(meta.num_seqs):
             r0, r1 = qs[s], qs[s + 1]
@@ -118,7 +121,7 @@ class DeltaRule(nn.Module):
             if lens[s] == r1 - r0:  # the sequence starts in this step: its state starts from zeros
                 conv_state[slots[s]].zero_()
                 ssm_state[slots[s]].zero_()
-            if r1 - r0 == 1:
+            if r1 - r0 == 1 or (drafts and drafts[s]):
                 decode.append(s)
                 continue
             if meta.deterministic:
@@ -136,11 +139,32 @@ class DeltaRule(nn.Module):
                                                       self.arch.norm_eps).reshape(r1 - r0, d.value_width)
         if len(decode) == n:  # a step of decode rows only: their rows as they are, no gather
             normed = self._step(mixed, z, g, beta, conv_state, ssm_state, [slots[s] for s in decode])
+        elif drafts:
+            self._walk(decode, meta, normed, (mixed, z, g, beta), conv_state, ssm_state)
         elif decode:
             rows = torch.tensor([qs[s] for s in decode], device=x.device)
             normed[rows] = self._step(mixed[rows], z[rows], g[rows], beta[rows], conv_state, ssm_state,
                                       [slots[s] for s in decode])
         return _linear(self.out, normed, meta.deterministic)
+
+    def _walk(self, seqs: list[int], meta: AttnMetadata, normed: torch.Tensor, rows: tuple[torch.Tensor, ...],
+              conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
+        """The rows of sequences `seqs` (decode rows, some followed by drafts) into `normed`, row j of every
+        sequence that has one in one recurrent step (each row's bits its own, as in plain decoding), then the
+        states after row j copied to the scratch row `meta.state_drafts[s][j]` of each sequence with a row after
+        it: verification keeps the one after the last accepted row."""
+        qs, slots, drafts = meta.query_start, meta.state_slots, meta.state_drafts
+        for j in range(max(qs[s + 1] - qs[s] for s in seqs)):
+            now = [s for s in seqs if qs[s] + j < qs[s + 1]]
+            idx = torch.tensor([qs[s] + j for s in now], device=normed.device)
+            mixed, z, g, beta = (t.index_select(0, idx) for t in rows)
+            normed[idx] = self._step(mixed, z, g, beta, conv_state, ssm_state, [slots[s] for s in now])
+            kept = [(slots[s], drafts[s][j]) for s in now if j < len(drafts[s])]
+            if kept:
+                src = torch.tensor([r for r, _ in kept], device=conv_state.device)
+                dst = torch.tensor([r for _, r in kept], device=conv_state.device)
+                conv_state[dst] = conv_state[src]
+                ssm_state[dst] = ssm_state[src]
 
     def _step(self, mixed: torch.Tensor, z: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               conv_state: torch.Tensor, ssm_state: torch.Tensor, ids: list[int]) -> torch.Tensor:
