@@ -549,8 +549,9 @@ def test_iq_files_from_llama_cpp_load_and_answer_as_llama_cpp(block: str, quanti
     theirs = torch.tensor(np.asarray(llm.scores[len(tokens) - 1]), dtype=torch.float64)
     # the file's values in float32 (dense) against llama.cpp's 8-bit activations: the same argmax
     assert int(dense.argmax()) == int(theirs.argmax())
-    # ours run them as int8 per channel with bf16 activations (about 1% of W x, quant/gguf_map.py): a near tie may
-    # swap, so llama.cpp must rank our choice within a quarter of its logits' deviation of its own top
+    # ours run the IQ2/IQ3 types as int8 per channel with bf16 activations (about 1% of W x, quant/gguf_map.py), IQ4
+    # as stored (giq4) with bf16 activations: a near tie may swap, so llama.cpp must rank our choice within a
+    # quarter of its logits' deviation of its own top
     assert theirs[int(ours.argmax())] >= theirs.max() - 0.25 * theirs.std()
     for got in (dense, ours):
         assert torch.corrcoef(torch.stack([got, theirs]))[0, 1] > 0.995
