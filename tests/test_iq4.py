@@ -14,7 +14,7 @@ from superslm.formats.blocks import _IQ4_VALUES, IQ4_NL, IQ4_XS, Q4_K
 from superslm.quant import load_linear
 from superslm.quant.dense import Int8Linear
 from superslm.quant.gguf_map import iq4_runs, linear_from_gguf
-from superslm.quant.iq4 import TABLE, GGUFIQ4Linear, iq4_dequantize, iq4_matmul
+from superslm.quant.iq4 import TABLE, GGUFIQ4Linear, _fma32, iq4_dequantize, iq4_gemv, iq4_matmul, quantize_groups
 
 U = 2.0**-8
 
@@ -44,12 +44,22 @@ def quantize_iq4_nl(w: np.ndarray) -> np.ndarray:
 
 
 def group_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """sum over groups of 32 of max|x| over the group times sum |w| over it: what the int8 parts' rounding
-    (at most max|x| / 64516 an element) can move a product by, times 64516."""
+    """sum over groups of 32 of max|x| over the group times sum |w| over it [M, N]: the GEMV's int8 x moves an
+    element by at most max|x| / 254 (half its step max|x| / 127), so a product by at most this / 254."""
     m, k = x.shape
     xmax = x.double().abs().view(m, k // 32, 32).amax(-1)  # [M, groups]
     wsum = w.double().abs().view(w.shape[0], k // 32, 32).sum(-1)  # [N, groups]
     return xmax @ wsum.t()
+
+
+def gemv_tol(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """How far the GEMV of one row x [1, K] may be from the float64 product ref [N]: x's int8 rounding, float32
+    sums of k / 32 + 3 terms (each scale * dx rounded once, one fma a group, the lanes' reduction), and the
+    output's bf16 rounding of all that."""
+    k = x.shape[1]
+    act = group_bound(x, w)[0] / 254
+    floats = 1.01 * (k // 32 + 4) * 2.0**-24 * ((x.double().abs() + 1e-30) @ w.double().abs().t())[0] * (1 + 1 / 127)
+    return U * (ref.abs() + act + floats) + act + floats
 
 
 def needs_kernels() -> None:
@@ -77,7 +87,7 @@ def test_the_weight_is_the_files_bit_for_bit(block: type) -> None:
         GGUFIQ4Linear.from_gguf(raw[:-1], block, (n, k))
 
 
-@pytest.mark.parametrize("shape", [(64, 64), (100, 640), (387, 1024)])
+@pytest.mark.parametrize("shape", [(64, 96), (100, 640), (387, 1056)])  # 3, 20 and 33 groups
 def test_kernels_against_their_twin_and_the_weight(shape) -> None:
     needs_kernels()
     ext = cext.extension()
@@ -104,21 +114,57 @@ def test_kernels_against_their_twin_and_the_weight(shape) -> None:
             alone = ext.iq4_gemm(x[r : r + 1], q, s, t, True)
             assert torch.equal(alone.view(torch.int16), det[r : r + 1].view(torch.int16))
         for r in range(rows):
-            y = ext.iq4_gemv(x[r : r + 1], q, s, t).double()
-            # the output's bf16 rounding, and the int8 parts' (max|x| / 64516 an element, per group)
-            tol = U * ref[r].abs() + group_bound(x[r : r + 1], w)[0] / 32258 + 1e-6
-            assert ((y[0] - ref[r]).abs() <= tol).all()
-            assert ((y[0] - twin[r]).abs() <= tol + U * twin[r].abs()).all()
-    odd = torch.randn(2, k, generator=g).bfloat16()
+            y = ext.iq4_gemv(x[r : r + 1], q, s, t)
+            assert y.dtype == torch.bfloat16 and y.shape == (1, n)
+            assert torch.equal(y.view(torch.int16), iq4_gemv(x[r : r + 1], q, s, t).view(torch.int16))
+            assert ((y[0].double() - ref[r]).abs() <= gemv_tol(x[r : r + 1], w, ref[r])).all()
+    odd = torch.randn(3, k, generator=g).bfloat16()
     odd[0, 1] = float("nan")
-    odd[1, 5] = 3e4  # an outlier the int8 parts cannot carry: the GEMV takes the float32 product
+    odd[1, 5] = float("inf")  # no int8 step for it: the GEMV takes the float32 product
+    odd[2, 5] = 3e4  # an outlier: its own group's step is coarse, the other groups keep theirs
+    odd[2, 40:72] = 0  # an all-zero group
     assert torch.isnan(ext.iq4_gemv(odd[:1], q, s, t)).all()
-    y = ext.iq4_gemv(odd[1:], q, s, t)
-    assert torch.equal(y, ext.iq4_gemm(odd[1:], q, s, t, False))
+    y = ext.iq4_gemv(odd[1:2], q, s, t)
+    assert torch.equal(y, ext.iq4_gemm(odd[1:2], q, s, t, False))
+    assert torch.equal(y, iq4_gemv(odd[1:2], q, s, t))
+    y = ext.iq4_gemv(odd[2:], q, s, t)
+    assert torch.equal(y.view(torch.int16), iq4_gemv(odd[2:], q, s, t).view(torch.int16))
+    ref = (odd[2:].double() @ w.double().t())[0]
+    assert ((y[0].double() - ref).abs() <= gemv_tol(odd[2:], w, ref)).all()
     with pytest.raises(RuntimeError, match="scales float32"):
-        ext.iq4_gemv(odd[1:], q, s.bfloat16(), t)
+        ext.iq4_gemv(odd[1:2], q, s.bfloat16(), t)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        ext.iq4_gemv(odd[1:, :48], q[:, :24], s[:, :1], t)
+        ext.iq4_gemv(odd[1:2, :48], q[:, :24], s[:, :1], t)
+
+
+def test_gemv_twin_rounds_as_the_kernel() -> None:
+    """The twin's int8 x is llama.cpp's Q8_0 rounding (ties to even, |q| <= 127), and its fma rounds once."""
+    x = torch.tensor([[127.0, -63.5, 0.5, 1.5, -2.5] + [0.0] * 27 + [0.0] * 32])
+    q, dx = quantize_groups(x)
+    assert dx.tolist() == [1.0, 0.0] and q[0, :5].tolist() == [127, -64, 0, 2, -2] and not q[1].any()
+    # the twin's fma against exact rational arithmetic, on random operands and on sums that land halfway between
+    # two floats once rounded to float64 (where a product then a sum in float64 would round twice)
+    from fractions import Fraction
+
+    rng = np.random.default_rng(0)
+    a = rng.integers(-64516, 64516, 400).astype(np.float32)
+    b = (rng.standard_normal(400) * 1e-3).astype(np.float32)
+    c = (rng.standard_normal(400) * 10.0 ** rng.integers(-6, 2, 400)).astype(np.float32)
+    # halfway cases: odd products of odd integers in [2^24, 2^25) lie halfway between two floats (2 apart), and
+    # c = +-2^-30 is lost when the sum is rounded to float64 first; 4097 * 4099 ties up to even, 4097 * 4101 down
+    a[:4] = [4097, 4097, 4097, 4097]
+    b[:4] = [4099, 4099, 4101, 4101]
+    c[:4] = [2.0**-30, -(2.0**-30), 2.0**-30, -(2.0**-30)]
+    got = _fma32(torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(c)).numpy()
+    for ai, bi, ci, gi in zip(a, b, c, got):
+        exact = Fraction(float(ai)) * Fraction(float(bi)) + Fraction(float(ci))
+        near = np.float32(float(exact))
+        cands = [np.nextafter(near, np.float32(-np.inf)), near, np.nextafter(near, np.float32(np.inf))]
+        dist = [abs(Fraction(float(v)) - exact) for v in cands]
+        best = min(dist)
+        ties = [v for v, d in zip(cands, dist) if d == best]
+        want = ties[0] if len(ties) == 1 else next(v for v in ties if not (v.view(np.uint32) & 1))
+        assert gi.view(np.uint32) == want.view(np.uint32), (ai, bi, ci, gi, want)
 
 
 @pytest.mark.parametrize("block", [IQ4_NL, IQ4_XS])
@@ -139,9 +185,11 @@ def test_module_maps_runs_saves_and_falls_back(block: type, monkeypatch: pytest.
     for rows in (x[:1], x):
         y = m(rows)
         assert y.dtype == torch.bfloat16
-        # x w rounded to bf16, the bias added in float, rounded again; the int8 parts' rounding (one row)
+        # x w rounded to bf16 (one row: x's int8 rounding too, gemv_tol), the bias added in float, rounded again
         r, p = ref[: len(rows)], xw[: len(rows)]
-        assert ((y.double() - r).abs() <= U * (p.abs() + r.abs()) + group_bound(rows, w) / 32258 + 1e-6).all()
+        floats = 1.01 * k * 2.0**-24 * (rows.double().abs() @ w.double().abs().t())
+        slack = gemv_tol(rows, w, p[0]) if len(rows) == 1 else floats
+        assert ((y.double() - r).abs() <= U * (p.abs() + r.abs()) + (1 + U) * slack).all()
     # .to(bf16) on a model keeps the scales exact
     m.to(torch.bfloat16)
     assert m.scales.dtype == torch.float32 and torch.equal(m.dequantize(), w)

@@ -8,9 +8,10 @@ bf16: 11 + 6 significant bits), and so is every weight (+ 7 bits for the table v
 Here: the file's code bytes (qweight uint8 [N, K / 2], per group 16 bytes, byte j = codes j and j + 16) and the
 scales float32 [N, K / 32]: 5 bits a weight, the same as Q4_K's packed int4 with its bf16 (scale, zero) pairs.
 
-The C++ kernels (kernels/cpu/iq4.cpp) run one row through an AVX2 GEMV (the table lookup is a byte shuffle) and
-prompts through a float32 GEMM over blocks of decoded rows; `iq4_matmul` is their torch twin. Without the
-extension the module multiplies with a dense float copy of the weight, built at first use.
+The C++ kernels (kernels/cpu/iq4.cpp) run one row through an AVX2 GEMV with llama.cpp's arithmetic (x as int8 per
+32 values, the table lookup a byte shuffle, integer products; `iq4_gemv` is its torch twin, bit for bit) and prompts
+through a float32 GEMM over blocks of decoded rows (`iq4_matmul` its twin). Without the extension the module
+multiplies with a dense float copy of the weight, built at first use.
 """
 
 from __future__ import annotations
@@ -70,9 +71,67 @@ def iq4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, table: torch.Ten
 
 
 def iq4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """The torch twin of the extension's iq4_gemv / iq4_gemm: x [M, K] rounded to bf16 times the exact weight
-    in float32 -> [M, N] bf16 (the GEMV's int16 parts of x are within 2^-15 of each group's largest element)."""
+    """The torch twin of the extension's iq4_gemm: x [M, K] rounded to bf16 times the exact weight in float32
+    -> [M, N] bf16."""
     return (x.to(torch.bfloat16).float() @ iq4_dequantize(qweight, scales, table).t()).to(torch.bfloat16)
+
+
+def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row x [1, K] rounded to bf16, then as the GEMV's int8 per group of 32 (llama.cpp's Q8_0 with a float32
+    scale): (q int32 [K / 32, 32], |q| <= 127; dx float32 [K / 32]), x ~ q * dx, within dx / 2 an element."""
+    xg = x.to(torch.bfloat16).float().view(-1, 32)  # [groups, 32]
+    dx = xg.abs().amax(-1) / 127  # [groups]
+    live = dx > 0  # an all-zero group (or one whose dx underflows) gets q = 0
+    q = torch.round(xg / torch.where(live, dx, 1.0)[:, None]).clamp(-127, 127)  # x / dx, ties to even
+    return torch.where(live[:, None], q, 0.0).int(), dx
+
+
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a * b + c of float32 tensors rounded once to float32, as the FMA instruction does (finite values)."""
+    p = a.double() * b.double()  # exact: 24 + 24 significant bits
+    cd = c.double()
+    s = p + cd
+    bv = s - p
+    e = (p - (s - bv)) + (cd - bv)  # TwoSum: s + e == p + c exactly
+    r = s.float()
+    # rounding s once more is rounding p + c, except where s lies halfway between two floats: then e's sign says
+    # on which side of that halfway point p + c lies
+    rd = r.double()
+    up = torch.nextafter(r, torch.full_like(r, float("inf")))
+    dn = torch.nextafter(r, torch.full_like(r, float("-inf")))
+    half_up = (s > rd) & (2 * (s - rd) == up.double() - rd) & (e > 0)
+    half_dn = (s < rd) & (2 * (rd - s) == rd - dn.double()) & (e < 0)
+    return torch.where(half_up, up, torch.where(half_dn, dn, r))
+
+
+def iq4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The torch twin of the extension's iq4_gemv, bit for bit: one row x [1, K] as int8 per group of 32
+    (`quantize_groups`), per row and group the exact integer products summed in 4 lanes, two groups a step side
+    by side in 8 lanes, each lane acc = fma(lane sum, scale * dx, acc) over the steps in order, the 8 lanes added
+    pairwise as the kernel does, rounded to bf16 -> [1, N]. A row with a NaN or an inf (or a table with -128, which
+    the kernel's sign trick cannot negate) takes `iq4_matmul`, as the kernel does."""
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise InvalidArgument(f"iq4_gemv: one row, got {tuple(x.shape)}")
+    if not torch.isfinite(x.to(torch.bfloat16)).all() or (table == -128).any():
+        return iq4_matmul(x, qweight, scales, table)
+    q, dx = quantize_groups(x)
+    n, g = qweight.shape[0], dx.numel()
+    codes = qweight.view(n, g, 16)  # [N, groups, 16]
+    w = table.int()[torch.cat([codes & 15, codes >> 4], dim=-1).long()]  # [N, groups, 32]: values j, then j + 16
+    sd = scales.float() * dx  # [N, groups], rounded once as the kernel rounds it
+    prod, gp = w * q, g + g % 2  # an odd number of groups gets a zero one, as the kernel's last step
+    prod = F.pad(prod, (0, 0, 0, gp - g))  # [N, gp, 32]
+    sd = F.pad(sd, (0, gp - g))  # [N, gp]
+    # lane l of a group: values 4l..4l+3 and 16+4l..16+4l+3 (exact: |sum| <= 8 * 127 * 127 < 2^24); two groups a
+    # step, the even one in lanes 0-3, the odd one in 4-7
+    lanes = prod.view(n, gp, 2, 4, 4).sum((2, 4)).view(n, gp // 2, 8).float()  # [N, steps, 8]
+    sd = sd.view(n, gp // 2, 2).repeat_interleave(4, dim=-1)  # [N, steps, 8]
+    acc = torch.zeros(n, 8)
+    for i in range(gp // 2):
+        acc = _fma32(lanes[:, i], sd[:, i], acc)
+    half = acc[:, :4] + acc[:, 4:]  # [N, 4]
+    pair = half[:, :2] + half[:, 2:]  # [N, 2]
+    return (pair[:, 0] + pair[:, 1]).view(1, n).to(torch.bfloat16)
 
 
 def iq4_kernels() -> Any:

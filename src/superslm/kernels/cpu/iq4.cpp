@@ -5,20 +5,22 @@
 // nibble) and code j + 16 (high): the file's own `qs` bytes. scales float32 [N, K / 32]: IQ4_NL's f16 d, or
 // IQ4_XS's d * (ls - 32), both exact in float32 (and d * ls * table[code] too: 11 + 6 + 7 significant bits).
 //
-// The GEMV (decode rows) needs AVX2 only (on AVX-512 machines too): x rounded to bf16, split per group into
-// two int8 parts as the int4 kernels split it (vnni.h split_groups), joined into one int16 x16 = 254 hi + lo
-// (|x16| <= 32,385), so sum t x = sl * sum t x16 with t = table[code] in -128..127. The 16-bit products go
-// through `madd_epi16` (int16 x int16 -> int32 pairs, no saturation, unlike the unsigned x signed bytes of
-// maddubs / VNNI, where t + 128 times a part reaches 2 * 241 * 127 > 2^15). Each int32 lane of a group holds
-// 4 products, |sum| <= 4 * 128 * 32,385 < 2^24: exact in float, then y += (scale * sl) * that, per lane.
-// The GEMM (prompts) decodes blocks of rows to float32 (exact) and multiplies with BLAS in float32.
+// The GEMV (decode rows) needs AVX2 only (on AVX-512 machines too), and takes llama.cpp's arithmetic
+// (ggml_vec_dot_iq4_nl_q8_0): x rounded to bf16, then int8 per group of 32 once a call (dx = max|x| / 127,
+// q = nearbyint(x / dx), |q| <= 127: Q8_0's rounding with a float32 dx); per row and group the table values t
+// (a byte shuffle of the codes, 32 at a time) times q through `maddubs(|q|, t with q's sign)`: both at most 127,
+// so an int16 pair is at most 2 * 127 * 127 = 32,258 (never saturates), `madd` with ones sums 4 products an int32
+// lane, two groups side by side in a register's 8 lanes (gemv_rows), then acc = fma(lane, scale * dx, acc) (4 rows
+// sharing each load of q), the lanes reduced at the end. x's rounding (at most dx / 2 an element) is what
+// moves a result: 0.6-1.1% of the outputs' rms, 0.7-1.2x the error of the int8 re-quantized weights this format
+// replaced (docs/quantization.md); two int8 parts of x would be bf16-exact but cost 1.4-1.55x the time here.
+// quant/iq4.py iq4_gemv is its twin, bit for bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <cstring>
+#include <algorithm>
+#include <cmath>
 #include <vector>
-
-#include "vnni.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -72,40 +74,82 @@ int64_t chunk_rows(int64_t K, int64_t N) {
 }
 
 #ifdef SUPERSLM_IQ4_AVX2
-// four rows' (or fewer: nr) dot products with x16 over all groups -> out; scales * sl per group
-void gemv_rows(const uint8_t* q, const float* s, const __m128i tbl, const int16_t* x16, const float* gsl, int64_t K,
-               int64_t n, int nr, float* out) {
-  const int64_t G = K / 32;
-  const __m128i nib = _mm_set1_epi8(0x0f);
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  const uint8_t* rows[4];
-  const float* sc[4];
-  for (int r = 0; r < 4; ++r) {
-    const int64_t row = n + std::min(r, nr - 1);  // a short tile repeats its last row (its result unused)
-    rows[r] = q + row * (K / 2);
-    sc[r] = s + row * G;
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + g * 32));
-    const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + g * 32 + 16));
-    const float sl = gsl[g];
-    for (int r = 0; r < 4; ++r) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + g * 16));
-      const __m128i lo = _mm_shuffle_epi8(tbl, _mm_and_si128(b, nib));                    // codes 0..15 -> t
-      const __m128i hi = _mm_shuffle_epi8(tbl, _mm_and_si128(_mm_srli_epi16(b, 4), nib));  // codes 16..31
-      const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(lo), xa),
-                                         _mm256_madd_epi16(_mm256_cvtepi8_epi16(hi), xb));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sc[r][g] * sl), acc[r]);
+// x's one row (bf16) as int8 per group of 32, laid out for gemv_rows' two groups a step (G rounded up to even,
+// the last group zero where G is odd): per pair of groups g, g + 1, 64 bytes [g 0..15 | g+1 0..15 | g 16..31 |
+// g+1 16..31] of q in xq and of |q| (maddubs' unsigned operand) in aq; dx [G] (an all-zero group, or one whose
+// max|x| / 127 underflows to 0, gets q = 0). False where x holds a NaN or an inf.
+bool quantize_groups(const at::BFloat16* xp, int64_t K, int8_t* xq, uint8_t* aq, float* dx) {
+  for (int64_t g = 0; g < K / 32; ++g) {
+    float v[32], amax = 0.f;
+    for (int j = 0; j < 32; ++j) {
+      v[j] = static_cast<float>(xp[g * 32 + j]);
+      if (!std::isfinite(v[j])) return false;
+      amax = std::max(amax, std::fabs(v[j]));
+    }
+    const float d = amax / 127.f;
+    dx[g] = d;
+    for (int j = 0; j < 32; ++j) {
+      // x / d, not x * (1 / d): the twin divides as well (the same bits)
+      const float r = d > 0.f ? std::max(-127.f, std::min(127.f, std::nearbyint(v[j] / d))) : 0.f;
+      const int64_t at = (g / 2) * 64 + (j / 16) * 32 + (g % 2) * 16 + j % 16;
+      xq[at] = static_cast<int8_t>(r);
+      aq[at] = static_cast<uint8_t>(std::fabs(r));
     }
   }
-  float res[4];  // every accumulator reduced with a constant index: a dynamic one would keep acc in memory
-  for (int r = 0; r < 4; ++r) {
+  return true;
+}
+
+constexpr int TILE = 4;  // rows sharing each load of x (8 measured slower: 8 streams of codes)
+
+// TILE rows' (or fewer: nr) dot products with x over all groups -> out (bf16); sd: scratch float [TILE * Gp],
+// Gp = G rounded up to even.
+// Two groups a step: their 32 code bytes masked give [g codes 0..15 | g+1 codes 0..15], shifted by 4
+// [g 16..31 | g+1 16..31]; lanes 0-3 of a row's accumulator take the even groups, 4-7 the odd ones, lane l
+// the products of values 4l..4l+3 and 16+4l..16+4l+3 (|sum| <= 8 * 127 * 127 < 2^24: exact in float).
+void gemv_rows(const uint8_t* q, const float* s, const __m256i tbl, const uint8_t* aq, const int8_t* xq,
+               const float* dx, int64_t K, int64_t n, int nr, float* sd, at::BFloat16* out) {
+  const int64_t G = K / 32, Gp = (G + 1) / 2 * 2, half = K / 2;
+  const uint8_t* rows[TILE];
+  for (int r = 0; r < TILE; ++r) {
+    const int64_t row = n + std::min(r, nr - 1);  // a short tile repeats its last row (its result unused)
+    rows[r] = q + row * half;
+    const float* sc = s + row * G;
+    for (int64_t g = 0; g < G; ++g) sd[r * Gp + g] = sc[g] * dx[g];  // the weight's scale times x's, rounded once
+    if (Gp != G) sd[r * Gp + G] = 0.f;
+  }
+  const __m256i nib = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  __m256 acc[TILE];
+  for (int r = 0; r < TILE; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; g += 2) {
+    const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + g * 32));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32));
+    const __m256i a2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + g * 32 + 32));
+    const __m256i x2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32 + 32));
+    // the next tile's codes, a line of each row every 4 groups: in a model the weights stream from DRAM, and
+    // the hardware prefetcher alone left this 20-35% slower there (hints are dropped past the matrix's end)
+    if ((g & 3) == 0)
+      for (int r = 0; r < TILE; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r] + g * 16 + TILE * half), _MM_HINT_T0);
+    const bool last = g + 1 == G;  // an odd G's last group alone: 16 bytes, never past the row
+    for (int r = 0; r < TILE; ++r) {
+      const __m256i v = last ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + g * 16)))
+                             : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + g * 16));
+      const __m256i w1 = _mm256_shuffle_epi8(tbl, _mm256_and_si256(v, nib));
+      const __m256i w2 = _mm256_shuffle_epi8(tbl, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+      const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(w1, x1)), ones),
+                                         _mm256_madd_epi16(_mm256_maddubs_epi16(a2, _mm256_sign_epi8(w2, x2)), ones));
+      const float* sg = sd + r * Gp + g;
+      const __m256 sv = _mm256_set_m128(_mm_set1_ps(sg[1]), _mm_set1_ps(sg[0]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sv, acc[r]);
+    }
+  }
+  float res[TILE];  // every accumulator reduced with a constant index: a dynamic one would keep acc in memory
+  for (int r = 0; r < TILE; ++r) {
     __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
     v = _mm_add_ps(v, _mm_movehl_ps(v, v));
     v = _mm_add_ss(v, _mm_movehdup_ps(v));
     res[r] = _mm_cvtss_f32(v);
   }
-  for (int r = 0; r < nr; ++r) out[r] = res[r];
+  for (int r = 0; r < nr; ++r) out[r] = static_cast<at::BFloat16>(res[r]);
 }
 #endif
 
@@ -154,35 +198,37 @@ at::Tensor iq4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Te
   return out.to(at::kBFloat16);
 }
 
-// x [1, K] -> [1, N] bf16 (see the top of the file); where x cannot be split (a NaN, an inf, an outlier) or
-// the SIMD kernel is not built, iq4_gemm's float32 product instead
+// x [1, K] -> [1, N] bf16 (see the top of the file); where x holds a NaN or an inf (or the table a -128), or the
+// SIMD kernel is not built, iq4_gemm's float32 product instead
 at::Tensor iq4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table) {
   check_iq4(x, qweight, scales, table, "iq4_gemv");
   TORCH_CHECK(x.size(0) == 1, "iq4_gemv: one row");
 #ifdef SUPERSLM_IQ4_AVX2
   const int64_t K = x.size(1), N = qweight.size(0), G = K / 32;
-  at::Tensor xb = x.to(at::kBFloat16).contiguous();
-  std::vector<float> xf(K);
-  const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
-  for (int64_t k = 0; k < K; ++k) xf[k] = static_cast<float>(xp[k]);
-  std::vector<int8_t> hi(K), lo(K);
-  std::vector<float> gsum(G), gsl(G);
-  if (!superslm_vnni::split_groups(xf.data(), K, 32, hi.data(), lo.data(), gsum.data(), gsl.data()))
+  const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+  const int64_t Kp = (G + 1) / 2 * 64;  // x's bytes for an even number of groups
+  std::vector<int8_t> xq(Kp, 0);
+  std::vector<uint8_t> aq(Kp, 0);
+  std::vector<float> dx(G);
+  const int8_t* tp = table.data_ptr<int8_t>();
+  // a table value of -128 would overflow the sign trick (-(-128)); ggml's table is -127 .. 113
+  if (std::find(tp, tp + 16, int8_t(-128)) != tp + 16 ||
+      !quantize_groups(xb.data_ptr<at::BFloat16>(), K, xq.data(), aq.data(), dx.data()))
     return iq4_gemm(x, qweight, scales, table, false);
-  std::vector<int16_t> x16(K);
-  for (int64_t k = 0; k < K; ++k) x16[k] = static_cast<int16_t>(254 * hi[k] + lo[k]);
-  at::Tensor out = at::empty({1, N}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({1, N}, x.options().dtype(at::kBFloat16));
   const uint8_t* q = qweight.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const __m128i tbl = _mm_loadu_si128(reinterpret_cast<const __m128i*>(table.data_ptr<int8_t>()));
-  // ~128 KiB of codes per task, whole tiles of 4 rows
-  const int64_t grain = std::max<int64_t>(4, ((int64_t(1) << 18) / K) & ~int64_t(3));
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tp)));
+  // ~128 KiB of codes per task, whole tiles
+  const int64_t grain = std::max<int64_t>(TILE, ((int64_t(1) << 18) / K) / TILE * TILE);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n += 4)
-      gemv_rows(q, s, tbl, x16.data(), gsl.data(), K, n, static_cast<int>(std::min<int64_t>(4, n1 - n)), op + n);
+    std::vector<float> sd(TILE * (G + 1));
+    for (int64_t n = n0; n < n1; n += TILE)
+      gemv_rows(q, s, tbl, aq.data(), xq.data(), dx.data(), K, n, static_cast<int>(std::min<int64_t>(TILE, n1 - n)),
+                sd.data(), op + n);
   });
-  return out.to(at::kBFloat16);
+  return out;
 #else
   return iq4_gemm(x, qweight, scales, table, false);
 #endif
