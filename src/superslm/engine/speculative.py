@@ -36,11 +36,10 @@ row that ends a page: only verified states are ever checkpointed.
 Adaptive: each sequence keeps an estimate p of the chance that a draft token is kept (a moving average over the
 drafts verified: each kept draft a success, the first rejected one a failure). The step's decoding sequences choose
 their draft counts together, for the most expected tokens per unit of the step's cost (`Speculative.draft_counts`):
-a one-row step costs 1; more rows cost a fixed part plus a part a row (`Speculative.step_cost`, the CPU kernels'
-curve, `cpu_step_costs`: with VNNI, rows in tiles of 4, 1 row 7.1 ms, 4 rows 13, 8 rows 20, 16 rows 35 on SmolLM2;
-with AVX2 alone about half a one-row step a row). So with VNNI at batch 1 three drafts cost less than two more plain
-steps, and at batch 8 a draft must be kept about as often as a plain row gives a token; none where no draft beats
-plain steps. While it does not draft, the lookup's first guess is
+a one-row step costs 1; more rows cost a fixed part plus a part a row, rows counted in the CPU kernels' tiles of 4
+(`Speculative.step_cost`, measured on SmolLM2: 1 row 7.1 ms, 4 rows 13, 8 rows 20, 12 rows 28, 16 rows 35). So at
+batch 1 three drafts cost less than two more plain steps, and at batch 8 a draft must be kept about as often as a
+plain row gives a token; none where no draft beats plain steps. While it does not draft, the lookup's first guess is
 checked against the token the plain step gives (free: no row is computed for it), so the estimate follows the text
 back up where copying resumes (an answer quoting its prompt again after a few words of its own), and prose that the
 n-grams guess badly drafts little.
@@ -48,7 +47,6 @@ n-grams guess badly drafts little.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -65,19 +63,20 @@ class Speculative:
 
     `k`: the most drafts a step carries per sequence; `min_n` .. `max_n`: the n-gram lengths the prompt lookup
     tries, longest first; `fixed_cost`, `row_cost`, `row_tile`: a step of more than one row costs fixed_cost +
-    row_cost * (its rows rounded up to a multiple of row_tile) one-row steps, at least 1 (`step_cost`); None (the
-    default) takes this CPU's kernels' curve (`cpu_step_costs`); row_cost 0: rows are free, as on a GPU far from its
-    compute bound; `decay`: the weight of the past in the acceptance estimate's moving average (see the module's
-    docstring).
+    row_cost * (its rows rounded up to a multiple of row_tile) one-row steps, at least 1 (`step_cost`; SmolLM2 Q4_1
+    on 2 AMD EPYC cores, its steps timed by rows: 1 row 7.1 ms, 4 rows 13.0, 8 rows 19.4-20.6, 12 rows 29, 16 rows
+    34-36; Gemma-3 270M's per-row part is smaller, ~0.15, so these settings draft less than would pay there, never
+    more; row_cost 0: rows are free, as on a GPU far from its compute bound); `decay`: the weight of the past in the
+    acceptance estimate's moving average (see the module's docstring).
     """
 
     method: str = "ngram"
     k: int = 8
     min_n: int = 2
     max_n: int = 4
-    fixed_cost: float | None = None
-    row_cost: float | None = None
-    row_tile: int | None = None
+    fixed_cost: float = 0.85
+    row_cost: float = 0.25
+    row_tile: int = 4
     decay: float = 0.8
 
     @classmethod
@@ -96,16 +95,12 @@ class Speculative:
             raise InvalidArgument(f"unknown speculative method {self.method!r} (known: 'ngram')")
         for name in ("k", "min_n", "max_n", "row_tile"):
             v = getattr(self, name)
-            if name == "row_tile" and v is None:
-                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidArgument(f"speculative {name} must be a positive integer, got {v!r}")
         if self.min_n > self.max_n:
             raise InvalidArgument(f"speculative min_n {self.min_n} is more than max_n {self.max_n}")
         for name in ("fixed_cost", "row_cost"):
             v = getattr(self, name)
-            if v is None:
-                continue
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v < float("inf")):
                 raise InvalidArgument(f"speculative {name} must be a finite number >= 0, got {v!r}")
         if not (isinstance(self.decay, (int, float)) and 0.0 <= self.decay < 1.0):
@@ -120,11 +115,8 @@ class Speculative:
         """A step of `rows` rows, in one-row steps (see the class's docstring)."""
         if rows <= 1:
             return 1.0
-        default = cpu_step_costs()
-        fixed = default[0] if self.fixed_cost is None else self.fixed_cost
-        per_row = default[1] if self.row_cost is None else self.row_cost
-        tile = default[2] if self.row_tile is None else self.row_tile
-        return max(1.0, fixed + per_row * -(-rows // tile) * tile)  # never less than one row's
+        tiles = -(-rows // self.row_tile)
+        return max(1.0, self.fixed_cost + self.row_cost * tiles * self.row_tile)  # never less than one row's
 
     def draft_counts(self, rates: Seq[float], rooms: Seq[int]) -> list[int]:
         """The draft counts k_i (0 .. min(k, rooms[i])) of one step's decoding sequences, at per-draft acceptance
@@ -148,30 +140,6 @@ class Speculative:
         for _, _, i in gains[:best_d]:
             counts[i] += 1
         return counts
-
-
-#: (fixed_cost, row_cost, row_tile) of a step's cost curve by the CPU kernels that run it, measured on SmolLM2 Q4_1
-#: with 2 threads, steps timed by rows (benchmarks/speculative.py --profile):
-#: - VNNI (AVX-512 AMD EPYC): 1 row 7.1 ms, 4 rows 13.0, 8 rows 19.4-20.6, 12 rows 29, 16 rows 34-36: the GEMMs
-#:   take rows in tiles of 4 (Gemma-3 270M's per-row part is smaller, ~0.15: these settings draft less there than
-#:   would pay, never more);
-#: - AVX2 only (AMD EPYC, Zen 3): 1 row 8.9-11.7 ms, 4 rows 20-25, 8 rows 37-46, 16 rows 74-88, 48 rows 258: about
-#:   4 ms and 5.3 ms a row; a row's GEMV does not share its weight reads with the others', so rows cost a half step
-#:   each and drafts pay at batch 1 (from a per-draft acceptance near 0.4), hardly ever beside other sequences.
-VNNI_STEP_COSTS = (0.85, 0.25, 4)
-AVX2_STEP_COSTS = (0.4, 0.5, 1)
-
-
-@functools.cache
-def cpu_step_costs() -> tuple[float, float, int]:
-    """The cost curve of this CPU's decode kernels (see VNNI_STEP_COSTS): AVX2's where the C++ kernels run without
-    VNNI, else the VNNI curve (also what a GPU engine gets unless it passes its own)."""
-    from superslm import cext
-
-    ext = cext.extension()
-    if ext is not None and cext.vnni() is None and ext.avx2_available() and not cext.torch_kernels_forced():
-        return AVX2_STEP_COSTS
-    return VNNI_STEP_COSTS
 
 
 class NgramDrafter:
