@@ -149,8 +149,12 @@ def test_smollm2_plan_reads_4bit_pages(fmt: str, smollm2, monkeypatch) -> None:
         net.fast_decode = True
     generic, ref, got = ways["generic"], ways["reference"], ways["cpp"]
     scale = generic.abs().max().item()
-    # 30 layers of bf16 roundings (the torch paths round the rotated query and the dequantized rows to bf16)
-    assert (got - ref).abs().max().item() <= 2**-5 * scale
+    # 30 layers of bf16 roundings (the torch paths round the rotated query and the dequantized rows to bf16). With
+    # keys and values both at 4 bits a key rounded to the other code moves a layer's output more: on an AVX2-only
+    # EPYC (the reference's linears on torch's int4 kernel, the plan's on its GEMV) k4v4 ended 0.05 of the scale
+    # from the reference, which itself was 0.042 from the generic path (k8v4 0.008, k4v8 0.016). The read itself
+    # is checked to 1e-4 in float32 above; a wrong read (a nibble, a lane, a basis) fails the cosine below
+    assert (got - ref).abs().max().item() <= (2**-4 if fmt == "k4v4" else 2**-5) * scale
     assert (got - generic).abs().max().item() <= 0.08 * scale
     assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min().item() > 0.999
 

@@ -233,31 +233,9 @@ class MoE(nn.Module):
             y = moe_step.run(x, self.moe_parts(), self.tokens_per_expert)
             if y is not None:
                 return y
-        e = self.experts
-        logits = _linear(self.router, x, deterministic)
-        probs = torch.softmax(logits.float(), dim=-1)
-        top, chosen = torch.topk(probs, e.top_k, dim=-1)  # [N, k]
-        if e.norm_top_k:
-            top = top / top.sum(-1, keepdim=True)
-        weights = top.to(x.dtype)
-        out = torch.zeros_like(x)
-        flat = chosen.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # the (token, k) pairs grouped by expert, tokens in order
-        counts = torch.bincount(flat, minlength=e.count)
-        self.tokens_per_expert += counts.cpu()
-        start = 0
-        for expert, count in enumerate(counts.tolist()):
-            if not count:
-                continue
-            pairs = order[start:start + count]
-            start += count
-            tokens = pairs // e.top_k
-            y = self.experts_mlp[expert](x[tokens], deterministic)
-            out.index_add_(0, tokens, y * weights.reshape(-1)[pairs, None])
-        if self.shared is not None:
-            scale = torch.sigmoid(_linear(self.shared_scale, x, deterministic))
-            out = out + scale * self.shared(x, deterministic)
-        return out
+        # the torch ops of kernels/moe_step.py's twin, each linear as this mode runs it
+        return moe_step.moe_reference(x, self.moe_parts(), self.tokens_per_expert,
+                                      lambda module, rows: _linear(module, rows, deterministic))
 
     def moe_parts(self) -> moe_step.MoEParts:
         """This block as kernels/moe_step.py takes it, built once and again when a linear was swapped (quant.swap
