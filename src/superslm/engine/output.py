@@ -200,8 +200,9 @@ class OutputProcessor:
 
             # the sequences' own positions at once (llguidance's executor), then each one's draft rows
             first = [i for i, (_, ahead) in enumerate(rows) if not ahead]
-            fill_bitmasks([seqs[i].grammar for i in first], view := bitmask[first])
-            bitmask[first] = view
+            own = bitmask[first]  # a copy: indexing by a list
+            fill_bitmasks([seqs[i].grammar for i in first], own)
+            bitmask[first] = own
             for i in first:
                 seq, d = seqs[i], 0
                 while i + d + 1 < len(rows) and rows[i + d + 1][0] is seq:

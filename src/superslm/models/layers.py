@@ -229,12 +229,13 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, deterministic: bool, decode: bool = False) -> torch.Tensor:
         """x [N, dim] -> [N, dim]. `decode`: every row is a sequence's decode row; in the default mode the CPU then
         runs the block in one C++ call (kernels/moe_step.py) where it takes the experts' linears."""
+        parts = self.moe_parts()
         if decode and not deterministic:
-            y = moe_step.run(x, self.moe_parts(), self.tokens_per_expert)
+            y = moe_step.run(x, parts, self.tokens_per_expert)
             if y is not None:
                 return y
         # the torch ops of kernels/moe_step.py's twin, each linear as this mode runs it
-        return moe_step.moe_reference(x, self.moe_parts(), self.tokens_per_expert,
+        return moe_step.moe_reference(x, parts, self.tokens_per_expert,
                                       lambda module, rows: _linear(module, rows, deterministic))
 
     def moe_parts(self) -> moe_step.MoEParts:
