@@ -1,6 +1,6 @@
 """Runtime linear formats: kernel timings on SmolLM2-135M's shapes, whole-model decode, and errors.
 
-    python benchmarks/linear_formats.py [--sections kernels,decode,errors] [--threads 2] [--tokens 64]
+    python benchmarks/linear_formats.py [--sections kernels,decode,errors,prompt] [--threads 2] [--tokens 64]
 
 Prints markdown tables (the numbers in docs/quantization.md). Kernel timings are the best of repeated
 runs; on a shared machine read the ratios, not the absolute times.
@@ -69,6 +69,48 @@ def bench_kernels() -> None:
                 with torch.no_grad():
                     row.append(best_time(lambda module=module, x=x: module(x)) * 1e6)
         print(f"| {name} ({k} -> {n}) | " + " | ".join(f"{t:.0f}" for t in row) + " |")
+    print()
+
+
+#: prompt-chunk shapes (in, out) of SmolLM2-135M, Gemma-3-270M, Qwen3.5-0.8B (attention qkv with its gate,
+#: delta-rule in_proj, MLP) and Qwen2.5-1.5B (MLP)
+PROMPT_SHAPES = [
+    ("smollm2 qkv", 576, 960), ("smollm2 gate_up", 576, 3072), ("smollm2 down", 1536, 576),
+    ("gemma3 gate_up", 640, 4096), ("gemma3 down", 2048, 640), ("qwen3.5 qkv+gate", 1024, 5120),
+    ("qwen3.5 in_proj", 1024, 8224), ("qwen3.5 gate_up", 1024, 7168), ("qwen3.5 down", 3584, 1024),
+    ("qwen2.5-1.5b gate_up", 1536, 17920), ("qwen2.5-1.5b down", 8960, 1536),
+]  # fmt: skip
+
+
+def bench_prompt() -> None:
+    """Prompt rows of int4 and int8 linears: torch's packed kernels against kernels/cpu_prompt.py's decoded
+    blocks and float32 GEMMs (the path the default mode takes from PROMPT_ROWS rows), interleaved."""
+    from superslm.kernels import cpu_prompt
+
+    rows = (16, 64, 128, 512)
+    print("### Prompt rows: milliseconds per call (median of 5), torch's kernel / decoded blocks + sgemm\n")
+    print("| linear (in -> out) | format | " + " | ".join(f"M={m}" for m in rows) + " |")
+    print("|---" * (len(rows) + 2) + "|")
+    for name, k, n in PROMPT_SHAPES:
+        w = torch.randn(n, k) * 0.02
+        for fmt, opts in (("int4", {"group": 32}), ("int8", {})):
+            module = FORMATS[fmt].from_dense(w, **opts)
+            cells = []
+            for m in rows:
+                x = torch.randn(m, k, dtype=torch.bfloat16)
+                with torch.no_grad():
+                    if cpu_prompt.prompt_linear(module, x) is None and m >= cpu_prompt.PROMPT_ROWS:
+                        print(f"(the path does not run here: {fmt})")
+                        return
+                    saved = cpu_prompt.PROMPT_ROWS
+                    cpu_prompt.PROMPT_ROWS = 1
+                    try:
+                        ours = best_time(lambda module=module, x=x: cpu_prompt.prompt_linear(module, x), repeats=5)
+                    finally:
+                        cpu_prompt.PROMPT_ROWS = saved
+                    theirs = best_time(lambda module=module, x=x: module(x), repeats=5)
+                cells.append(f"{theirs * 1e3:.1f} / {ours * 1e3:.1f}")
+            print(f"| {name} ({k} -> {n}) | {fmt} | " + " | ".join(cells) + " |")
     print()
 
 
@@ -242,6 +284,8 @@ def main() -> None:
         bench_decode(args.tokens)
     if "errors" in sections:
         bench_errors()
+    if "prompt" in sections:
+        bench_prompt()
 
 
 if __name__ == "__main__":

@@ -143,10 +143,15 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> t
     """The depthwise causal convolution, then SiLU, over T rows of one sequence: x [T, C], weight [C, K],
     state [C, K - 1] (the last K - 1 inputs before these rows; zeros at a sequence's start) -> (y [T, C] in
     x's dtype, the new state)."""
-    taps = weight.shape[1]
-    seq = torch.cat([state.to(x.dtype), x.transpose(0, 1)], dim=1)  # [C, K - 1 + T]
-    y = F.conv1d(seq[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]  # [C, T]
-    return F.silu(y).to(x.dtype).transpose(0, 1), seq[:, seq.shape[1] - (taps - 1):]
+    taps, t = weight.shape[1], x.shape[0]
+    seq = torch.cat([state.to(x.dtype).transpose(0, 1), x], dim=0)  # [K - 1 + T, C]
+    # K shifted multiply-adds over [T, C] in float32, then one rounding to the weight's dtype as conv1d's
+    # output: torch's depthwise conv1d in bf16 on the CPU took ~27 ms for 4 rows of 6144 channels
+    w = weight.float()
+    y = seq[0:t].float() * w[:, 0]
+    for j in range(1, taps):
+        y.addcmul_(seq[j : j + t].float(), w[:, j])
+    return F.silu(y.to(weight.dtype)).to(x.dtype), seq[seq.shape[0] - (taps - 1):].transpose(0, 1)
 
 
 def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from superslm.kernels import cpu_decode, delta_rule, moe_step
+from superslm.kernels import cpu_decode, cpu_prompt, delta_rule, moe_step
 from superslm.kernels.attention import AttnMetadata, QKVSpec
 from superslm.kernels.dispatch import add_rms_norm, gated_act, prepare_attention, rms_norm
 from superslm.kernels.row_blocks import by_row_blocks
@@ -34,6 +34,10 @@ def _linear(lin: nn.Module, x: torch.Tensor, deterministic: bool, dtype: torch.d
 
     if not deterministic and dtype is None and x.shape[0] == 1:
         y = cpu_decode.one_row_linear(lin, x)  # a decode row on the plan's GEMVs (the plan runs no such layer)
+        if y is not None:
+            return y
+    if not deterministic and x.shape[0] >= cpu_prompt.PROMPT_ROWS:
+        y = cpu_prompt.prompt_linear(lin, x, dtype)  # a prompt chunk: decoded weight blocks, float32 GEMMs
         if y is not None:
             return y
     if not deterministic or getattr(lin, "row_invariant", False):

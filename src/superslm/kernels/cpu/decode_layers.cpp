@@ -26,6 +26,7 @@ at::Tensor delta_decode_step(const at::Tensor& mixed, const at::Tensor& z, const
                              double eps, int64_t k_heads, int64_t k_dim, int64_t v_heads, int64_t v_dim);
 // moe_step.cpp: a mixture-of-experts block's decode rows (its class MoEStep, registered into this module)
 void register_moe_step(pybind11::module& m);
+void register_prompt(pybind11::module& m);
 
 namespace {
 
@@ -442,4 +443,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("iq4_dequantize", &iq4_dequantize, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("delta_decode_step", &delta_decode_step, pybind11::call_guard<pybind11::gil_scoped_release>());
   register_moe_step(m);
+  register_prompt(m);
 }

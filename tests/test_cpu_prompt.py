@@ -1,0 +1,141 @@
+"""Prompt chunks' int linears through decoded weight blocks and float32 GEMMs (kernels/cpu_prompt.py): the C++
+decoding against its torch twin and the format's own dequantization, the products against float64 and torch's
+packed kernels, the rows and modes it takes, and a hybrid model's prompt through it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from superslm.kernels import cpu_decode, cpu_prompt
+from superslm.models import layers
+from superslm.quant import quantize_linears
+from superslm.quant.dense import Int8Linear
+from superslm.quant.gguf_map import ConcatLinear
+from superslm.quant.int4 import Int4Linear
+
+pytestmark = pytest.mark.skipif(os.environ.get("SUPERSLM_CPU_KERNELS") == "0", reason="C++ kernels disabled")
+
+
+@pytest.fixture
+def ext():
+    """The extension with VNNI switched off for one test (on VNNI CPUs the path stands aside)."""
+    ext = cpu_decode.extension()
+    if ext is None or ext.torch_int4_block() <= 0:
+        pytest.skip("no C++ kernels, or torch's packed int4 layout is unknown here")
+    was = ext.vnni_available()
+    ext.set_vnni(False)
+    yield ext
+    ext.set_vnni(was)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+@pytest.mark.parametrize("n,k,group", [(64, 128, 32), (960, 576, 32), (192, 512, 64), (96, 256, 128)])
+def test_int4_decoding_equals_its_twin_and_the_formats_dequantization(ext, n: int, k: int, group: int) -> None:
+    g = torch.Generator().manual_seed(n + k)
+    lin = Int4Linear.from_dense(torch.randn(n, k, generator=g) * 0.05, None, group=group)
+    block, rows = ext.torch_int4_block(), lin.qweight.shape[0]
+    out = torch.full((rows * k,), float("nan"))
+    for n0, n1 in ((0, rows), (block, rows), (0, block)):
+        want = cpu_prompt.int4_dequant_rows_reference(lin.qweight, lin.scales_zeros, group, n0, n1, block)
+        ext.int4_dequant_rows(lin.qweight, lin.scales_zeros, group, n0, n1, out)
+        assert torch.equal(out[: (n1 - n0) * k].view(k, n1 - n0), want)
+    full = cpu_prompt.int4_dequant_rows_reference(lin.qweight, lin.scales_zeros, group, 0, rows, block)
+    assert torch.equal(full.t()[:n], lin.dequantize_stored()[:n].float())  # the format's own reading of its codes
+
+
+def test_int4_decoding_refuses_bad_arguments(ext) -> None:
+    lin = Int4Linear.from_dense(torch.randn(64, 128), None, group=32)
+    out = torch.empty(64 * 128)
+    with pytest.raises(RuntimeError, match="block boundaries"):
+        ext.int4_dequant_rows(lin.qweight, lin.scales_zeros, 32, 1, 64, out)
+    with pytest.raises(RuntimeError, match="out float32"):
+        ext.int4_dequant_rows(lin.qweight, lin.scales_zeros, 32, 0, 64, torch.empty(10))
+    with pytest.raises(RuntimeError, match="sz bf16"):
+        ext.int4_dequant_rows(lin.qweight, lin.scales_zeros, 64, 0, 64, out)
+
+
+def _modules(n: int, k: int) -> dict[str, torch.nn.Module]:
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(n, k, generator=g) * 0.05
+    bias = torch.randn(n, generator=g)
+    return {
+        "int4": Int4Linear.from_dense(w, None, group=32),
+        "int4-bias": Int4Linear.from_dense(w, bias, group=32),
+        "int4-rotated": Int4Linear.from_dense(w, None, group=32, rotate=0),
+        "int8": Int8Linear.from_dense(w, None),
+        "concat": ConcatLinear([Int8Linear.from_dense(w[: n // 2], None),
+                                Int4Linear.from_dense(w[n // 2 :], None, group=32)]),
+    }
+
+
+@pytest.mark.parametrize("name", ["int4", "int4-bias", "int4-rotated", "int8", "concat"])
+def test_prompt_rows_as_accurate_as_torchs_kernels(ext, name: str) -> None:
+    n, k, m = 320, 512, cpu_prompt.PROMPT_ROWS + 3
+    lin = _modules(n, k)[name]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    got = cpu_prompt.prompt_linear(lin, x)
+    assert got is not None and got.shape == (m, n) and got.dtype == torch.bfloat16
+    exact = x.double() @ lin.dequantize().double().t()
+    if getattr(lin, "bias", None) is not None:
+        exact = exact + lin.bias.double()
+    torchs = lin(x)
+    # float32 sums of the exact weights: no worse than torch's kernels (bf16 output rounding either way)
+    assert _rel(got, exact) <= max(_rel(torchs, exact) * 1.25, 2e-3)
+    assert _rel(got, torchs) < 4e-3
+
+
+def test_which_rows_and_modes_take_the_path(ext, monkeypatch) -> None:
+    lin = _modules(320, 512)["int4"]
+    few = torch.randn(cpu_prompt.PROMPT_ROWS - 1, 512, dtype=torch.bfloat16)
+    assert cpu_prompt.prompt_linear(lin, few) is None  # decode steps keep the GEMVs and torch's kernel
+    many = torch.randn(cpu_prompt.PROMPT_ROWS, 512, dtype=torch.bfloat16)
+    assert cpu_prompt.prompt_linear(lin, many) is not None
+    calls = []
+    monkeypatch.setattr(cpu_prompt, "prompt_linear", lambda *a: calls.append(a) or None)
+    # deterministic mode keeps the row-invariant kernel: the same bits as the module alone
+    assert torch.equal(layers._linear(lin, many, True), lin(many)) and not calls
+    layers._linear(lin, many, False)
+    assert len(calls) == 1
+    monkeypatch.undo()
+    ext.set_vnni(True)
+    if ext.vnni_available():  # a VNNI CPU: its own kernels, not this path
+        assert cpu_prompt.prompt_linear(lin, many) is None
+    ext.set_vnni(False)
+    handle = lin.register_forward_hook(lambda *a: None)
+    assert cpu_prompt.prompt_linear(lin, many) is None  # hooks see the module run
+    handle.remove()
+
+
+def test_a_hybrid_models_prompt_through_the_path(ext, tmp_path) -> None:
+    """A tiny Qwen3.5 (delta-rule and gated attention layers) as int4: a prompt chunk's logits through decoded
+    blocks equal torch's kernels' within bf16 rounding, and greedy continuations agree."""
+    from superslm.engine import Request
+    from superslm.model import load
+    from superslm.sampling import Sampling
+    from tests.tiny_models import build_hf_model
+
+    build_hf_model("qwen3_5", tmp_path)
+    model = load(str(tmp_path), device="cpu", dtype=torch.bfloat16)
+    quantize_linears(model.net, "int4", group=32)
+    prompt = torch.randint(0, model.net.arch.vocab, (cpu_prompt.PROMPT_ROWS * 2 + 5,),
+                           generator=torch.Generator().manual_seed(3)).tolist()
+
+    def run(path_on: bool) -> tuple[list[int], torch.Tensor]:
+        rows = cpu_prompt.PROMPT_ROWS
+        cpu_prompt.PROMPT_ROWS = rows if path_on else 1 << 30
+        try:
+            engine = model.engine(slots=1, context=512, prefix_caching=False)
+            out = engine.generate([Request(prompt, 8, Sampling(logprobs=5))])[0]
+        finally:
+            cpu_prompt.PROMPT_ROWS = rows
+        return out.tokens, torch.tensor([lp.logprob for lp in out.logprobs])
+
+    on, off = run(True), run(False)
+    assert on[0][0] == off[0][0]
+    assert torch.allclose(on[1][:1], off[1][:1], atol=0.05)
