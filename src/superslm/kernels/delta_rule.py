@@ -224,10 +224,14 @@ def decode_step(
     conv), z [B, Hv * Dv] (the norm's gate), g (float32) and beta [B, Hv]; conv_state [S, C, K - 1] and
     ssm_state [S, Hv, Dk, Dv] float32 updated in place at rows `slots` (distinct) -> the gated norm's output
     [B, Hv * Dv] in mixed's dtype. On the CPU one C++ call (kernels/cpu/delta_step.cpp: ~40 small torch ops
-    otherwise), each row computed alone, so its bits do not depend on the rows beside it; else, and where the
-    extension is off or the layout is not one it takes, `decode_step_reference`."""
+    otherwise), each row computed alone, so its bits do not depend on the rows beside it; on the Triton backend
+    two kernels (kernels/triton/delta_rule.py: the conv step, then the recurrence); else, and where the extension
+    is off or the layout is not one they take, `decode_step_reference`."""
     args = (mixed, z, g, beta, conv_weight, conv_state, ssm_state, slots, norm_weight, eps,
             k_heads, k_dim, v_heads, v_dim)
+    t = dispatch.triton_kernels(mixed.device)
+    if t is not None:
+        return t.delta_decode_step(*args) if _fused_layout(*args) else decode_step_reference(*args)
     ext = _cpu_extension(mixed.device)
     if ext is None or not _fused_layout(*args):
         return decode_step_reference(*args)
@@ -262,8 +266,9 @@ def _fused_layout(
     v_heads: int,
     v_dim: int,
 ) -> bool:
-    """Whether the C++ step takes these tensors as they are (dtypes, shapes, unit column strides, contiguous
-    states): the checks it would raise on, made here so the model's calls fall back rather than fail."""
+    """Whether the C++ step (or the Triton kernels) takes these tensors as they are (dtypes, shapes, unit column
+    strides, contiguous states, one device): the checks it would raise on, made here so the model's calls fall
+    back rather than fail."""
     b, c = mixed.shape if mixed.dim() == 2 else (-1, -1)
     taps = conv_weight.shape[-1]
     rows = (mixed, z, g, beta)
@@ -279,5 +284,5 @@ def _fused_layout(
         and tuple(ssm_state.shape) == (conv_state.shape[0], v_heads, k_dim, v_dim) and ssm_state.is_contiguous()
         and tuple(norm_weight.shape) == (v_dim,) and norm_weight.is_contiguous()
         and len(set(slots)) == len(slots) == b and all(0 <= s < conv_state.shape[0] for s in slots)
-        and all(t.device.type == "cpu" for t in (*rows, conv_weight, conv_state, ssm_state, norm_weight))
+        and all(t.device == mixed.device for t in (*rows, conv_weight, conv_state, ssm_state, norm_weight))
     )
