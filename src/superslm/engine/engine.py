@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +22,7 @@ from superslm.cache.kv import KVCache, KVFormat, choose_format, kv_format
 from superslm.cache.state import Checkpoints, RecurrentStates
 from superslm.engine.contracts import ContractsMixin, Prefix
 from superslm.engine.manual import ManualSlots
+from superslm.engine.mtp_drafter import MTPSpeculator, draft_cost, scratch_pages
 from superslm.engine.output import OutputProcessor
 from superslm.engine.overlap import GraphSteps
 from superslm.engine.request import END_CANCELLED, END_LENGTH, Progress, Request, Sequence
@@ -32,6 +33,7 @@ from superslm.engine.speculative import Speculative, Speculator
 from superslm.errors import (
     ContextLengthExceeded,
     InvalidArgument,
+    UnsupportedModel,
 )
 from superslm.memory import available_memory
 from superslm.sampling import Sampling, TokenLogprobs
@@ -142,6 +144,19 @@ class Engine(SequenceMixin, ContractsMixin):
         device, dtype = model.device, model.dtype
         layers = self.net.kv_layers  # delta-rule layers keep a recurrent state per slot instead of KV pages
         spec = Speculative.of(speculative)
+        mtp = spec is not None and spec.method == "mtp"
+        if mtp:
+            if self.net.mtp is None:
+                raise UnsupportedModel(f"speculative 'mtp' drafts with the model's multi-token prediction block; "
+                                       f"this {a.family} model has none loaded (its checkpoint has no mtp / nextn "
+                                       "tensors, or it was loaded with fewer layers): use 'ngram'")
+            if graphs:
+                raise InvalidArgument("graphs=True: the MTP drafts from each step's hidden states, which the decode "
+                                      "graphs do not keep; speculative 'mtp' runs without them")
+            graphs = False
+            layers += a.mtp  # the MTP's attention layers: their KV in the same pages as the body's
+            if spec.draft_cost is None:
+                spec = replace(spec, draft_cost=draft_cost(self.net))
         self.states = self._recurrent_states(slots, dtype, device, spec)
         want = slots * -(-context // page_size)
         if kv_budget is None:
@@ -168,7 +183,9 @@ class Engine(SequenceMixin, ContractsMixin):
         pages = budget // page_bytes if kv_budget is not None else min(want, budget // page_bytes)
         if pages < 1:
             raise InvalidArgument(f"kv_budget holds no KV page ({page_bytes} bytes each)")
-        self.kv = KVCache(layers, pages, page_size, a.kv_heads, a.head_dim, dtype, device, fmt)
+        # pages past the pool's: the MTP's chained drafts write their KV rows there (mtp_drafter.py)
+        extra = scratch_pages(spec, slots, page_size) if mtp else 0
+        self.kv = KVCache(layers, pages + extra, page_size, a.kv_heads, a.head_dim, dtype, device, fmt)
         self.pool = PagePool(pages, page_size)
         self.deterministic = bool(deterministic)
         self._graphs = self._decode_graphs(graphs)
@@ -188,7 +205,7 @@ class Engine(SequenceMixin, ContractsMixin):
                               recurrent=self.states is not None, copy_state=self._copy_state,
                               usable_prefix=self._usable_prefix if self.checkpoints is not None else None,
                               draft_rows=None if self.states is None else self.states.scratch,
-                              keep_state=self._keep_state)
+                              keep_state=self._keep_state, mtp=mtp)
         self.vocab = a.vocab
         self.speculator = None if spec is None else Speculator(spec)
         self.output = OutputProcessor(self.net, self.scheduler, frozenset(model.stop_ids), a.vocab, bool(jump_forward),
@@ -198,6 +215,10 @@ class Engine(SequenceMixin, ContractsMixin):
             adaptive_threads = os.environ.get("SUPERSLM_ADAPTIVE_THREADS", "1") != "0"
         self.runner = ModelRunner(self.net, self.kv, page_size, self.deterministic, steps, bool(adaptive_threads),
                                   self.states)
+        if mtp:
+            assert spec is not None
+            self.speculator = MTPSpeculator(spec, self.runner, page_size, range(pages, pages + extra))
+            self.output.speculator = self.speculator
         self._next_id = 0
         self._rng = random.Random()
         self._manual: ManualSlots | None = None

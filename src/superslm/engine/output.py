@@ -116,7 +116,7 @@ class OutputProcessor:
         if self.speculator is not None:
             decoding = [seq for seq, _, _ in seqs
                         if seq.id in self.seqs and seq.num_tokens - seq.num_computed_tokens == 1]
-            for seq, drafts in zip(decoding, self.speculator.propose_all(decoding), strict=True):
+            for seq, drafts in zip(decoding, self.speculator.propose_all(decoding, work), strict=True):
                 seq.drafts = drafts
         return out
 

@@ -92,6 +92,8 @@ class Sequence:
         self.drafts: list[int] = []
         #: the drafter's state for this sequence (speculative.SpecState), made at its first proposal
         self.spec: Any = None
+        #: positions whose MTP rows are in the MTP's KV layer (an engine drafting with the MTP, mtp_drafter.py)
+        self.mtp_rows = 0
         #: the row of the recurrent states this sequence reads and writes while it runs (delta-rule models)
         self.state_slot: int | None = None
         self.block_table: list[int] = []

@@ -18,6 +18,7 @@ from superslm.devices import ThreadPolicy
 from superslm.engine.request import Sequence
 from superslm.kernels import cpu_decode
 from superslm.kernels.attention import AttnMetadata
+from superslm.models.layers import _linear
 from superslm.models.transformer import Transformer
 
 if TYPE_CHECKING:
@@ -221,3 +222,27 @@ class ModelRunner:
 
     def logits(self, work: StepWork) -> torch.Tensor:
         return step_logits(self.net, work)
+
+    # --- the MTP block (engine/mtp_drafter.py): one executor, the layers' reference path -------------
+
+    def final_hidden(self, work: StepWork, rows: list[int]) -> torch.Tensor:
+        """The body's hidden states after its final norm [len(rows), dim] of a finished step's rows (the MTP's
+        input): only the rows asked for are normed."""
+        assert work.h is not None
+        idx = torch.tensor(rows, dtype=torch.long, device=work.h.device)
+        return self.net.final_norm(work.h.index_select(0, idx))
+
+    def mtp(self, hidden: torch.Tensor, tokens: torch.Tensor, meta: AttnMetadata, step: int = 0) -> torch.Tensor:
+        """The MTP block's normed outputs [N, dim] of rows (hidden[r], tokens[r]) at meta's positions, their keys
+        and values written at meta's slots in the MTP layer's pages: KV layer `net.kv_layers + step % arch.mtp`
+        (models/mtp.py: vLLM's layer for draft step `step`)."""
+        net = self.net
+        assert net.mtp is not None
+        j = net.kv_layers + step % net.arch.mtp
+        cos_sin = net.rope_table_list(meta.positions)[0]  # the global rope, as every attention layer reads it
+        return net.mtp(hidden, net.embed(tokens), meta, cos_sin, self.kv.k[j], self.kv.v[j], step)
+
+    def mtp_tokens(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's argmax token of each MTP output row (int64 [N]): the drafts, greedy (first index on ties)."""
+        logits = _linear(self.net.head, out, self.deterministic).float()
+        return logits.argmax(dim=-1)

@@ -45,8 +45,11 @@ class Scheduler:
                  copy_page: Callable[[int, int, int], None] | None = None, recurrent: bool = False,
                  copy_state: Callable[[Sequence], None] | None = None,
                  usable_prefix: Callable[[list[int]], int] | None = None, draft_rows: int | None = None,
-                 keep_state: Callable[[Sequence, int], None] | None = None) -> None:
+                 keep_state: Callable[[Sequence, int], None] | None = None, mtp: bool = False) -> None:
         self.pool, self.slots, self.rows = pool, slots, rows
+        #: the KV holds the MTP block's layer too (engine/mtp_drafter.py): a page is offered to the prefix cache
+        #: once the MTP rows of its positions are written, and a match drops its last page
+        self.mtp = mtp
         #: free rows of the recurrent states (models with delta-rule layers), one per running sequence
         self.free_states: list[int] | None = list(range(slots)) if recurrent else None
         #: copy_state(seq): the recurrent states after seq's computed prefix (a prefix handle's, or a checkpoint's
@@ -104,10 +107,15 @@ class Scheduler:
             self.free(seq.block_table)
         seq.block_table = []
 
+    def registrable(self, seq: Sequence) -> int:
+        """The tokens of seq whose pages may be offered to the prefix cache: its computed ones (with the MTP's
+        layer, those whose MTP rows are written too: a page with a stale MTP row would mislead its readers)."""
+        return min(seq.num_computed_tokens, seq.mtp_rows) if self.mtp else seq.num_computed_tokens
+
     def register(self, seq: Sequence) -> None:
-        if (self.prefix_caching and seq.block_table
-                and not self.pool.full_pages_registered(seq.block_table, seq.num_computed_tokens)):
-            self.pool.register_full_pages(seq.block_table, seq.tokens, seq.num_computed_tokens, self.extra_key(seq))
+        n = self.registrable(seq)
+        if self.prefix_caching and seq.block_table and not self.pool.full_pages_registered(seq.block_table, n):
+            self.pool.register_full_pages(seq.block_table, seq.tokens, n, self.extra_key(seq))
 
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence wherever it is (finished or cancelled) and free its pages."""
@@ -138,6 +146,7 @@ class Scheduler:
         self.release(seq)
         seq.drafts.clear()
         seq.num_computed_tokens = 0
+        seq.mtp_rows = 0
         seq.num_hashed_pages = 0
         seq.preemptions += 1
         self.num_preemptions += 1
@@ -188,6 +197,7 @@ class Scheduler:
         if len(self.running) >= self.slots or not self.can_grant(pages):
             return False
         seq.block_table = self.grant(pages)
+        seq.mtp_rows = num_tokens  # a saved sequence's KV holds the MTP's rows of its computed tokens too
         self._run(seq)
         return True
 
@@ -297,13 +307,16 @@ class Scheduler:
                 resumed = True
             elif not seq.block_table and self.prefix_caching and not seq.wants_prompt_logprobs:
                 pages = self.pool.match_prefix(seq.tokens, self.extra_key(seq))
+                # with the MTP's layer the last page goes: its last MTP row read the next page's first token,
+                # which the match did not check
+                usable = pages[:-1] if self.mtp else pages
                 if self.free_states is not None:  # a recurrent model resumes only where its states were kept
-                    keep = self.usable_prefix(pages) if self.usable_prefix is not None else 0
-                    self.free(pages[keep:])
-                    pages = pages[:keep]
-                    resumed = bool(pages)
+                    usable = usable[: self.usable_prefix(usable) if self.usable_prefix is not None else 0]
+                    resumed = bool(usable)
+                self.free(pages[len(usable):])
+                pages = usable
                 seq.block_table = pages
-                seq.num_computed_tokens = len(pages) * self.pool.page_size
+                seq.num_computed_tokens = seq.mtp_rows = len(pages) * self.pool.page_size
                 seq.num_hashed_pages = len(pages)
                 if seq.preemptions == 0:
                     seq.cached = seq.num_computed_tokens

@@ -55,11 +55,16 @@ from superslm.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from superslm.engine.request import Sequence
+    from superslm.engine.runner import StepWork
+
+#: the most tokens the MTP block drafts a step: its first draft, then its own output fed back twice
+MTP_DEPTH = 3
 
 
 @dataclass(frozen=True)
 class Speculative:
-    """How an engine drafts (`Engine(speculative=...)`; "ngram" is `Speculative()`).
+    """How an engine drafts (`Engine(speculative=...)`; "ngram" is `Speculative()`, "mtp" is
+    `Speculative(method="mtp", k=MTP_DEPTH)`: the model's own MTP block drafts, engine/mtp_drafter.py).
 
     `k`: the most drafts a step carries per sequence; `min_n` .. `max_n`: the n-gram lengths the prompt lookup
     tries, longest first; `fixed_cost`, `row_cost`, `row_tile`: a step of more than one row costs fixed_cost +
@@ -67,7 +72,9 @@ class Speculative:
     on 2 AMD EPYC cores, its steps timed by rows: 1 row 7.1 ms, 4 rows 13.0, 8 rows 19.4-20.6, 12 rows 29, 16 rows
     34-36; Gemma-3 270M's per-row part is smaller, ~0.15, so these settings draft less than would pay there, never
     more; row_cost 0: rows are free, as on a GPU far from its compute bound); `decay`: the weight of the past in the
-    acceptance estimate's moving average (see the module's docstring).
+    acceptance estimate's moving average (see the module's docstring); `draft_cost`: what computing one draft
+    token costs, in one-row steps (the MTP's layer and the head: 0 for the n-gram lookup; None: the engine's estimate
+    from the model's weights, `mtp_drafter.draft_cost`). "mtp" drafts at most `MTP_DEPTH` tokens a step (k).
     """
 
     method: str = "ngram"
@@ -78,21 +85,36 @@ class Speculative:
     row_cost: float = 0.25
     row_tile: int = 4
     decay: float = 0.8
+    draft_cost: float | None = None
 
     @classmethod
     def of(cls, value: Any) -> Speculative | None:
-        """The configuration an Engine argument names: None (no drafts), "ngram", or a Speculative."""
+        """The configuration an Engine argument names: None (no drafts), "ngram", "mtp", a mapping of a
+        Speculative's fields ({"method": "mtp", "k": 2}; vLLM's "num_speculative_tokens" is read as k), or a
+        Speculative."""
         if value is None:
             return None
         if value == "ngram":
             return cls()
+        if value == "mtp":
+            return cls(method="mtp", k=MTP_DEPTH)
+        if isinstance(value, dict):
+            fields = dict(value)
+            if "num_speculative_tokens" in fields:
+                fields["k"] = fields.pop("num_speculative_tokens")
+            if fields.get("method") == "mtp":
+                fields.setdefault("k", MTP_DEPTH)
+            try:
+                return cls(**fields).validate()
+            except TypeError as e:
+                raise InvalidArgument(f"speculative {value!r}: {e}") from e
         if isinstance(value, Speculative):
             return value.validate()
-        raise InvalidArgument(f"speculative must be None, 'ngram' or a Speculative, got {value!r}")
+        raise InvalidArgument(f"speculative must be None, 'ngram', 'mtp', a mapping or a Speculative, got {value!r}")
 
     def validate(self) -> Speculative:
-        if self.method != "ngram":
-            raise InvalidArgument(f"unknown speculative method {self.method!r} (known: 'ngram')")
+        if self.method not in ("ngram", "mtp"):
+            raise InvalidArgument(f"unknown speculative method {self.method!r} (known: 'ngram', 'mtp')")
         for name in ("k", "min_n", "max_n", "row_tile"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -105,6 +127,11 @@ class Speculative:
                 raise InvalidArgument(f"speculative {name} must be a finite number >= 0, got {v!r}")
         if not (isinstance(self.decay, (int, float)) and 0.0 <= self.decay < 1.0):
             raise InvalidArgument(f"speculative decay must be in [0, 1), got {self.decay!r}")
+        d = self.draft_cost
+        if d is not None and not (isinstance(d, (int, float)) and not isinstance(d, bool) and 0.0 <= d < float("inf")):
+            raise InvalidArgument(f"speculative draft_cost must be a finite number >= 0 or None, got {d!r}")
+        if self.method == "mtp" and self.k > MTP_DEPTH:
+            raise InvalidArgument(f"speculative mtp drafts at most {MTP_DEPTH} tokens a step (k), got {self.k}")
         return self
 
     def best_k(self, p: float, room: int) -> int:
@@ -123,17 +150,18 @@ class Speculative:
         chances `rates`, that maximize the step's expected tokens over its cost, `step_cost(B + sum k_i)`:
         sequence i gives 1 + p_i + ... + p_i^k_i tokens. Exact: a sequence's j-th draft adds p_i^j, less than its
         (j-1)-th, so for each total D of drafts the best D are the D largest of those terms; the best total is
-        then a scan over D. Ties go to fewer drafts."""
+        then a scan over D. Each draft also costs `draft_cost` (the drafter's own work). Ties go to fewer drafts."""
         ps = [min(max(float(p), 0.0), 1.0) for p in rates]
         caps = [max(0, min(self.k, r)) for r in rooms]
         # (gain, j, i): equal gains (p = 1) spread over the sequences, first drafts first
         terms = [(p**j, j, i) for i, (p, cap) in enumerate(zip(ps, caps, strict=True)) for j in range(1, cap + 1)]
         gains = sorted(terms, key=lambda g: (-g[0], g[1]))
         b = len(ps)
+        per_draft = self.draft_cost or 0.0
         best, best_d, tokens = b / self.step_cost(b), 0, float(b)
         for d, (gain, _, _) in enumerate(gains, start=1):
             tokens += gain
-            value = tokens / self.step_cost(b + d)
+            value = tokens / (self.step_cost(b + d) + per_draft * d)
             if value > best * (1 + 1e-12):
                 best, best_d = value, d
         counts = [0] * b
@@ -184,7 +212,8 @@ class NgramDrafter:
 class SpecState:
     """One sequence's drafting: its drafter, acceptance estimate, the guess checked at its next step, and counts."""
 
-    drafter: NgramDrafter
+    #: the prompt lookup (None: the MTP drafts)
+    drafter: NgramDrafter | None
     #: the moving average of draft tokens kept (optimistic at first: a copy drafts fully from its first step)
     rate: float = 1.0
     #: a step without drafts: the lookup's first guess and the position of the token it guessed
@@ -194,6 +223,8 @@ class SpecState:
     accepted: int = 0
     #: steps that carried drafts
     steps: int = 0
+    #: steps since the MTP's last guess was computed while not drafting (mtp_drafter: it probes every few steps)
+    idle: int = 0
 
     def learn(self, kept: bool, decay: float) -> None:
         self.rate = decay * self.rate + (1.0 - decay) * kept
@@ -218,27 +249,23 @@ class Speculator:
         """The drafts of seq's next decode step when it decodes alone (see `propose_all`)."""
         return self.propose_all([seq])[0]
 
-    def propose_all(self, seqs: Seq[Sequence]) -> list[list[int]]:
+    def propose_all(self, seqs: Seq[Sequence], work: StepWork | None = None) -> list[list[int]]:
         """The drafts of each of the next decode step's sequences (at most k each, never past a sequence's last
         token), their counts chosen together (`Speculative.draft_counts`): [] where the acceptance estimates say
-        plain rows give more for their cost, or the n-grams find nothing."""
+        plain rows give more for their cost, or the n-grams find nothing. `work`: the step just accepted (the
+        MTP drafter's input; the lookup needs only the tokens)."""
         c = self.config
         guesses: list[list[int]] = []
         rates: list[float] = []
         for seq in seqs:
-            room = min(c.k, seq.max_tokens - len(seq.output) - 1)  # the step's last row gives one more token
-            if room < 1 or not self.drafts_for(seq):
+            room = self.room(seq)
+            if not room:
                 guesses.append([])
                 rates.append(0.0)
                 continue
-            st = seq.spec
-            if st is None:
-                st = seq.spec = SpecState(NgramDrafter(c.min_n, c.max_n))
-            tokens = seq.tokens
-            if 0 <= st.guess_at < len(tokens):  # the plain step since the last proposal: was the guess right?
-                st.learn(tokens[st.guess_at] == st.guess, c.decay)
-            st.guess_at = -1
-            guess = st.drafter.propose(tokens, room)
+            st = self.state(seq, NgramDrafter(c.min_n, c.max_n))
+            assert st.drafter is not None
+            guess = st.drafter.propose(seq.tokens, room)
             if seq.grammar is not None:
                 # the lookup's guess as far as the grammar allows it, else the bytes the grammar forces
                 guess = guess[: seq.grammar.valid_drafts(guess)] or seq.grammar.forced_draft(room)
@@ -249,6 +276,23 @@ class Speculator:
             if g and not k:
                 seq.spec.guess, seq.spec.guess_at = g[0], len(seq.tokens)
         return [g[:k] for g, k in zip(guesses, counts, strict=True)]
+
+    def state(self, seq: Sequence, drafter: NgramDrafter | None = None) -> SpecState:
+        """seq's drafting state (made at its first proposal), once the guess of its last plain step is checked
+        against the token that step gave (the free check: a guess it did not draft)."""
+        st = seq.spec
+        if st is None:
+            st = seq.spec = SpecState(drafter)
+        tokens = seq.tokens
+        if 0 <= st.guess_at < len(tokens):  # the plain step since the last proposal: was the guess right?
+            st.learn(tokens[st.guess_at] == st.guess, self.config.decay)
+        st.guess_at = -1
+        return st
+
+    def room(self, seq: Sequence) -> int:
+        """The most drafts seq's next step may carry: k, never past its last token, 0 where it may not draft."""
+        room = min(self.config.k, seq.max_tokens - len(seq.output) - 1)  # the step's last row gives one more token
+        return room if room >= 1 and self.drafts_for(seq) else 0
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """A verification: `accepted` of seq's `proposed` drafts were kept."""
