@@ -307,3 +307,100 @@ def test_refusals(zoo, tmp_path) -> None:
     with pytest.raises(UnsupportedModel, match="mtp"):
         plain.engine(slots=1, context=32, speculative="mtp")
     assert plain.engine(slots=1, context=32, speculative="ngram").kv.k.shape[0] == plain.net.kv_layers
+
+
+@pytest.mark.parametrize("length", [8, 10])
+def test_prefix_handles_draft_as_the_reference(zoo, length) -> None:
+    """A prefix handle computes its MTP rows but the last (which reads the adopter's first token); each adopter
+    writes that row in its own copy of the handle's last page (a full one too) and drafts as the reference."""
+    model = zoo("qwen3_5")
+    engine = model.engine(slots=3, context=160, page_size=4, kv="fp32", speculative=ALWAYS)
+    seen = spy(engine)
+    head = prompts(1, seed=7)[0][:1] + list(range(20, 20 + length - 1))
+    handle = engine.prefix(head)
+    tails = [[31, 32, 33], [41], [51, 52, 53, 54, 55, 56]]
+    got = engine.generate([Request(t, 16, Sampling(ignore_eos=True), prefix=handle) for t in tails])
+    plain = model.engine(slots=3, context=160, page_size=4, kv="fp32")
+    want = plain.generate([Request(head + t, 16, Sampling(ignore_eos=True)) for t in tails])
+    same_ends(got, want)
+    assert check_proposals(model.net, seen) > 20
+    engine.release(handle)
+    engine.pool.check()
+    assert engine.pool.num_used == 0
+
+
+def test_serve_speculative_argument() -> None:
+    import argparse
+
+    from superslm.serve.cli import speculative_arg
+
+    assert speculative_arg("mtp") == "mtp" and speculative_arg("ngram") == "ngram"
+    assert speculative_arg('{"method": "mtp", "num_speculative_tokens": 1}') == {"method": "mtp",
+                                                                                 "num_speculative_tokens": 1}
+    for bad in ("eagle", "[1]", "{"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            speculative_arg(bad)
+
+
+def test_save_restore_between_engines(zoo) -> None:
+    """A request saved mid-answer by an MTP engine goes on in another one with the same tokens and the reference's
+    proposals (its blob carries the MTP's KV rows); blobs cross to an engine without the MTP's layer and back (that
+    one then goes on without drafts)."""
+    model = zoo("qwen3_5")
+    p = prompts(1, seed=8)[0]
+    want = model.engine(slots=1, context=160, page_size=4, kv="fp32").generate(
+        [Request(p, 30, Sampling(ignore_eos=True))])[0].tokens
+
+    def first_part(engine):  # type: ignore[no-untyped-def]
+        rid = engine.add(Request(p, 30, Sampling(ignore_eos=True)))
+        got: list[int] = []
+        while len(got) < 10:
+            for pr in engine.advance():
+                got += pr.tokens
+        return rid, got
+
+    def rest(engine) -> list[int]:  # type: ignore[no-untyped-def]
+        got: list[int] = []
+        while engine.busy():
+            for pr in engine.advance():
+                got += pr.tokens
+        engine.pool.check()
+        return got
+
+    def mtp_engine():  # type: ignore[no-untyped-def]
+        return model.engine(slots=1, context=160, page_size=4, kv="fp32", speculative=ALWAYS)
+
+    a = mtp_engine()
+    rid, head = first_part(a)
+    b = mtp_engine()
+    seen = spy(b)
+    b.restore(a.save(rid))
+    assert head + rest(b) == want
+    assert check_proposals(model.net, seen) > 10
+    plain = model.engine(slots=1, context=160, page_size=4, kv="fp32", speculative="ngram")
+    a = mtp_engine()
+    rid, head = first_part(a)
+    plain.restore(a.save(rid))
+    assert head + rest(plain) == want
+    rid, head = first_part(plain)
+    c = mtp_engine()
+    c.restore(plain.save(rid))
+    assert head + rest(c) == want and c.stats()["drafts_proposed"] == 0
+
+
+def test_grammar_rows_draft_exactly(zoo) -> None:
+    """Under a grammar the MTP's drafts are cut where the grammar refuses them; the tokens are plain decoding's."""
+    from superslm.grammar import Constraint
+
+    model = zoo("qwen3_5", good=True)
+    constraints = [Constraint.regex(r"[a-z ]{1,60}"), Constraint.regex(r"(ab|abc|[a-c ])+")]
+    samplings = [dict(), dict(temperature=0.8, seed=3), dict(logprobs=2)]
+
+    def reqs():
+        return [Request(p, 30, Sampling(grammar=constraints[i % 2], **samplings[i % 3]))
+                for i, p in enumerate(prompts(6, seed=10))]
+
+    plain, _, _ = run(model, reqs())
+    spec, e, _ = run(model, reqs(), speculative=ALWAYS)
+    same_ends(spec, plain)
+    assert e.stats()["drafts_accepted"] > 0

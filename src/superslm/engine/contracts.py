@@ -12,6 +12,7 @@ import torch
 
 from superslm.cache.kv import slot_mapping
 from superslm.engine import persist
+from superslm.engine.mtp_drafter import MTPSpeculator
 from superslm.engine.request import Request, Sequence
 from superslm.errors import (
     AdapterInUse,
@@ -46,6 +47,9 @@ class Prefix:
     owner: Callable[[], Any] = field(default=lambda: None, repr=False, compare=False)
     #: delta-rule models: the recurrent states after the prefix (conv, ssm: [layers, ...]), copied to adopters
     states: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    #: an engine drafting with the MTP: the body's normed hidden state at the prefix's last position (that
+    #: position's MTP row needs the adopter's first token; engine/mtp_drafter.py)
+    hidden: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
 
 class ContractsMixin:
@@ -161,8 +165,15 @@ class ContractsMixin:
             raise StateModelMismatch(f"the sequence was saved with {saved_format} KV pages; this engine keeps "
                                      f"{self._page_format()} pages (restore it into an engine of that kv format)")
         n = saved.k.shape[1]
-        want = (self.kv.k.shape[0], n, *self.kv.k.shape[2:])
-        want_v = (self.kv.v.shape[0], n, *self.kv.v.shape[2:])
+        # the MTP's KV layers follow the body's: a blob of an engine that drafts with it restores into one that
+        # does not (its body's layers), and a blob without them into one that does (that sequence then never
+        # drafts: its MTP rows are not there)
+        layers, body = self.kv.k.shape[0], self.net.kv_layers
+        if self.net.arch.mtp and {saved.k.shape[0], layers} == {body, body + self.net.arch.mtp}:
+            layers = body
+            saved.k, saved.v = saved.k[:body], saved.v[:body]
+        want = (layers, n, *self.kv.k.shape[2:])
+        want_v = (layers, n, *self.kv.v.shape[2:])
         if tuple(saved.k.shape) != want or tuple(saved.v.shape) != want_v or n > seq.num_tokens:
             raise StateCorrupted(f"saved KV {tuple(saved.k.shape)} does not fit this engine's cache {want} and "
                                  f"{seq.num_tokens} tokens")
@@ -172,8 +183,10 @@ class ContractsMixin:
             adapter.users.add(id(seq))
         if n and self.scheduler.resume(seq, n):
             slots = self._slots_of(seq, n)
-            self.kv.k[:, slots] = saved.k.to(self.kv.k)
-            self.kv.v[:, slots] = saved.v.to(self.kv.v)
+            self.kv.k[:layers, slots] = saved.k.to(self.kv.k)
+            self.kv.v[:layers, slots] = saved.v.to(self.kv.v)
+            if layers < self.kv.k.shape[0]:
+                seq.mtp_rows = 0
             if states is not None and self.states is not None and seq.state_slot is not None:
                 self.states.write([seq.state_slot], *states)
             seq.num_computed_tokens = n
@@ -298,11 +311,15 @@ class ContractsMixin:
             state_slots=() if self.states is None else (self.states.slots - 1,),  # the prefill's own row
         )
         with torch.inference_mode():
-            self.net.run_layers(self.net.embed(torch.tensor(ids, device=self.net.device)), meta, self.kv.k, self.kv.v,
-                                states=self.states)
-        self.scheduler.cache_pages(pages, ids)
+            h = self.net.run_layers(self.net.embed(torch.tensor(ids, device=self.net.device)), meta, self.kv.k,
+                                    self.kv.v, states=self.states)
+            hidden = None
+            if isinstance(self.speculator, MTPSpeculator):
+                hidden = self.speculator.prefix_rows(h[: len(ids)], ids, pages)
+        # with the MTP, the page of the last position waits for its MTP row (each adopter writes its own copy)
+        self.scheduler.cache_pages(pages, ids[:-1] if self.scheduler.mtp else ids)
         states = None if self.states is None else self.states.rows([self.states.slots - 1])
-        return Prefix(tuple(ids), pages, owner=weakref.ref(self), states=states)
+        return Prefix(tuple(ids), pages, owner=weakref.ref(self), states=states, hidden=hidden)
 
     def release(self: Engine, prefix: Prefix) -> None:
         """Give a prefix's pages back; refused while live requests use it, or for another engine's handle."""

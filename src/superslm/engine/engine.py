@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,7 +22,7 @@ from superslm.cache.kv import KVCache, KVFormat, choose_format, kv_format
 from superslm.cache.state import Checkpoints, RecurrentStates
 from superslm.engine.contracts import ContractsMixin, Prefix
 from superslm.engine.manual import ManualSlots
-from superslm.engine.mtp_drafter import MTPSpeculator, draft_cost, scratch_pages
+from superslm.engine.mtp_drafter import MTPSpeculator, mtp_config, scratch_pages
 from superslm.engine.output import OutputProcessor
 from superslm.engine.overlap import GraphSteps
 from superslm.engine.request import END_CANCELLED, END_LENGTH, Progress, Request, Sequence
@@ -33,7 +33,6 @@ from superslm.engine.speculative import Speculative, Speculator
 from superslm.errors import (
     ContextLengthExceeded,
     InvalidArgument,
-    UnsupportedModel,
 )
 from superslm.memory import available_memory
 from superslm.sampling import Sampling, TokenLogprobs
@@ -100,7 +99,10 @@ class Engine(SequenceMixin, ContractsMixin):
     in deterministic mode), fewer steps where the answer repeats its context; `stats()` counts the drafts. It
     launches no step ahead (overlap: the next step's drafts come from this step's tokens). A model with delta-rule
     layers steps a drafting sequence's rows one at a time, keeps the recurrent states after each in scratch rows
-    and, once verified, resumes from the state after the last kept row.
+    and, once verified, resumes from the state after the last kept row. "mtp" drafts with the model's own
+    multi-token prediction block (Qwen3.5 / Qwen3-Next checkpoints that keep it; UnsupportedModel otherwise): up to
+    3 tokens a step, the KV cache one attention layer longer for it (engine/mtp_drafter.py); a mapping names a
+    Speculative's fields ({"method": "mtp", "num_speculative_tokens": 2}, as vLLM's speculative config).
     `kv`: the KV page format (cache/kv.py kv_format): "bf16", "fp16", "fp32", "int8" (codes and a scale per token
     and head: about half the bytes, so the same kv_budget holds ~2x the tokens), "k8v4", "k4v8", "k4v4" (4-bit
     rows of each head rotated by a Hadamard transform: about a quarter), or "auto": the model dtype's pages where
@@ -124,7 +126,7 @@ class Engine(SequenceMixin, ContractsMixin):
         graphs: bool | None = None,
         overlap: bool | None = None,
         adaptive_threads: bool | None = None,
-        speculative: str | Speculative | None = None,
+        speculative: str | dict[str, Any] | Speculative | None = None,
         kv: str = "auto",
     ) -> None:
         a = model.arch
@@ -146,17 +148,9 @@ class Engine(SequenceMixin, ContractsMixin):
         spec = Speculative.of(speculative)
         mtp = spec is not None and spec.method == "mtp"
         if mtp:
-            if self.net.mtp is None:
-                raise UnsupportedModel(f"speculative 'mtp' drafts with the model's multi-token prediction block; "
-                                       f"this {a.family} model has none loaded (its checkpoint has no mtp / nextn "
-                                       "tensors, or it was loaded with fewer layers): use 'ngram'")
-            if graphs:
-                raise InvalidArgument("graphs=True: the MTP drafts from each step's hidden states, which the decode "
-                                      "graphs do not keep; speculative 'mtp' runs without them")
-            graphs = False
+            spec = mtp_config(self.net, spec, graphs)
+            graphs = False  # they keep no hidden states
             layers += a.mtp  # the MTP's attention layers: their KV in the same pages as the body's
-            if spec.draft_cost is None:
-                spec = replace(spec, draft_cost=draft_cost(self.net))
         self.states = self._recurrent_states(slots, dtype, device, spec)
         want = slots * -(-context // page_size)
         if kv_budget is None:

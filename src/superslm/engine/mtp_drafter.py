@@ -13,8 +13,11 @@ After each step is verified (`MTPSpeculator.propose_all`, from `OutputProcessor.
    not the rejected ones): positions `start .. num_computed_tokens - 1`, the body's normed hidden states of those
    rows (only those rows are normed) and the tokens after them; the last one, token `num_computed_tokens`, is the
    token the step just gave (a prompt chunk's: the next prompt token). `Sequence.mtp_rows` counts the positions
-   whose MTP rows are written; the pass runs only where they are contiguous with the step's rows (a prefix handle's
-   adopter, whose handle wrote none, never drafts: its drafts would read rows nobody wrote);
+   whose MTP rows are written; the pass runs only where they are contiguous with the step's rows (a sequence
+   restored from a blob of an engine without the MTP's layer never drafts: its drafts would read rows nobody
+   wrote). A prefix handle (`Engine.prefix`) writes its rows but the last, which reads the adopter's first token:
+   it keeps that position's normed hidden state (`Prefix.hidden`), each adopter holds its own copy of the page
+   (`Scheduler.adopt`) and writes the row in its first pass (`Sequence.mtp_hidden`);
 2. each decoding sequence's draft count comes from the existing machinery (`Speculative.draft_counts`: acceptance
    estimates, the step's cost, and `draft_cost` for the MTP's own work);
 3. the last verified row's output gives the first draft (the head's argmax); up to depth - 1 more come from
@@ -31,18 +34,25 @@ written (`Scheduler.registrable`), and a match drops its last page, whose last M
 page's first token, which the match does not check (vLLM drops it too, for the hidden state it needs).
 
 The MTP pass has one executor (the layers' reference path, `ModelRunner.mtp`); the decode graphs, which keep no
-hidden states, are off on an MTP engine.
+hidden states, are off on an MTP engine. With a layer budget (`Engine.advance(layer_budget=N)`) the pass runs in
+the call that finishes the step's last layer, from the hidden states the step kept across calls.
+
+Cost: the pass over the verified rows runs every step (its KV must hold every position, for this sequence's later
+drafts and for the prefix cache), the head once a draft. A sequence whose drafts are not kept stops drafting (the
+acceptance estimate) and pays the pass alone, plus its first draft every `PROBE_EVERY` steps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from superslm.cache.kv import slot_mapping
 from superslm.engine.speculative import Speculative, Speculator
+from superslm.errors import InvalidArgument, UnsupportedModel
 from superslm.kernels.attention import AttnMetadata
 
 if TYPE_CHECKING:
@@ -53,6 +63,19 @@ if TYPE_CHECKING:
 #: a sequence that does not draft has its first draft computed every this many steps (its guess checked for free
 #: against the next token, so that the acceptance estimate can climb back)
 PROBE_EVERY = 4
+
+
+def mtp_config(net: Transformer, config: Speculative, graphs: bool | None) -> Speculative:
+    """An engine's "mtp" configuration, checked against its model (UnsupportedModel where it has no MTP block) and
+    its decode graphs (graphs=True refused: they keep no hidden states), `draft_cost` estimated where not given."""
+    if net.mtp is None:
+        raise UnsupportedModel(f"speculative 'mtp' drafts with the model's multi-token prediction block; this "
+                               f"{net.arch.family} model has none loaded (its checkpoint has no mtp / nextn tensors, "
+                               "or it was loaded with fewer layers): use 'ngram'")
+    if graphs:
+        raise InvalidArgument("graphs=True: the MTP drafts from each step's hidden states, which the decode graphs "
+                              "do not keep; speculative 'mtp' runs without them")
+    return config if config.draft_cost is not None else replace(config, draft_cost=draft_cost(net))
 
 
 def scratch_pages(config: Speculative, slots: int, page_size: int) -> int:
@@ -117,39 +140,66 @@ class MTPSpeculator(Speculator):
 
     def verified(self, work: StepWork) -> dict[int, tuple[torch.Tensor, int]]:
         """The MTP over the step's verified rows of each live sequence whose MTP rows reach the step's first
-        position; returns, by id of each sequence run, (its last row's normed output [dim], the position after)."""
+        position (or the one before, whose normed hidden state waits in `Sequence.mtp_hidden`: a prefix handle's
+        last position); returns, by id of each sequence run, (its last row's normed output [dim], the position
+        after it)."""
         ps = self.page_size
         rows: list[int] = []
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_start, seq_lens, tables, owners = [0], [], [], []
+        waiting: list[tuple[int, torch.Tensor]] = []  # (MTP row, its normed hidden state) of rows not in the step
         for i, (seq, n) in enumerate(work.chunks):
             start = work.meta.seq_lens[i] - n
             done = seq.num_computed_tokens
-            if seq.end or not seq.block_table or seq.mtp_rows != start or done <= start or seq.num_tokens <= done:
-                continue  # ended (its pages released), rows the MTP did not follow, or nothing verified
+            if seq.end or not seq.block_table or done <= start or seq.num_tokens <= done:
+                continue  # ended (its pages released) or nothing verified
+            pending = seq.mtp_hidden is not None and seq.mtp_rows == start - 1
+            if seq.mtp_rows != start and not pending:
+                continue  # rows the MTP did not follow: they would attend over rows nobody wrote
+            if pending:
+                waiting.append((query_start[-1], seq.mtp_hidden))
+                seq.mtp_hidden = None
             first = work.meta.query_start[i]
+            begin = start - pending
             rows.extend(range(first, first + done - start))
-            tokens.extend(seq.tokens[start + 1 : done + 1])
-            positions.extend(range(start, done))
-            slots.extend(slot_mapping(seq.block_table, start, done, ps))
-            query_start.append(query_start[-1] + done - start)
+            tokens.extend(seq.tokens[begin + 1 : done + 1])
+            positions.extend(range(begin, done))
+            slots.extend(slot_mapping(seq.block_table, begin, done, ps))
+            query_start.append(query_start[-1] + done - begin)
             seq_lens.append(done)
             tables.append(tuple(seq.block_table))
             owners.append(seq)
-        if not rows:
+        if not owners:
             return {}
         device = self.runner.net.device
+        hidden = self.runner.final_hidden(work, rows)
+        for at, h in waiting:  # in row order: each insertion leaves the later ones' offsets as counted
+            hidden = torch.cat([hidden[:at], h.to(hidden)[None], hidden[at:]])
         meta = AttnMetadata(torch.tensor(positions, device=device), torch.tensor(slots, device=device),
                             tuple(query_start), tuple(seq_lens), tuple(tables), ps,
                             deterministic=self.runner.deterministic)
-        out = self.runner.mtp(self.runner.final_hidden(work, rows), torch.tensor(tokens, device=device), meta)
+        out = self.runner.mtp(hidden, torch.tensor(tokens, device=device), meta)
         last = {}
         for s, seq in enumerate(owners):
             seq.mtp_rows = seq_lens[s]
             last[id(seq)] = (out[query_start[s + 1] - 1], seq_lens[s])
         return last
+
+    def prefix_rows(self, h: torch.Tensor, ids: list[int], pages: list[int]) -> torch.Tensor:
+        """A prefix handle's MTP rows (`Engine.prefix`): rows 0 .. n - 2 of its n tokens `ids` written in its
+        `pages` from the body's residual rows h [n, dim]; returns the normed hidden state of position n - 1, whose
+        row each adopter writes with its own first token (in its own copy of that page: Scheduler.adopt)."""
+        net, n, ps = self.runner.net, len(ids), self.page_size
+        hidden = net.final_norm(h)
+        if n > 1:
+            device = net.device
+            meta = AttnMetadata(torch.arange(n - 1, device=device),
+                                torch.tensor(slot_mapping(pages, 0, n - 1, ps), device=device), (0, n - 1), (n - 1,),
+                                (tuple(pages),), ps, deterministic=self.runner.deterministic)
+            self.runner.mtp(hidden[: n - 1], torch.tensor(ids[1:], device=device), meta)
+        return hidden[n - 1].clone()
 
     def chain(self, firsts: list[tuple[Sequence, torch.Tensor, int] | None], want: list[int]) -> list[list[int]]:
         """Up to want[i] drafts of each sequence from its last verified row's output (firsts[i]: the sequence, that

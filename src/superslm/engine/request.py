@@ -94,6 +94,9 @@ class Sequence:
         self.spec: Any = None
         #: positions whose MTP rows are in the MTP's KV layer (an engine drafting with the MTP, mtp_drafter.py)
         self.mtp_rows = 0
+        #: the body's normed hidden state at position mtp_rows, whose MTP row waits for the token after it (a
+        #: prefix handle's last position, `Prefix.hidden`); None: none waits
+        self.mtp_hidden: Any = None
         #: the row of the recurrent states this sequence reads and writes while it runs (delta-rule models)
         self.state_slot: int | None = None
         self.block_table: list[int] = []

@@ -207,6 +207,10 @@ class Scheduler:
         pre = seq.request.prefix
         n, ps = len(pre.tokens), self.pool.page_size
         full, partial = divmod(n, ps)
+        if self.mtp:
+            # the MTP's row of the prefix's last position reads the adopter's first token: that page is its own
+            full, partial = (n - 1) // ps, n - (n - 1) // ps * ps
+            seq.mtp_rows, seq.mtp_hidden = (n - 1, pre.hidden) if pre.hidden is not None else (0, None)
         if partial and not self.can_grant(1):
             return False
         self.pool.retain(pre.pages[:full])

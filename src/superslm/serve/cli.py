@@ -116,9 +116,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="the engine's deterministic mode: a request's tokens and logprobs are the same bits whatever "
                         "else is batched with it (costs speed: docs/determinism.md)")
-    p.add_argument("--speculative", default=None, choices=["ngram"],
-                   help="draft tokens by prompt lookup and verify them in one step (same tokens as without; faster "
-                        "where answers copy their prompt: code edits, quotes, extraction)")
+    p.add_argument("--speculative", "--speculative-config", default=None, type=speculative_arg,
+                   metavar="{ngram,mtp,JSON}",
+                   help="draft tokens and verify them in one step (same tokens as without): ngram drafts by prompt "
+                        "lookup (faster where answers copy their prompt: code edits, quotes, extraction); mtp drafts "
+                        "with the model's own multi-token prediction block (Qwen3.5 / Qwen3-Next checkpoints that "
+                        "keep it); or a JSON object as vLLM's --speculative-config, e.g. "
+                        "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}' (at most 3 for mtp)")
     p.add_argument("--kv", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8", "k8v4", "k4v8", "k4v4"],
                    help="the KV page format (default auto: the model's dtype while every slot's context fits, else "
                         "the most precise quantized format that fits within +3%% measured perplexity; int8 about "
@@ -253,6 +257,21 @@ def _run(app: Any, ns: argparse.Namespace, drain: Any) -> None:
                             timeout_graceful_shutdown=ns.drain_timeout,
                             **uvicorn_options(ns.header_timeout, ns.keep_alive_timeout, ns.max_connections))
     DrainingServer(config).run()
+
+
+def speculative_arg(text: str) -> str | dict[str, Any]:
+    """--speculative's value: "ngram", "mtp", or a JSON object of a Speculative's fields (engine/speculative.py)."""
+    import json
+
+    if text in ("ngram", "mtp"):
+        return text
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected ngram, mtp or a JSON object, got {text!r}")
+    return value
 
 
 #: what a config file's model entry may set besides name and model
