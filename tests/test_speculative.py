@@ -175,13 +175,14 @@ def test_draft_counts_maximize_the_steps_tokens_per_cost() -> None:
     rng = random.Random(0)
     for _ in range(400):
         c = Speculative(k=rng.randint(1, 4), row_cost=rng.choice([0.0, 0.1, 0.25, 0.5]),
-                        fixed_cost=rng.choice([0.0, 0.5, 0.85, 2.0]), row_tile=rng.choice([1, 2, 4]))  # fmt: skip
+                        fixed_cost=rng.choice([0.0, 0.5, 0.85, 2.0]), row_tile=rng.choice([1, 2, 4]),
+                        draft_cost=rng.choice([None, 0.0, 0.1, 0.45]))  # fmt: skip
         rates = [rng.choice([0.0, 1.0, rng.random()]) for _ in range(rng.randint(1, 3))]
         rooms = [rng.randint(0, 4) for _ in rates]
 
         def value(ks, c=c, rates=rates):  # type: ignore[no-untyped-def]
             tokens = sum(sum(p**j for j in range(k + 1)) for p, k in zip(rates, ks, strict=True))
-            return tokens / c.step_cost(len(rates) + sum(ks))
+            return tokens / (c.step_cost(len(rates) + sum(ks)) + (c.draft_cost or 0.0) * sum(ks))
 
         best = max(value(ks) for ks in itertools.product(*(range(min(c.k, r) + 1) for r in rooms)))
         got = c.draft_counts(rates, rooms)
