@@ -425,6 +425,46 @@ def test_iq4_linears_run_in_the_plan(folders) -> None:
     assert got is not None and torch.equal(got, m(x))
 
 
+def test_q6k_linears_run_in_the_plan(tmp_path) -> None:
+    """GGUF Q6_K weights run as they are (quant/q6k.py) inside the C++ plan (four decode rows: the GEMV's rows
+    sharing each block), equal to the reference; near the int8 re-quantization they replace; a decode row of a
+    layer the plan does not run takes their GEMV (one_row_linear)."""
+    from benchmarks.q6k_decode import quantize_q6k
+    from superslm.formats.blocks import Q6_K
+    from superslm.quant.gguf_map import linear_from_gguf, q6k_runs
+    from superslm.quant.q6k import GGUFQ6KLinear
+    from tests.tiny_models import CONFIGS
+
+    if not q6k_runs():
+        pytest.skip("no Q6_K kernels: Q6_K runs as int8")
+    cls, kwargs = CONFIGS["llama"]  # rows of 256 and 512: whole Q6_K blocks
+    build_hf_model("llama", tmp_path, spec=(cls, dict(kwargs, hidden_size=256, intermediate_size=512, head_dim=64,
+                                                      num_attention_heads=4, num_key_value_heads=2)))
+    src = open_source(tmp_path)
+    nets = {}
+    for fmt in ("gq6k", "int8"):
+        net = Transformer(src.arch, materialize(src, torch.bfloat16))
+        for layer in net.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                w = getattr(layer, name).weight.detach().float().numpy()
+                setattr(layer, name, linear_from_gguf([(quantize_q6k(w), Q6_K, w.shape, None)],
+                                                      mapping={"Q6_K": (fmt, {})}))
+        nets[fmt] = net
+    net = nets["gq6k"]
+    assert isinstance(net.layers[0].down, GGUFQ6KLinear) and cpu_decode.plan_for(net) is not None
+    generic, ref, cpp = _three_ways(net, [2, 7, 13, 35])
+    scale = generic.float().abs().max().item()
+    assert (cpp.float() - ref.float()).abs().max().item() <= 2**-6 * scale
+    assert (cpp.float() - generic.float()).abs().max().item() <= 0.03 * scale
+    other, _, _ = _three_ways(nets["int8"], [2, 7, 13, 35])
+    cos = torch.nn.functional.cosine_similarity(cpp.float(), other.float(), dim=-1)
+    assert cos.min().item() > 0.99
+    m = net.layers[0].down
+    x = torch.randn(1, m.in_features).to(torch.bfloat16)
+    got = cpu_decode.one_row_linear(m, x)
+    assert got is not None and torch.equal(got, m(x))
+
+
 def test_a_nan_row_stays_its_own(folders) -> None:
     # a NaN in one sequence's hidden state is NaN in its output (the vector exp keeps it) and touches no other
     src = open_source(folders["llama"])

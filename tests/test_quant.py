@@ -49,7 +49,7 @@ from superslm.quant import (
     rotate_weight,
     unrotate_weight,
 )
-from superslm.quant.gguf_map import int5_runs, iq4_runs
+from superslm.quant.gguf_map import int5_runs, iq4_runs, q6k_runs
 from superslm.quant.int4 import cpu_block, pack_int4, to_cpu_layout, to_stored_layout, unpack_int4
 from superslm.quant.int5 import GGUFInt5Linear, pack_bits, unpack_bits
 
@@ -277,17 +277,22 @@ def test_gguf_fused_parts_and_nearest_formats() -> None:
     alone = torch.cat([GGUFInt4Linear.from_gguf(q, Q4_K, (64, 256)).dequantize(),
                        GGUFInt4Linear.from_gguf(k, Q4_K, (32, 256)).dequantize()])  # fmt: skip
     assert torch.equal(native.dequantize(), alone)
-    # Q8_0 / Q6_K / the IQ types (and Q5_0, IQ4_NL, IQ4_XS without the C++ kernels): re-quantized to int8 per
+    # Q8_0 / the IQ types (and Q5_0, Q6_K, IQ4_NL, IQ4_XS without the C++ kernels): re-quantized to int8 per
     # channel, and said so
-    iq = (IQ3_S, IQ3_XXS, IQ2_S, IQ2_XS, IQ2_XXS) + (() if iq4_runs() else (IQ4_NL, IQ4_XS))
+    iq = (IQ3_S, IQ3_XXS, IQ2_S, IQ2_XXS, IQ2_XS) + (() if iq4_runs() else (IQ4_NL, IQ4_XS))
+    iq += () if q6k_runs() else (Q6_K,)
     for block in (Q8_0, *iq) if int5_runs() else (Q5_0, Q8_0, *iq):
         raw = gguf_bytes(block, rng.standard_normal((32, 256)).astype(np.float32))
         m = linear_from_gguf([(raw, block, (32, 256), None)])
         assert isinstance(m, Int8Linear) and f"from {block.name}" in m.describe()
         w = torch.from_numpy(block.dequantize(raw)).view(32, 256)
         assert ((m.dequantize() - w).abs() <= m.scale.float()[:, None] * (0.5 + U)).all()
-    # a fused qkv whose v is another block type: one module per part, outputs concatenated
-    mixed = linear_from_gguf([(q, Q4_K, (64, 256), None), (v6, Q6_K, (32, 256), None)], bias=torch.randn(96))
+    # a fused qkv whose v is another block type: one module per part, outputs concatenated (Q6_K as int8 here, for
+    # this bound: as it is, its GEMV rounds x to int8, tests/test_q6k.py)
+    parts = [(q, Q4_K, (64, 256), None), (v6, Q6_K, (32, 256), None)]
+    kept = linear_from_gguf(parts)
+    assert isinstance(kept, ConcatLinear) and ("Q6_K (6-bit" if q6k_runs() else "int8") in kept.describe()
+    mixed = linear_from_gguf(parts, bias=torch.randn(96), mapping={"Q6_K": ("int8", {})})
     assert isinstance(mixed, ConcatLinear) and "gguf" in mixed.describe() and "int8" in mixed.describe()
     x = torch.randn(3, 256).bfloat16()
     y = mixed(x).double()

@@ -317,6 +317,8 @@ def one_row_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | N
     if kind == 6:  # IQ4 (quant/iq4.py): its GEMV needs AVX2 only, and plan_args said it runs here
         table = got[0][5]
         return _with_bias(module, ext.iq4_gemv(x.to(torch.bfloat16), weight, scales, table), x)
+    if kind == 7:  # Q6_K (quant/q6k.py): its GEMV needs AVX2 only, and plan_args said it runs here
+        return _with_bias(module, ext.q6k_gemv(x.to(torch.bfloat16), weight), x)
     if kind == 2:
         return vnni_linear(module, x)
     if kind == 4:  # a ConcatLinear: its parts side by side, each as the plan runs it

@@ -1,4 +1,4 @@
-"""Runtime weight formats for linears (bf16, int8, int4, GGUF int4, Q5_0 and IQ4 blocks as they are), the block
+"""Runtime weight formats for linears (bf16, int8, int4, GGUF int4, Q5_0, IQ4 and Q6_K blocks as they are), the block
 Hadamard rotation that makes int4 lose less, and the module swap that puts them in a model.
 
     from superslm.quant import quantize_linears
@@ -14,10 +14,12 @@ from superslm.quant.gguf_map import NEAREST, ConcatLinear, linear_from_gguf, nea
 from superslm.quant.int4 import GGUFInt4Linear, Int4Linear
 from superslm.quant.int5 import GGUFInt5Linear
 from superslm.quant.iq4 import GGUFIQ4Linear
+from superslm.quant.q6k import GGUFQ6KLinear
 from superslm.quant.swap import linear_summary, quantize_from_source, quantize_linears, row_permutation
 
 __all__ = [
     "FORMATS", "NEAREST", "Bf16Linear", "ConcatLinear", "GGUFInt4Linear", "GGUFInt5Linear", "GGUFIQ4Linear",
+    "GGUFQ6KLinear",
     "Int4Linear", "Int8Linear", "LinearFormat", "Rotation", "dequantize_gguf", "format_class", "fwht",
     "linear_from_gguf", "linear_summary", "load_linear", "nearest_format", "quantize_from_source", "quantize_linears",
     "random_signs", "register_format", "rotate_activation", "rotate_weight", "row_permutation", "unrotate_weight",

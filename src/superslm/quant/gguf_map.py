@@ -2,10 +2,12 @@
 
 Q4_0, Q4_1 and Q4_K run as they are ("gguf": their 32-value groups are the packed kernel's groups), and
 Q5_0 too ("gguf5", quant/int5.py) where the C++ VNNI kernels run (else int8, as below), and IQ4_NL / IQ4_XS
-("giq4", quant/iq4.py: a float32 scale times a table value per code) where the C++ IQ4 GEMV runs (AVX2).
+("giq4", quant/iq4.py: a float32 scale times a table value per code) where the C++ IQ4 GEMV runs (AVX2), and
+Q6_K ("gq6k", quant/q6k.py: the file's blocks byte for byte) where the C++ Q6_K GEMV runs (AVX2).
 Every other quantized type is dequantized and re-quantized to int8 per output channel: measured on
 Gemma-3-270M's tensors (relative Frobenius error of W x against the block's own values, Gaussian x),
-int8 adds 0.8% (Q5_0, Q8_0) to 1.0% (Q6_K), where int4 g32 would add 8% (docs/quantization.md).
+int8 adds 0.8% (Q5_0, Q8_0) to 1.0% (Q6_K, where its kernels do not run), where int4 g32 would add 8%
+(docs/quantization.md).
 Float types become bf16. A caller may pass its own `mapping` (e.g. Q5_0 -> int4 g32, for speed).
 """
 
@@ -19,16 +21,17 @@ import torch
 
 from superslm import cext
 from superslm.errors import InvalidArgument, TokenOutOfRange
-from superslm.formats.blocks import IQ4_NL, IQ4_XS, Q5_0, BlockType, Int4BlockType
+from superslm.formats.blocks import IQ4_NL, IQ4_XS, Q5_0, Q6_K, BlockType, Int4BlockType
 from superslm.quant.base import LinearFormat, dequantize_gguf, format_class, load_linear, register_format
 from superslm.quant.int4 import GGUFInt4Linear
 from superslm.quant.int5 import GGUFInt5Linear
 from superslm.quant.iq4 import GGUFIQ4Linear, iq4_kernels
+from superslm.quant.q6k import GGUFQ6KLinear, q6k_kernels
 
 #: block type name -> (format name, from_dense options); the int4 block types run natively
 NEAREST: dict[str, tuple[str, dict[str, Any]]] = {
     "Q4_0": ("gguf", {}), "Q4_1": ("gguf", {}), "Q4_K": ("gguf", {}),
-    "Q5_0": ("gguf5", {}), "Q5_1": ("int8", {}), "Q5_K": ("int8", {}), "Q6_K": ("int8", {}),
+    "Q5_0": ("gguf5", {}), "Q5_1": ("int8", {}), "Q5_K": ("int8", {}), "Q6_K": ("gq6k", {}),
     "Q8_0": ("int8", {}), "Q8_K": ("int8", {}), "Q2_K": ("int8", {}), "Q3_K": ("int8", {}),
     "IQ4_NL": ("giq4", {}), "IQ4_XS": ("giq4", {}), "IQ3_S": ("int8", {}), "IQ3_XXS": ("int8", {}),
     "IQ2_S": ("int8", {}), "IQ2_XS": ("int8", {}), "IQ2_XXS": ("int8", {}),
@@ -58,6 +61,11 @@ def nearest_format(block_type: type[BlockType], mapping: Mapping[str, tuple[str,
             raise InvalidArgument(f"GGUF {block_type.name} is not IQ4_NL or IQ4_XS; it cannot run as 'giq4'")
         if not iq4_runs():
             return "int8", {}
+    if got[0] == "gq6k":
+        if block_type is not Q6_K:
+            raise InvalidArgument(f"GGUF {block_type.name} is not Q6_K; it cannot run as 'gq6k'")
+        if not q6k_runs():
+            return "int8", {}
     return got
 
 
@@ -69,6 +77,11 @@ def int5_runs() -> bool:
 def iq4_runs() -> bool:
     """Whether IQ4_NL / IQ4_XS can run as they are here: the C++ IQ4 GEMV built, and not SUPERSLM_KERNELS=torch."""
     return iq4_kernels() is not None
+
+
+def q6k_runs() -> bool:
+    """Whether Q6_K can run as it is here: the C++ Q6_K GEMV built, and not SUPERSLM_KERNELS=torch."""
+    return q6k_kernels() is not None
 
 
 def _int8_by_rows(part: GGUFPart, bias: torch.Tensor | None, note: str,
@@ -221,6 +234,8 @@ def linear_from_gguf(
             return GGUFInt5Linear.from_gguf_parts(parts, bias)
         if fmt == "giq4":
             return GGUFIQ4Linear.from_gguf_parts(parts, bias)
+        if fmt == "gq6k":
+            return GGUFQ6KLinear.from_gguf_parts(parts, bias)
         names = "+".join(dict.fromkeys(p[1].name for p in parts))
         if fmt == "int8" and not options and len(parts) == 1 and parts[0][3] is None:
             return _int8_by_rows(parts[0], bias, f"from {names}", release)

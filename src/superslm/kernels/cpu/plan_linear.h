@@ -38,6 +38,11 @@ at::Tensor iq4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Te
 at::Tensor iq4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table,
                     bool rows16);
 at::Tensor iq4_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table);
+// q6k.cpp
+bool q6k_available();
+at::Tensor q6k_gemv(const at::Tensor& x, const at::Tensor& blocks);
+at::Tensor q6k_gemm(const at::Tensor& x, const at::Tensor& blocks, bool rows16);
+at::Tensor q6k_dequantize(const at::Tensor& blocks);
 
 namespace superslm_plan {
 
@@ -70,7 +75,11 @@ inline at::Tensor rotate_input(const at::Tensor& x, const at::Tensor& signs_f, i
 // CONCAT: parts of different formats (quant/gguf_map.py ConcatLinear, e.g. Q4_K q, k with a Q6_K v)
 // INT5: GGUF Q5_0 as it is (quant/int5.py): int4 nibbles, `extra` their fifth bits
 // IQ4: GGUF IQ4_NL / IQ4_XS as they are (quant/iq4.py): codes, float scales, `extra` the 16-value table
-enum LinKind : int64_t { DENSE_MODULE = 0, INT4 = 1, INT8 = 2, DENSE_FORMAT = 3, CONCAT = 4, INT5 = 5, IQ4 = 6 };
+// Q6K: GGUF Q6_K as it is (quant/q6k.py): `a` the file's blocks
+enum LinKind : int64_t { DENSE_MODULE = 0, INT4 = 1, INT8 = 2, DENSE_FORMAT = 3, CONCAT = 4, INT5 = 5, IQ4 = 6, Q6K = 7 };
+
+// rows of x up to which a Q6K linear takes its integer GEMV (quant/q6k.py GEMV_ROWS), the float32 GEMM past them
+constexpr int64_t Q6K_GEMV_ROWS = 16;
 
 // MKL picks its kernel, and a dot product's term order, by the matrix shape: on an Intel Xeon a row of a
 // 64-row GEMM got other bits than in a 16-row one. One shape for every call: 16 rows (x has a multiple).
@@ -124,7 +133,7 @@ struct Lin {
                   "DecodePlan: a rotation that does not fit the linear's input");
       l.signs_f = l.signs.to(at::kFloat).contiguous();
     }
-    TORCH_CHECK(l.kind >= DENSE_MODULE && l.kind <= IQ4, "DecodePlan: unknown linear kind ", l.kind);
+    TORCH_CHECK(l.kind >= DENSE_MODULE && l.kind <= Q6K, "DecodePlan: unknown linear kind ", l.kind);
     TORCH_CHECK(l.kind != INT5 || (l.extra.defined() && l.b.defined()), "DecodePlan: an int5 linear without its bits");
     TORCH_CHECK(l.kind != IQ4 || (l.extra.defined() && l.b.defined()), "DecodePlan: an iq4 linear without its table");
     TORCH_CHECK(l.kind == CONCAT || l.a.defined(), "DecodePlan: a linear without its weight");
@@ -185,6 +194,11 @@ struct Lin {
       // the GEMV for a row of the default mode; deterministic steps take the 16-row float32 GEMM at every row
       // count (the GEMV's bits are not the GEMM's), as the module's forward_row_blocks does
       y = h.size(0) == 1 && !deterministic ? iq4_gemv(h, a, b, extra) : iq4_gemm(h, a, b, extra, deterministic);
+      if (y.size(1) != out) y = y.narrow(1, 0, out);
+    } else if (kind == Q6K) {
+      // the integer GEMV for decode rows of the default mode (each row's bits those it gets alone); deterministic
+      // steps take the 16-row float32 GEMM at every row count, as the module's forward_row_blocks does
+      y = h.size(0) <= Q6K_GEMV_ROWS && !deterministic ? q6k_gemv(h, a) : q6k_gemm(h, a, deterministic);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == INT8) {
       // as int4: the VNNI kernels for one row, for every row count in deterministic steps, else from gemm_rows
