@@ -92,7 +92,7 @@ def test_kernels_against_their_twin_and_the_weight(shape) -> None:
     blocks = GGUFQ6KLinear.from_gguf(q6k_blocks(n, k, seed=n), Q6_K, shape).blocks
     w = q6k_dequantize(blocks)
     g = torch.Generator().manual_seed(k)
-    for rows in (1, 2, 3, 4, 5, 9, GEMV_ROWS, 40):
+    for rows in (1, 2, 3, 4, 5, 9, GEMV_ROWS, GEMV_ROWS + 3):
         x = torch.randn(rows, k, generator=g).bfloat16()
         x[:, :32] *= 50  # a block with a far larger value than the others: each block gets its own int8 step
         ref = x.double() @ w.double().t()
@@ -165,10 +165,10 @@ def test_module_maps_runs_saves_and_falls_back(monkeypatch: pytest.MonkeyPatch) 
     m = linear_from_gguf([(raw_q, Q6_K, (n, k), None), (raw_k, Q6_K, (32, k), None)], bias)
     assert isinstance(m, GGUFQ6KLinear) and m.out_features == n + 32
     w = m.dequantize()
-    x = torch.randn(20, k).bfloat16()
+    x = torch.randn(GEMV_ROWS + 4, k).bfloat16()
     xw = x.double() @ w.double().t()
     ref = xw + bias.double()
-    for rows in (1, 4, GEMV_ROWS, 20):  # the GEMV up to GEMV_ROWS rows, the float32 GEMM past them
+    for rows in (1, 4, GEMV_ROWS, GEMV_ROWS + 4):  # the GEMV up to GEMV_ROWS rows, the float32 GEMM past them
         y = m(x[:rows])
         assert y.dtype == torch.bfloat16
         r, p = ref[:rows], xw[:rows]

@@ -79,7 +79,7 @@ inline at::Tensor rotate_input(const at::Tensor& x, const at::Tensor& signs_f, i
 enum LinKind : int64_t { DENSE_MODULE = 0, INT4 = 1, INT8 = 2, DENSE_FORMAT = 3, CONCAT = 4, INT5 = 5, IQ4 = 6, Q6K = 7 };
 
 // rows of x up to which a Q6K linear takes its integer GEMV (quant/q6k.py GEMV_ROWS), the float32 GEMM past them
-constexpr int64_t Q6K_GEMV_ROWS = 16;
+constexpr int64_t Q6K_GEMV_ROWS = 64;
 
 // MKL picks its kernel, and a dot product's term order, by the matrix shape: on an Intel Xeon a row of a
 // 64-row GEMM got other bits than in a 16-row one. One shape for every call: 16 rows (x has a multiple).
