@@ -137,7 +137,9 @@ def test_head_takes_the_gemv_for_one_row_outside_deterministic_mode(avx2_only) -
     assert got is not None and torch.equal(got, ext.int8_gemv_avx2(x, m.codes, m.scale))
     assert _within_bf16(got, m(x))
     assert cpu_decode.vnni_linear(m, x, deterministic=True) is None  # torch's kernel at every row count
-    assert cpu_decode.vnni_linear(m, x.repeat(3, 1)) is None
+    three = x.repeat(3, 1)  # a few rows: the row kernel (tests/test_cpu_avx2_rows.py), each row the GEMV's bits
+    assert torch.equal(cpu_decode.vnni_linear(m, three), ext.int8_gemm_avx2(three, m.codes, m.scale))
+    assert torch.equal(cpu_decode.vnni_linear(m, three)[2:], got)
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +161,9 @@ def test_one_row_decode_in_the_plan(avx2_only, llama_folder, body: str) -> None:
     quantize_linears(net, body=body, head=None, group=32)
     assert net.layers[0].gate_up.out_features % 64 == 0
 
+    kv, meta, toks = _prefilled(net, [37])  # once: the prompt's rows take the row kernels where AVX2 is on
+
     def run(deterministic: bool) -> torch.Tensor:
-        kv, meta, toks = _prefilled(net, [37])
         with torch.no_grad():
             h = net.embed(toks)
             tables = net._rope_tables(meta.positions)

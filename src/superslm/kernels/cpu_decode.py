@@ -279,14 +279,14 @@ def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = 
     """module(x) through the VNNI int8 kernels (kernels/cpu/gemv.cpp, gemm.cpp), or None where they do not
     apply (another format, K not a multiple of 64, a CPU or build without AVX-512 VNNI), or where torch's
     kernel is as fast: several rows outside deterministic mode on CPUs with AVX512-BF16 (`gemm_rows`,
-    kernels/cpu/gemv.cpp). A row gets the same bits alone or in a batch. Without VNNI, one row of the
-    default mode takes the AVX2 GEMV (kernels/cpu/avx2.cpp, the same bits)."""
+    kernels/cpu/gemv.cpp). A row gets the same bits alone or in a batch. Without VNNI, 1 to `avx2_gemm_rows`
+    rows of the default mode take the AVX2 kernels (kernels/cpu/avx2.cpp, avx2_rows.cpp: the same bits)."""
     rows = x.shape[0]
     if rows == 0 or x.device.type != "cpu":
         return None
     got = _vnni_int8(module)
     if got is None:
-        return None if deterministic or rows > 1 else _avx2_int8(module, x)
+        return None if deterministic else _avx2_int8(module, x)
     ext, rowsum = got
     if rows > 1 and not deterministic and rows < ext.gemm_rows(True):
         return None
@@ -295,13 +295,20 @@ def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = 
 
 
 def one_row_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """module(x) for one row of the default mode through the GEMVs that the C++ plan runs a decode row on (int4
-    and int8 formats, as their `plan_args` hand them over; a ConcatLinear part by part), or None where they do
-    not apply (another format or shape, hooks on the module or its rotation, neither VNNI nor AVX2): layers the
-    plan does not run (delta rules, experts) read their weights at the plan's speed. Without VNNI the AVX2 GEMVs
-    (kernels/cpu/avx2.cpp: the same bits). Not for deterministic mode, where every row count must share one
-    kernel's bits."""
-    if x.dim() != 2 or x.shape[0] != 1 or x.device.type != "cpu" or backend(x.device) != "torch":
+    """`rows_linear` for one row (x [1, K]), else None."""
+    return rows_linear(module, x) if x.dim() == 2 and x.shape[0] == 1 else None
+
+
+def rows_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """module(x) for decode rows of the default mode through the kernels that the C++ plan runs them on (int4 and
+    int8 formats, as their `plan_args` hand them over; a ConcatLinear part by part), or None where they do not
+    apply (another format or shape, hooks on the module or its rotation, neither VNNI nor AVX2, several rows
+    where the plan takes torch's kernel): layers the plan does not run (delta rules, experts) read their weights
+    at the plan's speed. One row: the GEMVs; without VNNI, 2 to `avx2_gemm_rows` rows: the AVX2 row kernels
+    (kernels/cpu/avx2_rows.cpp), each row the AVX2 GEMV's bits. Not for deterministic mode, where every row
+    count must share one kernel's bits."""
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if rows == 0 or x.device.type != "cpu" or backend(x.device) != "torch":
         return None  # the Triton kernels were asked for (SUPERSLM_KERNELS=triton: the interpreter's tests)
     rot = getattr(module, "rotation", None)
     if module._forward_pre_hooks or module._forward_hooks or (
@@ -316,39 +323,46 @@ def one_row_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | N
     (weight, scales, *_), (kind, group, out, _, k_pad) = got
     if kind == 6:  # IQ4 (quant/iq4.py): its GEMV needs AVX2 only, and plan_args said it runs here
         table = got[0][5]
-        return _with_bias(module, ext.iq4_gemv(x.to(torch.bfloat16), weight, scales, table), x)
-    if kind == 7:  # Q6_K (quant/q6k.py): its GEMV needs AVX2 only, and plan_args said it runs here
-        return _with_bias(module, ext.q6k_gemv(x.to(torch.bfloat16), weight), x)
+        return _with_bias(module, ext.iq4_gemv(x.to(torch.bfloat16), weight, scales, table), x) if rows == 1 else None
+    if kind == 7:  # Q6_K (quant/q6k.py): its integer GEMV needs AVX2 only and takes up to 64 rows, each its own bits
+        return _with_bias(module, ext.q6k_gemv(x.to(torch.bfloat16), weight), x) if rows <= 64 else None
     if kind == 2:
-        return vnni_linear(module, x)
+        return vnni_linear(module, x) if rows == 1 or not ext.vnni_available() else None
     if kind == 4:  # a ConcatLinear: its parts side by side, each as the plan runs it
-        ys = [one_row_linear(part, x) for part in getattr(module, "parts", ())]
+        ys = [rows_linear(part, x) for part in getattr(module, "parts", ())]
         return torch.cat(ys, dim=1) if ys and all(y is not None for y in ys) else None  # type: ignore[misc]
     if kind != 1 or group % 4 or weight.shape[0] % 64 or not scales.is_contiguous():
         return None
     vnni = ext.vnni_available()
     if not vnni and (not ext.avx2_available() or cext.torch_kernels_forced()):
         return None
+    if rows > 1 and (vnni or rows > ext.avx2_gemm_rows()):
+        return None
     h = _vnni_input(ext, module, x).to(torch.bfloat16)  # rotated and padded where the module rotates
     if k_pad != h.shape[1]:
         h = torch.nn.functional.pad(h, (0, k_pad - h.shape[1]))
     # block 0: torch's packed layout on this CPU, which the int4 format keeps where the VNNI kernels do not run
-    y = ext.int4_gemv(h, weight, scales, group) if vnni else ext.int4_gemv_avx2(h, weight, scales, group, 0)
+    if vnni:
+        y = ext.int4_gemv(h, weight, scales, group)
+    else:  # the row kernel gives each row the GEMV's bits, or torch's kernel on that row alone where it declines
+        y = (ext.int4_gemv_avx2 if rows == 1 else ext.int4_gemm_avx2)(h, weight, scales, group, 0)
     if y is None:  # a row the GEMV cannot split (NaN, inf, an outlier), or a layout it does not read
         return None
     return _with_bias(module, y if y.shape[1] == out else y[:, :out], x)
 
 
 def _avx2_int8(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """module(x) for one row through the AVX2 int8 GEMV (kernels/cpu/avx2.cpp: the VNNI GEMV's bits), or
-    None where it does not apply. Not in deterministic mode: AVX2 has no GEMM with the same bits, so there
-    every row count keeps torch's kernel."""
+    """module(x) for 1 to `avx2_gemm_rows` rows through the AVX2 int8 kernels (kernels/cpu/avx2.cpp GEMV, the
+    VNNI GEMV's bits; avx2_rows.cpp for several rows, each row the GEMV's bits or, where the GEMV declines it,
+    torch's kernel on that row alone), or None where they do not apply. Not in deterministic mode (left on
+    torch's kernel at every row count)."""
     ext = cext.extension()
-    if x.shape[0] != 1 or ext is None or not ext.avx2_available() or cext.torch_kernels_forced():
+    if ext is None or not ext.avx2_available() or cext.torch_kernels_forced():
         return None
-    if not _int8_fits(module):
+    if x.shape[0] > ext.avx2_gemm_rows() or not _int8_fits(module):
         return None
-    y = ext.int8_gemv_avx2(_vnni_input(ext, module, x), module.codes, module.scale)
+    kernel = ext.int8_gemv_avx2 if x.shape[0] == 1 else ext.int8_gemm_avx2
+    y = kernel(_vnni_input(ext, module, x), module.codes, module.scale)
     if y is None:  # x cannot be split (a NaN, an inf, an outlier): torch's kernel
         return None
     return _with_bias(module, y, x)

@@ -6,13 +6,14 @@ argsort, bincount, index_add_, the experts' DenseMLPs, the shared expert and its
 routing, each chosen expert's linears on the decode plan's kernels (plan_linear.h: int4, int8, dense, rotated
 inputs, concatenated parts) with its rows gathered so its weights are read once, and the weighted sum.
 
-A row that is an expert's only row gets `moe_decode_reference`'s bits: the same GEMVs (cpu_decode.one_row_linear
+A row that is an expert's only row gets `moe_decode_reference`'s bits: the same GEMVs (cpu_decode.rows_linear
 runs the plan's), the same ATen ops for the routing and the activation, the sums rounded where torch rounds them;
 a rotated linear no GEMV takes is left to the twin (the module rotates in bf16, the plan in float). An expert
-with several rows runs them as the plan does (its GEMM from `gemm_rows`, else torch's kernel, an input rotation
-in float): the twin's module call is within a rounding of it, and has its bits for unrotated linears on torch's
-kernel (every CPU without VNNI). A row the GEMV declines (a NaN, an outlier it cannot split) goes to torch's kernel
-in both, here after the plan's float rotation: within a rounding too.
+with several rows runs them as the plan does (its GEMM from `gemm_rows`, without VNNI the AVX2 row kernels, each
+row the GEMV's bits, which rows_linear runs in the twin too; else torch's kernel, an input rotation in float): the
+twin's module call is within a rounding of it, and has its bits for unrotated linears on torch's kernel. A row the
+GEMV declines (a NaN, an outlier it cannot split) goes to torch's kernel in both, here after the plan's float
+rotation: within a rounding too.
 """
 
 from __future__ import annotations
@@ -64,13 +65,11 @@ def route(logits: torch.Tensor, top_k: int, norm_top_k: bool, dtype: torch.dtype
 
 
 def _decode_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """module(x) as the default mode runs a linear of a decode step (models/layers.py `_linear`): one row on the
-    plan's GEMVs where they take the module, else the module."""
-    if x.shape[0] == 1:
-        y = cpu_decode.one_row_linear(module, x)
-        if y is not None:
-            return y
-    return module(x)
+    """module(x) as the default mode runs a linear of a decode step (models/layers.py `_linear`): its rows on the
+    plan's kernels where they take the module (one row: the GEMVs; a few rows without VNNI: the AVX2 row
+    kernels), else the module."""
+    y = cpu_decode.rows_linear(module, x)
+    return module(x) if y is None else y
 
 
 def moe_reference(x: torch.Tensor, parts: MoEParts, counts: torch.Tensor,

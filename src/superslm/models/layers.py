@@ -6,7 +6,7 @@ KV pages (attention) or the slots' recurrent states (a delta rule: `cache.state.
 the transformer hands each layer the two tensors of its own kind. The C++ plan and the decode graphs do not
 run these parts: `Transformer.plain` is False and both executors refuse the net. Their pieces have C++ calls of
 their own on the CPU: a delta rule's decode glue (kernels/delta_rule.py decode_step), a MoE block's decode rows
-(kernels/moe_step.py), one-row linears (kernels/cpu_decode.py one_row_linear).
+(kernels/moe_step.py), decode rows' linears (kernels/cpu_decode.py rows_linear).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from superslm.models.parts import DELTA_LAYOUTS, stack
 
 def _linear(lin: nn.Module, x: torch.Tensor, deterministic: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
     """lin(x), or lin.forward_rotated(x, dtype) for an input already rotated; one row of the default mode on the
-    CPU through the C++ plan's GEMVs where they take lin; in deterministic mode a linear whose BLAS rounds a row
+    CPU through the C++ plan's kernels where they take lin; in deterministic mode a linear whose BLAS rounds a row
     by the row count multiplies 16 rows at a time (kernels/row_blocks.py)."""
     def fn(rows: torch.Tensor) -> torch.Tensor:
         return lin(rows) if dtype is None else lin.forward_rotated(rows, dtype)
 
-    if not deterministic and dtype is None and x.shape[0] == 1:
-        y = cpu_decode.one_row_linear(lin, x)  # a decode row on the plan's GEMVs (the plan runs no such layer)
+    if not deterministic and dtype is None and x.shape[0] < cpu_prompt.PROMPT_ROWS:
+        y = cpu_decode.rows_linear(lin, x)  # decode rows on the plan's kernels (the plan runs no such layer)
         if y is not None:
             return y
     if not deterministic and x.shape[0] >= cpu_prompt.PROMPT_ROWS:

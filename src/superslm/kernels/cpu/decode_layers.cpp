@@ -3,8 +3,8 @@
 // Eager torch spent ~8 ms of a SmolLM2 decode step on ~1,000 small calls (norms, rope, paged attention,
 // casts) around ~3.4 ms of weight kernels. This file runs the arithmetic of models/transformer.py
 // Layer.forward for a step's rows (decode rows, and prompt chunks where models/transformer.py sends
-// them): the linears through the VNNI kernels (gemv.cpp, gemm.cpp), the AVX2 GEMVs (avx2.cpp: one row,
-// default mode, CPUs without VNNI) or torch's, everything between them in per-row loops (rowops.h).
+// them): the linears through the VNNI kernels (gemv.cpp, gemm.cpp), the AVX2 kernels (avx2.cpp: one row,
+// avx2_rows.cpp: a few; default mode, CPUs without VNNI) or torch's, everything between them in per-row loops (rowops.h).
 // Rounding to the model dtype happens where the torch reference rounds, so bf16 results stay within a
 // rounding of it.
 // The torch reference with the same signature is kernels/cpu_decode.py `decode_layers_reference`.
@@ -427,6 +427,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("torch_int4_block", &torch_int4_block);
   m.def("int4_gemv_avx2", &int4_gemv_avx2, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int8_gemv_avx2", &int8_gemv_avx2, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("avx2_gemm_rows", &avx2_gemm_rows);
+  m.def("int4_gemm_avx2", &int4_gemm_avx2, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int8_gemm_avx2", &int8_gemm_avx2, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int8_rowsum", &int8_rowsum);
   m.def("int8_gemv", &int8_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_gemv", &int4_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -29,6 +29,11 @@ int64_t torch_int4_block();
 at::Tensor int4_gemv_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group,
                           int64_t block);
 at::Tensor int8_gemv_avx2(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale);
+// avx2_rows.cpp
+int64_t avx2_gemm_rows();
+at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group,
+                          int64_t block);
+at::Tensor int8_gemm_avx2(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale);
 std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const at::Tensor& codes,
                                                     const at::Tensor& scale, const at::Tensor& rowsum,
                                                     const at::Tensor& w2, int64_t limit);
@@ -182,8 +187,10 @@ struct Lin {
       const int64_t rows_h = h.size(0);
       if (vnni4 && rows_h == 1) y = int4_gemv(h, a, b, group);
       else if (vnni4 && (deterministic || rows_h >= gemm_rows(false))) y = int4_gemm(h, a, b, group);
-      // AVX2 has a GEMV only: deterministic steps keep torch's kernel at every row count (batch-invariant)
+      // AVX2: the GEMV for one row, the row kernel (each row the GEMV's bits) for a few; deterministic steps
+      // keep torch's kernel at every row count (batch-invariant)
       else if (fits4 && !vnni4 && !deterministic && rows_h == 1) y = int4_gemv_avx2(h, a, b, group, 0);
+      else if (fits4 && !vnni4 && !deterministic && rows_h <= avx2_gemm_rows()) y = int4_gemm_avx2(h, a, b, group, 0);
       if (!y.defined()) y = at::_weight_int4pack_mm_for_cpu(h, a, group, b);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == INT5) {
@@ -206,6 +213,7 @@ struct Lin {
       if (vnni && h.size(0) == 1) y = int8_gemv(h, a, b, rowsum);
       else if (vnni && (deterministic || h.size(0) >= gemm_rows(true))) y = int8_gemm(h, a, b, rowsum);
       else if (!vnni && !deterministic && h.size(0) == 1 && kpad % 64 == 0) y = int8_gemv_avx2(h, a, b);
+      else if (!vnni && !deterministic && h.size(0) <= avx2_gemm_rows() && kpad % 64 == 0) y = int8_gemm_avx2(h, a, b);
       if (!y.defined()) y = at::_weight_int8pack_mm(h, a, b);
     } else {
       y = deterministic ? blocks16(h, a, at::Tensor()) : at::linear(h, a);
