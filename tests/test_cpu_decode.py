@@ -252,8 +252,9 @@ def test_plan_refuses_out_of_range_inputs(folders) -> None:
     key_slots, row_seq, lens = cpu_decode.row_key_slots(meta, h.device)
     tabs = [net._rope_tables(meta.positions)[0]]
     no_lora = [torch.empty(0, dtype=torch.long), []]
+    no_states = [torch.empty(0), torch.empty(0), torch.empty(0, dtype=torch.long)]  # no delta-rule layers
     args = [h, meta.slot_mapping, key_slots, row_seq, lens, [tabs[0][0]], [tabs[0][1]], kv.k, kv.v, 0, 1, False,
-            *no_lora]  # fmt: skip
+            *no_lora, *no_states]  # fmt: skip
     plan.run(*args)
     one_group = torch.zeros(len(h), dtype=torch.long)
     for i, bad in ((4, lens + key_slots.shape[1]), (1, meta.slot_mapping + 10**6), (3, row_seq + 5),
@@ -262,7 +263,8 @@ def test_plan_refuses_out_of_range_inputs(folders) -> None:
         with pytest.raises(RuntimeError):
             plan.run(*[bad if j == i else a for j, a in enumerate(args)])
     with pytest.raises(RuntimeError):  # weights of the wrong dtype
-        plan.run(*args[:12], one_group, [torch.zeros(2, 2, dtype=torch.float64)] * (8 * plan.num_layers()))
+        plan.run(*args[:12], one_group, [torch.zeros(2, 2, dtype=torch.float64)] * (8 * plan.num_layers()),
+                 *no_states)
 
 
 @pytest.mark.parametrize("n,k,group", [(64, 128, 32), (960, 576, 32), (192, 512, 64), (128, 256, 128), (64, 512, 256)])

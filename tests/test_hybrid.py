@@ -157,7 +157,8 @@ def test_layer_kinds_and_refusals(built, tmp_path) -> None:
     assert superslm.load(built["qwen3_next"][1]).info()["layers"] == (
         "4: 3 gated delta rule, 1 gated attention; 8 experts of 32, top 2 and a shared expert of 48, on 3 layers "
         "(the rest dense)")
-    # the C++ plan and the decode graphs run attention and dense MLPs only: these layers are refused by type
+    # the decode graphs run attention and dense MLPs only: these layers are refused by type; the C++ plan takes
+    # their all-decode steps with a state row for each sequence (tests/test_cpu_decode_hybrid.py), not this one
     from superslm.engine.graphs import graph_reason
     from superslm.kernels.attention import AttnMetadata
 

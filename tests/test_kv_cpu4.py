@@ -229,9 +229,10 @@ def test_plan_refuses_what_it_cannot_read(folders, monkeypatch) -> None:
     lens = torch.ones(1, dtype=torch.long)
     tab = [torch.zeros(1, a.rotary_dim)]
     no_lora = (torch.empty(0, dtype=torch.long), [])
+    no_states = (torch.empty(0), torch.empty(0), torch.empty(0, dtype=torch.long))
 
     def run(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return plan.run(h, one, one[None], one, lens, tab, tab, k, v, 0, 0, False, *no_lora)
+        return plan.run(h, one, one[None], one, lens, tab, tab, k, v, 0, 0, False, *no_lora, *no_states)
 
     with pytest.raises(RuntimeError, match="set_kv_rotation"):
         run(kv.k, kv.v)

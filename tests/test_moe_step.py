@@ -181,24 +181,29 @@ def _spy(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
 def test_engine_greedy_equals_transformers_on_the_one_call_path(family: str, tiny, monkeypatch) -> None:
     """fp32 models (dense experts): two sequences decoding side by side through the C++ step give transformers'
-    greedy tokens."""
+    greedy tokens, called by the layers (MoE.forward) or by the decode plan (kernels/cpu_hybrid.py)."""
     hf, folder = tiny[family]
     calls = _spy(monkeypatch)
     model = superslm.load(folder, dtype="float32")
     ps = [_prompt(n, 3 + n) for n in (9, 40)]
-    engine = model.engine(slots=2, context=160, chunk=48)
-    got = [c.tokens for c in engine.generate([Request(p, 24, Sampling(ignore_eos=True)) for p in ps])]
-    assert got == [hf_greedy(hf, p, 24) for p in ps]
-    assert calls[0] > 0 and calls[1] == 0
+    want = [hf_greedy(hf, p, 24) for p in ps]
+    for fast in (True, False):
+        model.net.fast_decode = fast
+        engine = model.engine(slots=2, context=160, chunk=48)
+        got = [c.tokens for c in engine.generate([Request(p, 24, Sampling(ignore_eos=True)) for p in ps])]
+        assert got == want
+    assert calls[0] > 0 and calls[1] == 0  # the layers' run called the step
 
 
 @needs_ext
 @pytest.mark.parametrize(("family", "quant"), [("qwen3_5_moe", "int4"), ("qwen3_moe", "int4"), ("qwen3_moe", "bf16")])
 def test_quantized_decode_is_bit_identical_on_and_off(family: str, quant: str, tiny, monkeypatch) -> None:
     """One sequence's int4 / bf16 decode: the same tokens and logprobs, bit for bit, with the C++ step and without
-    it (its rows alone in each expert: the twin's bits), and the same expert counts."""
+    it (its rows alone in each expert: the twin's bits), and the same expert counts. The layers' path: the decode
+    plan, which calls the step from C++, is off."""
     folder = tiny[family][1]
     model = superslm.load(folder, quant=quant)
+    model.net.fast_decode = False
     p = _prompt(30, 5)
 
     def answer() -> tuple[list, dict]:
@@ -219,9 +224,11 @@ def test_quantized_decode_is_bit_identical_on_and_off(family: str, quant: str, t
 @needs_ext
 def test_fallbacks_take_the_torch_path(tiny, monkeypatch) -> None:
     """Deterministic mode, prompt rows, a hook, a linear the plan does not run, SUPERSLM_KERNELS=torch and no
-    extension take MoE.forward's torch code: the same tokens as with the step, the step never run."""
+    extension take MoE.forward's torch code: the same tokens as with the step, the step never run. The layers'
+    path: the decode plan, which calls the step from C++ and bypasses hooks as it does for every layer, is off."""
     folder = tiny["qwen3_moe"][1]
     model = superslm.load(folder, quant="int4")
+    model.net.fast_decode = False
     p = _prompt(20, 6)
 
     def tokens(**kwargs) -> list[int]:

@@ -12,13 +12,15 @@ take their generic torch path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from superslm import cext
-from superslm.cache.kv import read_rows, rotated, rotation_block, rotation_signs, values_dtype
+from superslm.cache.kv import rotated, rotation_block, rotation_signs, values_dtype
 from superslm.cext import extension
+from superslm.kernels import cpu_hybrid
 from superslm.kernels.attention import store_kv
 from superslm.kernels.dispatch import backend
 from superslm.kernels.rope import apply_rope
@@ -43,7 +45,8 @@ def _linears(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
 
 def build_plan(net: Any) -> Any:
     """The extension's DecodePlan for a Transformer, or None when a layer uses something it lacks
-    (a format it does not know; an activation it does not know; no extension)."""
+    (a format it does not know; an activation it does not know; a norm weight in another dtype; no extension).
+    Parts layers (gated attention, delta rules, experts) are described by kernels/cpu_hybrid.py."""
     ext = extension()
     if ext is None:
         return None
@@ -57,10 +60,15 @@ def build_plan(net: Any) -> Any:
         # the rotation cache/kv.py writes 4-bit rows in: the plan rotates queries and outputs by it, never the rows
         plan.set_kv_rotation(rotation_signs(a.head_dim), rotation_block(a.head_dim))
     for i, layer in enumerate(net.layers):
+        parts_layer = cpu_hybrid.is_parts(layer)
         tensors: list[torch.Tensor | None] = []
         ints: list[int] = []
         parts: list[tuple[int, list[torch.Tensor | None], list[int]]] = []
-        for j, m in enumerate(_linears(layer)):
+        for j, m in enumerate(cpu_hybrid.linears(layer) if parts_layer else _linears(layer)):
+            if m is None:  # a mixture of experts' layer: no dense MLP
+                tensors += [None] * 6
+                ints += [-1, 0, 0, 0, 0]
+                continue
             got = _lin(m)
             if got is None:
                 return None
@@ -71,13 +79,19 @@ def build_plan(net: Any) -> Any:
                 if sub is None or sub[1][0] == 4:
                     return None
                 parts.append((j, *sub))
-        for n in ("attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm"):
-            tensors.append(getattr(layer, n, None))
+        names = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
+        layer_norms = cpu_hybrid.norms(layer) if parts_layer else [getattr(layer, n, None) for n in names]
+        if any(w is not None and not (w.dtype == net.dtype or (w.dtype == torch.float32 and a.norm_float))
+               for w in layer_norms):
+            return None  # the plan multiplies by a weight in the model dtype, or by a float32 one in float32
+        tensors += layer_norms
         window = a.windows[i]
         ints += [-1 if window is None else int(window), net.rope_key(i)]
         plan.add_layer(tensors, ints)
         for j, t, n in parts:
             plan.add_part(i, j, t, n)
+        if parts_layer and not cpu_hybrid.describe(plan, net, i):
+            return None
     return plan
 
 
@@ -85,6 +99,8 @@ def plan_for(net: Any) -> Any:
     """The net's plan, built once and rebuilt when its linear modules are swapped (quant.swap)."""
     # every submodule of every layer, read from _modules (nn.Module's __getattr__ made this 75 us a step)
     key = tuple(id(m) for layer in net.layers for m in layer._modules.values())
+    if not getattr(net, "plain", True):  # a parts layer's linears sit one level down (cpu_hybrid.module_key)
+        key += tuple(i for layer in net.layers for i in cpu_hybrid.module_key(layer))
     cached = getattr(net, "_decode_plan", None)
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -125,6 +141,8 @@ def decode_layers_reference(
     end: int,
     deterministic: bool = False,
     lora: Any = None,
+    states: Any = None,
+    state_slots: Sequence[int] = (),
 ) -> torch.Tensor:
     """Layers start..end-1 for rows that each decode one token (torch ops, one row's attention at a time).
 
@@ -132,16 +150,22 @@ def decode_layers_reference(
     sequence; seq_lens [B] keys visible to each row; tables[kind] = (cos, sin) [B, rotary_dim]; caches
     [layers, slots, kv_heads, width] in a page format of cache/kv.py (float rows of h's dtype, or int8 or 4-bit rows:
     quantized as written, dequantized as read, 4-bit rows also rotated back); lora: the step's adapters
-    (adapters/lora.py LoraBatch) or None.
+    (adapters/lora.py LoraBatch) or None. Parts layers (cpu_hybrid.layer_reference): one decode row of each
+    sequence, their KV pages at the layer's net.cache_index, a delta rule's recurrent states `states`
+    (cache/state.py RecurrentStates) at rows `state_slots` [B].
     `deterministic` changes the plan's roundings only.
     """
     from superslm.kernels.fused import gated_act
 
     a = net.arch
     n = h.shape[0]
-    qs, ks, g = a.heads * a.head_dim, a.kv_heads * a.head_dim, a.heads // a.kv_heads
+    qs, ks = a.heads * a.head_dim, a.kv_heads * a.head_dim
     for i in range(start, end):
         layer = net.layers[i]
+        if cpu_hybrid.is_parts(layer):
+            h = cpu_hybrid.layer_reference(net, i, h, slot_mapping, key_slots, row_seq, seq_lens, tables, k_cache,
+                                           v_cache, states, state_slots)
+            continue
         x = layer.norm(h, "attn_norm")
         qkv = layer.qkv(x)
         if lora is not None:
@@ -154,16 +178,8 @@ def decode_layers_reference(
         cos, sin = tables[net.rope_key(i)]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         store_kv(k_cache[i], v_cache[i], k, v, slot_mapping)
-        o = torch.empty_like(q)
-        window = a.windows[i]
-        for b in range(n):
-            length = int(seq_lens[b])
-            first = max(0, length - window) if window is not None else 0
-            slots = key_slots[int(row_seq[b]), first:length]
-            kk = read_rows(k_cache[i], slots, torch.float32).transpose(0, 1).repeat_interleave(g, 0)  # [heads, keys, D]
-            vv = read_rows(v_cache[i], slots, torch.float32).transpose(0, 1).repeat_interleave(g, 0)
-            p = torch.softmax((kk @ q[b].float()[:, :, None])[..., 0] * a.attn_scale, -1)  # [heads, keys]
-            o[b] = (p[:, None, :] @ vv)[:, 0].to(o.dtype)
+        o = cpu_hybrid.attend_rows_reference(q, k_cache[i], v_cache[i], key_slots, row_seq, seq_lens, a.windows[i],
+                                             a.attn_scale)
         o_in = o.reshape(n, qs)
         o = layer.o(o_in)
         if lora is not None:
@@ -199,6 +215,8 @@ def decode_layers(
     end: int,
     deterministic: bool = False,
     lora: Any = None,
+    states: Any = None,
+    state_slots: Sequence[int] = (),
 ) -> torch.Tensor:
     """`decode_layers_reference` through the C++ plan where it can run (CPU, a supported model).
 
@@ -210,12 +228,15 @@ def decode_layers(
     plan = plan_for(net) if h.device.type == "cpu" and plan_reads(h, k_cache, v_cache) else None
     if plan is None:
         return decode_layers_reference(net, h, slot_mapping, key_slots, row_seq, seq_lens, tables, k_cache, v_cache,
-                                       start, end, deterministic, lora)
+                                       start, end, deterministic, lora, states, state_slots)
     cos = [t[0].contiguous() for t in tables]
     sin = [t[1].contiguous() for t in tables]
     lora_rows, lora_weights = _plan_lora(lora, len(net.layers), h.shape[0])
+    none = torch.empty(0)
+    conv, ssm = (none, none) if states is None else (states.conv, states.ssm)
     return plan.run(h.contiguous(), slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache, start,
-                    end, deterministic, lora_rows, lora_weights)
+                    end, deterministic, lora_rows, lora_weights, conv, ssm,
+                    torch.tensor(list(state_slots), dtype=torch.long))
 
 
 def _plan_lora(lora: Any, layers: int, rows: int) -> tuple[torch.Tensor, list[torch.Tensor | None]]:

@@ -3,10 +3,11 @@
 `PartsLayer` is the straight-line reference forward of any layer the fused `transformer.Layer` does not run
 (Qwen3.5, Qwen3-Next, Qwen3-MoE): norm, mixer, residual add, norm, MLP. Its mixer's cache is the layer's
 KV pages (attention) or the slots' recurrent states (a delta rule: `cache.state.RecurrentStates` rows), so
-the transformer hands each layer the two tensors of its own kind. The C++ plan and the decode graphs do not
-run these parts: `Transformer.plain` is False and both executors refuse the net. Their pieces have C++ calls of
-their own on the CPU: a delta rule's decode glue (kernels/delta_rule.py decode_step), a MoE block's decode rows
-(kernels/moe_step.py), decode rows' linears (kernels/cpu_decode.py rows_linear).
+the transformer hands each layer the two tensors of its own kind. The decode graphs do not run these parts
+(`Transformer.plain` is False); the C++ plan runs their all-decode steps of the default mode (kernels/cpu_hybrid.py
+describes them to it; `Transformer._parts_plan` decides). The steps it does not take run here, their pieces in
+C++ calls of their own on the CPU: a delta rule's decode glue (kernels/delta_rule.py decode_step), a MoE block's
+decode rows (kernels/moe_step.py), decode rows' linears (kernels/cpu_decode.py rows_linear).
 """
 
 from __future__ import annotations
@@ -268,7 +269,7 @@ class PartsLayer(nn.Module):
     """One layer from its parts: x + mixer(norm(x)), then that plus mlp(norm(...)), as `transformer.Layer`'s
     (h, y) pair: the stream after the layer is h + y, which the next layer adds in its first norm."""
 
-    #: the C++ plan and the decode graphs do not run these parts (Transformer.plain)
+    #: the decode graphs do not run these parts (Transformer.plain); the C++ plan runs their all-decode steps
     plain = False
 
     def __init__(self, arch: Arch, index: int, w: Mapping[str, torch.Tensor | None], linear: type[nn.Module]) -> None:

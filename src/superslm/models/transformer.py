@@ -250,7 +250,7 @@ class Transformer(nn.Module):
         n = arch.layers if layers is None else layers
         self.embed_weight = nn.Parameter(weights["embed"], requires_grad=False)  # type: ignore[arg-type]
         #: every layer attention and a dense MLP: the fused `Layer`, the C++ plan and the decode graphs run it;
-        #: otherwise each layer is a `PartsLayer` on the reference path
+        #: otherwise each layer is a `PartsLayer` on the reference path (the C++ plan runs its all-decode steps)
         self.plain = not (arch.hybrid or any(arch.moe_layers) or arch.attn_gate)
 
         def build(i: int) -> nn.Module:
@@ -374,16 +374,18 @@ class Transformer(nn.Module):
         `plan`: whether the C++ plan runs them, as the caller chose for the step (`plan_step`; None: chosen here).
         `states`: the delta-rule layers' cache.state.RecurrentStates (rows meta.state_slots), where there are any."""
         end = len(self.layers) if end is None else end
-        if not self.plain:
-            return self._run_parts(h, meta, k_cache, v_cache, start, end, states)
         positions = meta.positions
-        if self.plan_step(h, meta, k_cache) if plan is None else plan:
+        use_plan = self.plan_step(h, meta, k_cache) if plan is None else plan
+        if use_plan and (states is not None or not self.state_layers):
             # all layers in one C++ call (kernels/cpu_decode.py): all-decode steps, or every step in
-            # deterministic mode, where its per-row arithmetic makes each row batch-invariant
+            # deterministic mode, where its per-row arithmetic makes each row batch-invariant (parts layers:
+            # all-decode steps of the default mode, `_parts_plan`)
             tabs = self.rope_table_list(positions)
             key_slots, row_seq, lens = row_key_slots(meta, h.device)
             return decode_layers(self, h, meta.slot_mapping, key_slots, row_seq, lens, tabs, k_cache, v_cache, start,
-                                 end, meta.deterministic, meta.lora)
+                                 end, meta.deterministic, meta.lora, states, meta.state_slots)
+        if not self.plain:
+            return self._run_parts(h, meta, k_cache, v_cache, start, end, states)
         if meta.deterministic and self.row_multiple > 1:
             # fixed-shape matmuls: every row gets the same bits wherever it sits in the step
             h, positions = pad_rows(h, BLOCK), pad_rows(positions, BLOCK)
@@ -415,8 +417,10 @@ class Transformer(nn.Module):
         `drafting`: every chunk is a decode row and its drafts (engine/speculative.py), a few rows that the plan
         computes as it computes decode rows (the SDPA path reads int4 weights slower: SmolLM2 at 5 rows 41 ms in
         the plan, 71 ms there)."""
-        if h.device.type != "cpu" or not self.fast_decode or not self.plain:
-            return False  # the plan runs attention and dense MLPs only
+        if h.device.type != "cpu" or not self.fast_decode:
+            return False
+        if not self.plain and not self._parts_plan(meta, drafting):
+            return False
         if backend(h.device) != "torch":
             return False  # the Triton kernels were asked for (SUPERSLM_KERNELS=triton: the interpreter's tests)
         if h.shape[0] != meta.query_start[-1]:
@@ -424,6 +428,18 @@ class Transformer(nn.Module):
         if not meta.deterministic and not drafting and not self._plan_pays(meta):
             return False  # prompt chunks whose attention the C++ rows would compute slower than SDPA
         return cpu_decode.usable(self, h, k_cache)
+
+    def _parts_plan(self, meta: AttnMetadata, drafting: bool) -> bool:
+        """Whether the plan may run this step of parts layers (gated attention, delta rules, experts): one decode
+        row of each sequence in the default mode, each with its own state row. Deterministic mode keeps the layers
+        (their batch-invariant linears and attention are not the plan's bits), as do drafts (a drafting sequence's
+        rows step its states one at a time, keeping each in a scratch row) and adapters."""
+        if meta.deterministic or drafting or meta.state_drafts or meta.lora is not None:
+            return False
+        if self.state_layers and (len(meta.state_slots) != meta.num_seqs or min(meta.state_slots, default=0) < 0):
+            return False
+        return meta.step_cache("all_decode", lambda: all(b - a == 1 for a, b in zip(meta.query_start,
+                                                                                  meta.query_start[1:])))
 
     def _plan_pays(self, meta: AttnMetadata) -> bool:
         """Whether the default mode runs this step in the C++ plan: every all-decode step, and prompt chunks

@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -19,11 +20,8 @@
 
 #include "plan_linear.h"
 
-// delta_step.cpp: a gated delta-rule layer's decode glue (conv, q/k norms, the delta rule, the gated norm)
-at::Tensor delta_decode_step(const at::Tensor& mixed, const at::Tensor& z, const at::Tensor& g,
-                             const at::Tensor& beta, const at::Tensor& conv_weight, at::Tensor conv_state,
-                             at::Tensor ssm_state, const at::Tensor& slots, const at::Tensor& norm_weight,
-                             double eps, int64_t k_heads, int64_t k_dim, int64_t v_heads, int64_t v_dim);
+#include "parts_layer.h"
+
 // moe_step.cpp: a mixture-of-experts block's decode rows (its class MoEStep, registered into this module)
 void register_moe_step(pybind11::module& m);
 void register_prompt(pybind11::module& m);
@@ -32,11 +30,20 @@ namespace {
 
 using namespace superslm_rows;
 using namespace superslm_plan;
+using namespace superslm_parts;
 
 struct LayerP {
+  // a parts layer: qkv and o are its mixer's two linears (a delta rule's in_proj and out); gate_up and down its
+  // dense MLP's, absent where `moe` runs its mixture of experts
   Lin qkv, o, gate_up, down;
   at::Tensor attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffn_norm;
   int64_t window = -1, rope_kind = 0;
+  int64_t kind = PLAIN;  // LayerKind
+  int64_t cache = -1;    // its KV pages' layer (attention) or its recurrent states' (delta); -1: the layer's own index
+  bool gated = false;    // ATTENTION: q's linear gives each head its query, then its gate
+  DeltaP delta;
+  std::function<at::Tensor(const at::Tensor&, at::Tensor)> moe;
+  at::Tensor moe_counts;  // MoE.tokens_per_expert, added to in place
 };
 
 }  // namespace
@@ -51,13 +58,14 @@ class DecodePlan {
         norm_float_(norm_float), act_(act), scale_(attn_scale) {}
 
   // tensors: 4 linears x (a, b, bias, signs, hadamard, extra) then 6 norms (None = absent);
-  // ints: 4 linears x (kind, group, out, in, kpad) then window, rope_kind
+  // ints: 4 linears x (kind, group, out, in, kpad; kind -1: absent, a MoE layer's MLP) then window, rope_kind
   void add_layer(const std::vector<std::optional<at::Tensor>>& t, const std::vector<int64_t>& ints) {
     TORCH_CHECK(t.size() == 30 && ints.size() == 22, "DecodePlan.add_layer: 30 tensors and 22 ints");
     auto get = [&](size_t i) { return t[i].has_value() ? *t[i] : at::Tensor(); };
     LayerP p;
     Lin* lins[4] = {&p.qkv, &p.o, &p.gate_up, &p.down};
-    for (int i = 0; i < 4; ++i) *lins[i] = Lin::make(t, 6 * i, ints, 5 * i);
+    for (int i = 0; i < 4; ++i)
+      if (ints[5 * i] >= 0 || i < 2) *lins[i] = Lin::make(t, 6 * i, ints, 5 * i);
     p.attn_norm = get(24);
     p.ffn_norm = get(25);
     p.q_norm = get(26);
@@ -78,6 +86,43 @@ class DecodePlan {
     Lin* lins[4] = {&p.qkv, &p.o, &p.gate_up, &p.down};
     TORCH_CHECK(lins[which]->kind == CONCAT && ints[0] != CONCAT, "DecodePlan.add_part: parts go into a CONCAT linear");
     lins[which]->parts.push_back(Lin::make(t, 0, ints, 0));
+  }
+
+  // layer `layer` as a parts layer (parts_layer.h LayerKind): ATTENTION (ints: KV layer, gated) or DELTA
+  // (tensors: conv [C, K], norm [Dv], a_log [Hv], dt_bias [Hv]; ints: state layer, k_heads, k_dim, v_heads, v_dim)
+  void set_kind(int64_t layer, int64_t kind, const std::vector<at::Tensor>& t, const std::vector<int64_t>& ints) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "DecodePlan.set_kind: no layer ", layer);
+    LayerP& p = layers_[layer];
+    if (kind == ATTENTION) {
+      TORCH_CHECK(ints.size() == 2 && ints[0] >= 0 && t.empty(), "DecodePlan.set_kind: attention takes 2 ints");
+      p.cache = ints[0];
+      p.gated = ints[1] != 0;
+    } else {
+      TORCH_CHECK(kind == DELTA && t.size() == 4 && ints.size() == 5 && ints[0] >= 0,
+                  "DecodePlan.set_kind: a delta rule takes 4 tensors and 5 ints");
+      DeltaP& d = p.delta;
+      d.k_heads = ints[1], d.k_dim = ints[2], d.v_heads = ints[3], d.v_dim = ints[4];
+      TORCH_CHECK(d.k_heads > 0 && d.k_dim > 0 && d.v_heads > 0 && d.v_dim > 0 && t[2].numel() == d.v_heads &&
+                      t[3].numel() == d.v_heads && t[1].numel() == d.v_dim && t[0].dim() == 2,
+                  "DecodePlan.set_kind: a delta rule's tensors do not fit its heads");
+      d.conv = t[0].contiguous();
+      d.norm = t[1].contiguous();
+      d.a_log = t[2].to(at::kFloat).contiguous();
+      d.dt_bias = t[3].to(at::kFloat).contiguous();
+      p.cache = ints[0];
+    }
+    p.kind = kind;
+  }
+
+  // layer `layer`'s MLP as a mixture of experts: `step` a MoEStep (moe_step.cpp), `counts` its MoE's
+  // tokens_per_expert (int64 [experts], added to in place)
+  void set_moe(int64_t layer, const pybind11::object& step, const at::Tensor& counts) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers() && layers_[layer].kind != PLAIN, "DecodePlan.set_moe: a parts layer");
+    TORCH_CHECK(counts.scalar_type() == at::kLong && counts.is_contiguous() && counts.dim() == 1,
+                "DecodePlan.set_moe: counts int64 [experts]");
+    layers_[layer].moe = moe_step_runner(step);
+    layers_[layer].moe_counts = counts;
+    keep_.push_back(step);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -101,11 +146,15 @@ class DecodePlan {
   // by set_kv_rotation's rotation) [.., D / 2 + 4]. Runs layers start..end-1.
   // lora_rows [B] int64: each row's adapter group, -1 for none (empty: no adapters); lora: per group, layer and
   // linear (A, B) as adapters/lora.py Adapter.weights holds them, at ((g * layers + layer) * 4 + linear) * 2
-  // (None where the adapter leaves that linear alone)
+  // (None where the adapter leaves that linear alone).
+  // Delta-rule layers (set_kind DELTA): conv_state [state layers, rows, C, K - 1] and ssm_state [state layers, rows,
+  // Hv, Dk, Dv] float32 (cache/state.py RecurrentStates), updated in place at rows state_slots [B] int64 (distinct:
+  // one decode row of each sequence); empty tensors where no layer run is one
   at::Tensor run(at::Tensor h, const at::Tensor& slot_mapping, const at::Tensor& key_slots, const at::Tensor& row_seq,
                  const at::Tensor& seq_lens, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
                  const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t start, int64_t end, bool det,
-                 const at::Tensor& lora_rows, const std::vector<std::optional<at::Tensor>>& lora) {
+                 const at::Tensor& lora_rows, const std::vector<std::optional<at::Tensor>>& lora,
+                 const at::Tensor& conv_state, const at::Tensor& ssm_state, const at::Tensor& state_slots) {
     TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.size(1) > 0, "h must be a contiguous [B, dim] tensor");
     const int64_t B = h.size(0);
     // float rows of h's dtype [.., D] (keys and values), else each of them int8 rows of D codes and a float32
@@ -119,7 +168,7 @@ class DecodePlan {
       return t == at::kChar ? head_dim_ + 4 : t == at::kByte ? head_dim_ / 2 + 4 : head_dim_;
     };
     for (const at::Tensor* c : {&k_cache, &v_cache})
-      TORCH_CHECK(c->is_contiguous() && c->dim() == 4 && c->size(0) >= num_layers() && c->size(1) == k_cache.size(1) &&
+      TORCH_CHECK(c->is_contiguous() && c->dim() == 4 && c->size(0) >= kv_layers() && c->size(1) == k_cache.size(1) &&
                       c->size(2) == kv_heads_ && c->size(3) == width(c->scalar_type()),
                   "the KV caches must be contiguous [layers, slots, kv, width]: D for float rows, D + 4 for int8 "
                   "rows, D / 2 + 4 for 4-bit rows");
@@ -161,8 +210,13 @@ class DecodePlan {
         TORCH_CHECK(!t.has_value() || (t->dim() == 2 && t->scalar_type() == at::kFloat && t->is_contiguous()),
                     "lora weights: 2-D float32");
     }
+    TORCH_CHECK(lora_rows.numel() == 0 || std::all_of(layers_.begin(), layers_.end(), [](const LayerP& p) {
+                  return p.kind == PLAIN;
+                }), "DecodePlan: adapters on parts layers are not supported");
+    check_states(B, start, end, conv_state, ssm_state, state_slots);
     const LoraArgs la{&group_rows, &lora};
-    const Args args{h, slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache, start, end, det, la};
+    const Args args{h, slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache, start, end, det, la,
+                    conv_state, ssm_state, state_slots};
     if (h.scalar_type() == at::kBFloat16) return run_kv<at::BFloat16>(args);
     TORCH_CHECK(h.scalar_type() == at::kFloat, "decode layers run in bfloat16 or float32");
     return run_kv<float>(args);
@@ -203,7 +257,39 @@ class DecodePlan {
     int64_t start, end;
     bool det;
     const LoraArgs& la;
+    const at::Tensor &conv_state, &ssm_state, &state_slots;
   };
+
+  // KV layers the attention layers read: each plain layer its own, a parts layer its `cache`
+  int64_t kv_layers() const {
+    int64_t n = 0;
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      const LayerP& p = layers_[i];
+      if (p.kind != DELTA) n = std::max(n, (p.kind == PLAIN ? i : p.cache) + 1);
+    }
+    return n;
+  }
+
+  // the recurrent states, where a delta-rule layer in start..end-1 reads them
+  void check_states(int64_t B, int64_t start, int64_t end, const at::Tensor& conv, const at::Tensor& ssm,
+                    const at::Tensor& slots) const {
+    int64_t need = 0;
+    for (int64_t i = start; i < end; ++i)
+      if (layers_[i].kind == DELTA) need = std::max(need, layers_[i].cache + 1);
+    if (need == 0) return;
+    TORCH_CHECK(conv.dim() == 4 && ssm.dim() == 5 && conv.size(0) >= need && ssm.size(0) >= need &&
+                    conv.size(1) == ssm.size(1) && conv.is_contiguous() && ssm.is_contiguous() &&
+                    ssm.scalar_type() == at::kFloat,
+                "DecodePlan: delta-rule layers need contiguous conv [layers, rows, C, K - 1] and float32 ssm "
+                "[layers, rows, Hv, Dk, Dv] states");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == B,
+                "DecodePlan: one int64 state slot per row");
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(sp[b] >= 0 && sp[b] < conv.size(1), "DecodePlan: state slot ", sp[b], " out of range");
+      for (int64_t c = 0; c < b; ++c) TORCH_CHECK(sp[c] != sp[b], "DecodePlan: state slot ", sp[b], " given twice");
+    }
+  }
 
   // run_t for the caches' formats: float rows of T, or keys and values each int8 or 4-bit rows
   template <typename T>
@@ -218,19 +304,67 @@ class DecodePlan {
   // their scale as read; 4-bit rows rotated as written and attended in that basis)
   template <typename T, typename KC, typename VC>
   at::Tensor run_t(const Args& a) {
-    const at::Tensor &slot_mapping = a.slot_mapping, &key_slots = a.key_slots, &row_seq = a.row_seq;
-    const at::Tensor &seq_lens = a.seq_lens, &k_cache = a.k_cache, &v_cache = a.v_cache;
-    const std::vector<at::Tensor>&cos = a.cos, &sin = a.sin;
     const int64_t start = a.start, end = a.end;
     const bool det = a.det;
     const LoraArgs& la = a.la;
     at::Tensor h = a.h;
-    const int64_t B = h.size(0), dim = h.size(1), D = head_dim_;
-    const int64_t qs = heads_ * D, ks = kv_heads_ * D, groups = heads_ / kv_heads_;
-    const int64_t L = key_slots.size(1);
+    const int64_t B = h.size(0), dim = h.size(1);
     h = h.clone();
     at::Tensor x = at::empty_like(h);
-    at::Tensor attn = at::empty({B, qs}, h.options());
+    at::Tensor attn = at::empty({B, heads_ * head_dim_}, h.options());
+    for (int64_t i = start; i < end; ++i) {
+      const LayerP& p = layers_[i];
+      T* hp = h.data_ptr<T>();
+      norm_rows<T>(hp, p.attn_norm, x.data_ptr<T>(), B, dim, dim, dim, eps_, norm_float_);
+      at::Tensor o;
+      if (p.kind == DELTA) {
+        const at::Tensor proj = p.qkv(x, det);  // [B, C + V + 2 Hv]: mixed, z, b, a
+        const at::Tensor normed = delta_mixer<T>(p.delta, proj, a.conv_state[p.cache], a.ssm_state[p.cache],
+                                                 a.state_slots, a.seq_lens.data_ptr<int64_t>(), eps_);
+        o = p.o(normed, det);
+      } else {
+        at::Tensor qkv = p.qkv(x, det);  // [B, qs + 2 ks] (gated: [B, 2 qs + 2 ks])
+        add_lora(la, qkv, x, i, 0, det);
+        at::Tensor gate;
+        if (p.gated) split_gate<T>(at::Tensor(qkv), heads_, head_dim_, qkv, gate);
+        attend_layer<T, KC, VC>(a, p, p.kind == PLAIN ? i : p.cache, qkv, attn);
+        if (p.gated) apply_gate<T>(attn.data_ptr<T>(), gate.data_ptr<T>(), attn.numel());
+        o = p.o(attn, det);  // [B, dim]
+        add_lora(la, o, attn, i, 1, det);
+      }
+      T* op = o.data_ptr<T>();
+      if (p.post_attn_norm.defined()) norm_rows<T>(op, p.post_attn_norm, op, B, dim, dim, dim, eps_, norm_float_);
+      hp = h.data_ptr<T>();
+      for (int64_t j = 0; j < B * dim; ++j) hp[j] = static_cast<T>(ld(hp + j) + ld(op + j));
+      norm_rows<T>(hp, p.ffn_norm, x.data_ptr<T>(), B, dim, dim, dim, eps_, norm_float_);
+      at::Tensor y;
+      if (p.moe) {
+        y = p.moe(x, p.moe_counts);  // [B, dim]
+      } else {
+        at::Tensor gu = p.gate_up(x, det);  // [B, 2 * inter]
+        add_lora(la, gu, x, i, 2, det);
+        const int64_t inter = gu.size(1) / 2;
+        at::Tensor act = at::empty({B, inter}, h.options());
+        act_rows<T>(gu.data_ptr<T>(), act.data_ptr<T>(), B, inter, act_);
+        y = p.down(act, det);  // [B, dim]
+        add_lora(la, y, act, i, 3, det);
+      }
+      T* yp = y.data_ptr<T>();
+      if (p.post_ffn_norm.defined()) norm_rows<T>(yp, p.post_ffn_norm, yp, B, dim, dim, dim, eps_, norm_float_);
+      for (int64_t j = 0; j < B * dim; ++j) hp[j] = static_cast<T>(ld(hp + j) + ld(yp + j));
+    }
+    return h;
+  }
+
+  // an attention layer's rows from its qkv [B, qs + 2 ks]: q/k norms, rope, k and v stored into KV layer `kv`,
+  // each row's attention over its sequence's keys -> attn [B, qs]
+  template <typename T, typename KC, typename VC>
+  void attend_layer(const Args& a, const LayerP& p, int64_t kv, at::Tensor& qkv, at::Tensor& attn) {
+    const at::Tensor &slot_mapping = a.slot_mapping, &key_slots = a.key_slots, &row_seq = a.row_seq;
+    const at::Tensor &seq_lens = a.seq_lens, &k_cache = a.k_cache, &v_cache = a.v_cache;
+    const int64_t B = qkv.size(0), D = head_dim_;
+    const int64_t qs = heads_ * D, ks = kv_heads_ * D, groups = heads_ / kv_heads_;
+    const int64_t L = key_slots.size(1);
     const int64_t* slots_p = key_slots.data_ptr<int64_t>();
     const int64_t* lens_p = seq_lens.data_ptr<int64_t>();
     const int64_t* rows_p = row_seq.data_ptr<int64_t>();
@@ -241,112 +375,86 @@ class DecodePlan {
                          static_cast<float>(1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(kv_block_, 1))))};
     constexpr bool rot_q = is_q4<KC>, rot_o = is_q4<VC>;
     std::vector<float> store_buf(D);
-    for (int64_t i = start; i < end; ++i) {
-      const LayerP& p = layers_[i];
-      T* hp = h.data_ptr<T>();
-      rms_norm_rows<T>(hp, p.attn_norm.data_ptr<T>(), x.data_ptr<T>(), B, dim, dim, dim, eps_, norm_float_);
-      at::Tensor qkv = p.qkv(x, det);  // [B, qs + 2 ks]
-      add_lora(la, qkv, x, i, 0, det);
-      T* qkv_p = qkv.data_ptr<T>();
-      const int64_t qkv_row = qkv.size(1);
-      if (p.q_norm.defined()) {
-        for (int64_t b = 0; b < B; ++b) {
-          rms_norm_rows<T>(qkv_p + b * qkv_row, p.q_norm.data_ptr<T>(), qkv_p + b * qkv_row, heads_, D, D, D, eps_,
-                           norm_float_);
-          rms_norm_rows<T>(qkv_p + b * qkv_row + qs, p.k_norm.data_ptr<T>(), qkv_p + b * qkv_row + qs, kv_heads_, D, D,
-                           D, eps_, norm_float_);
+    T* qkv_p = qkv.data_ptr<T>();
+    const int64_t qkv_row = qkv.size(1);
+    TORCH_CHECK(qkv_row == qs + 2 * ks, "DecodePlan: an attention layer's qkv gives ", qkv_row, " values, not ",
+                qs + 2 * ks);
+    if (p.q_norm.defined()) {
+      for (int64_t b = 0; b < B; ++b) {
+        norm_rows<T>(qkv_p + b * qkv_row, p.q_norm, qkv_p + b * qkv_row, heads_, D, D, D, eps_, norm_float_);
+        norm_rows<T>(qkv_p + b * qkv_row + qs, p.k_norm, qkv_p + b * qkv_row + qs, kv_heads_, D, D, D, eps_,
+                     norm_float_);
+      }
+    }
+    const T* c = a.cos[p.rope_kind].data_ptr<T>();
+    const T* s = a.sin[p.rope_kind].data_ptr<T>();
+    rope_rows<T>(qkv_p, c, s, B, heads_, D, rot_, qkv_row);
+    rope_rows<T>(qkv_p + qs, c, s, B, kv_heads_, D, rot_, qkv_row);
+    KC* kc = k_cache[kv].data_ptr<KC>();
+    VC* vc = v_cache[kv].data_ptr<VC>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t kvh = 0; kvh < kv_heads_; ++kvh) {
+        store_row<T, KC>(qkv_p + b * qkv_row + qs + kvh * D, D, kc + map_p[b] * krow + kvh * kwidth, rot,
+                         store_buf.data());
+        store_row<T, VC>(qkv_p + b * qkv_row + qs + ks + kvh * D, D, vc + map_p[b] * vrow + kvh * vwidth, rot,
+                         store_buf.data());
+      }
+    T* attn_p = attn.data_ptr<T>();
+    const int64_t window = p.window;
+    const float scale = static_cast<float>(scale_);
+    const int64_t work = B * kv_heads_;
+    // split across threads only when there is enough work to pay for waking them
+    const int64_t grain = (L * D * heads_ < 32768) ? work : 1;
+    // the vector kernels' lanes (their 4-bit lane order, rowbase.h lane_index), 0 for the scalar one
+#ifdef SUPERSLM_AVX512
+    const int64_t lanes = (D % 16 == 0 && D <= 256 && groups <= 64) ? 16 : 0;
+#elif defined(SUPERSLM_ROWS_AVX2)
+    const int64_t lanes = (D % 8 == 0 && D <= 256 && groups <= 64) ? 8 : 0;
+#else
+    const int64_t lanes = 0;
+#endif
+    at::parallel_for(0, work, grain, [&](int64_t lo, int64_t hi) {
+      std::vector<float> scores(L * groups), acc(D), qf(groups * D), buf(D);
+      // 4-bit keys: the query heads rotated into the keys' basis; 4-bit values: the sums before rotating back
+      std::vector<float> qr(rot_q ? groups * D : 0), of(rot_o ? groups * D : 0);
+      for (int64_t w = lo; w < hi; ++w) {
+        const int64_t b = w / kv_heads_, kvh = w % kv_heads_;
+        const int64_t len = lens_p[b];
+        const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        const T* qg = qkv_p + b * qkv_row + kvh * groups * D;  // this kv head's query heads [groups, D]
+        for (int64_t d = 0; d < groups * D; ++d) qf[d] = ld(qg + d);
+        const float* q = qf.data();
+        if constexpr (rot_q) {
+          for (int64_t g = 0; g < groups; ++g) rotate_head(qf.data() + g * D, rot, D, lanes, buf.data(), qr.data() + g * D);
+          q = qr.data();
+        }
+        T* dst = attn_p + b * qs + kvh * groups * D;
+        const int64_t* sl = slots_p + rows_p[b] * L;
+        auto attend_all = [&](auto* out) {
+          using O = std::remove_pointer_t<decltype(out)>;
+#ifdef SUPERSLM_AVX512
+          if (lanes == 16) {
+            attend_group16<O, KC, VC>(q, groups, kc, vc, sl, first, len, kvh, kv_heads_, D, scale, scores.data(), out, D);
+            return;
+          }
+#elif defined(SUPERSLM_ROWS_AVX2)
+          if (lanes == 8) {
+            attend_group8<O, KC, VC>(q, groups, kc, vc, sl, first, len, kvh, kv_heads_, D, scale, scores.data(), out, D);
+            return;
+          }
+#endif
+          for (int64_t g = 0; g < groups; ++g)
+            attend<O, KC, VC>(q + g * D, kc, vc, sl, first, len, kvh, kv_heads_, D, scale, scores.data(), acc.data(),
+                              out + g * D);
+        };
+        if constexpr (rot_o) {
+          attend_all(of.data());
+          for (int64_t g = 0; g < groups; ++g) unrotate_head<T>(of.data() + g * D, rot, D, lanes, buf.data(), dst + g * D);
+        } else {
+          attend_all(dst);
         }
       }
-      const T* c = cos[p.rope_kind].data_ptr<T>();
-      const T* s = sin[p.rope_kind].data_ptr<T>();
-      rope_rows<T>(qkv_p, c, s, B, heads_, D, rot_, qkv_row);
-      rope_rows<T>(qkv_p + qs, c, s, B, kv_heads_, D, rot_, qkv_row);
-      KC* kc = k_cache[i].data_ptr<KC>();
-      VC* vc = v_cache[i].data_ptr<VC>();
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t kvh = 0; kvh < kv_heads_; ++kvh) {
-          store_row<T, KC>(qkv_p + b * qkv_row + qs + kvh * D, D, kc + map_p[b] * krow + kvh * kwidth, rot,
-                           store_buf.data());
-          store_row<T, VC>(qkv_p + b * qkv_row + qs + ks + kvh * D, D, vc + map_p[b] * vrow + kvh * vwidth, rot,
-                           store_buf.data());
-        }
-      T* attn_p = attn.data_ptr<T>();
-      const int64_t window = p.window;
-      const float scale = static_cast<float>(scale_);
-      const int64_t work = B * kv_heads_;
-      // split across threads only when there is enough work to pay for waking them
-      const int64_t grain = (L * D * heads_ < 32768) ? work : 1;
-      // the vector kernels' lanes (their 4-bit lane order, rowbase.h lane_index), 0 for the scalar one
-#ifdef SUPERSLM_AVX512
-      const int64_t lanes = (D % 16 == 0 && D <= 256 && groups <= 64) ? 16 : 0;
-#elif defined(SUPERSLM_ROWS_AVX2)
-      const int64_t lanes = (D % 8 == 0 && D <= 256 && groups <= 64) ? 8 : 0;
-#else
-      const int64_t lanes = 0;
-#endif
-      at::parallel_for(0, work, grain, [&](int64_t lo, int64_t hi) {
-        std::vector<float> scores(L * groups), acc(D), qf(groups * D), buf(D);
-        // 4-bit keys: the query heads rotated into the keys' basis; 4-bit values: the sums before rotating back
-        std::vector<float> qr(rot_q ? groups * D : 0), of(rot_o ? groups * D : 0);
-        for (int64_t w = lo; w < hi; ++w) {
-          const int64_t b = w / kv_heads_, kvh = w % kv_heads_;
-          const int64_t len = lens_p[b];
-          const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-          const T* qg = qkv_p + b * qkv_row + kvh * groups * D;  // this kv head's query heads [groups, D]
-          for (int64_t d = 0; d < groups * D; ++d) qf[d] = ld(qg + d);
-          const float* q = qf.data();
-          if constexpr (rot_q) {
-            for (int64_t g = 0; g < groups; ++g) rotate_head(qf.data() + g * D, rot, D, lanes, buf.data(), qr.data() + g * D);
-            q = qr.data();
-          }
-          T* dst = attn_p + b * qs + kvh * groups * D;
-          const int64_t* sl = slots_p + rows_p[b] * L;
-          auto attend_all = [&](auto* out) {
-            using O = std::remove_pointer_t<decltype(out)>;
-#ifdef SUPERSLM_AVX512
-            if (lanes == 16) {
-              attend_group16<O, KC, VC>(q, groups, kc, vc, sl, first, len, kvh, kv_heads_, D, scale, scores.data(), out, D);
-              return;
-            }
-#elif defined(SUPERSLM_ROWS_AVX2)
-            if (lanes == 8) {
-              attend_group8<O, KC, VC>(q, groups, kc, vc, sl, first, len, kvh, kv_heads_, D, scale, scores.data(), out, D);
-              return;
-            }
-#endif
-            for (int64_t g = 0; g < groups; ++g)
-              attend<O, KC, VC>(q + g * D, kc, vc, sl, first, len, kvh, kv_heads_, D, scale, scores.data(), acc.data(),
-                                out + g * D);
-          };
-          if constexpr (rot_o) {
-            attend_all(of.data());
-            for (int64_t g = 0; g < groups; ++g) unrotate_head<T>(of.data() + g * D, rot, D, lanes, buf.data(), dst + g * D);
-          } else {
-            attend_all(dst);
-          }
-        }
-      });
-      at::Tensor o = p.o(attn, det);  // [B, dim]
-      add_lora(la, o, attn, i, 1, det);
-      T* op = o.data_ptr<T>();
-      if (p.post_attn_norm.defined())
-        rms_norm_rows<T>(op, p.post_attn_norm.data_ptr<T>(), op, B, dim, dim, dim, eps_, norm_float_);
-      hp = h.data_ptr<T>();
-      for (int64_t j = 0; j < B * dim; ++j) hp[j] = static_cast<T>(ld(hp + j) + ld(op + j));
-      rms_norm_rows<T>(hp, p.ffn_norm.data_ptr<T>(), x.data_ptr<T>(), B, dim, dim, dim, eps_, norm_float_);
-      at::Tensor gu = p.gate_up(x, det);  // [B, 2 * inter]
-      add_lora(la, gu, x, i, 2, det);
-      const int64_t inter = gu.size(1) / 2;
-      at::Tensor act = at::empty({B, inter}, h.options());
-      act_rows<T>(gu.data_ptr<T>(), act.data_ptr<T>(), B, inter, act_);
-      at::Tensor y = p.down(act, det);  // [B, dim]
-      add_lora(la, y, act, i, 3, det);
-      T* yp = y.data_ptr<T>();
-      if (p.post_ffn_norm.defined())
-        rms_norm_rows<T>(yp, p.post_ffn_norm.data_ptr<T>(), yp, B, dim, dim, dim, eps_, norm_float_);
-      for (int64_t j = 0; j < B * dim; ++j) hp[j] = static_cast<T>(ld(hp + j) + ld(yp + j));
-    }
-    return h;
+    });
   }
 
   int64_t heads_, kv_heads_, head_dim_, rot_;
@@ -357,6 +465,7 @@ class DecodePlan {
   std::vector<LayerP> layers_;
   std::vector<float> kv_signs_;  // set_kv_rotation's signs and block (0: none given)
   int64_t kv_block_ = 0;
+  std::vector<pybind11::object> keep_;  // set_moe's steps, alive as long as the plan
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -364,6 +473,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double, bool, int64_t, double>())
       .def("add_layer", &DecodePlan::add_layer)
       .def("add_part", &DecodePlan::add_part)
+      .def("set_kind", &DecodePlan::set_kind)
+      .def("set_moe", &DecodePlan::set_moe)
       .def("num_layers", &DecodePlan::num_layers)
       .def("set_kv_rotation", &DecodePlan::set_kv_rotation)
       .def("run", &DecodePlan::run, pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "plan_linear.h"
@@ -186,6 +187,12 @@ class MoEStep {
 };
 
 }  // namespace
+
+// a MoEStep object as the decode plan calls it (decode_layers.cpp DecodePlan.set_moe, which keeps the object)
+std::function<at::Tensor(const at::Tensor&, at::Tensor)> moe_step_runner(const pybind11::object& step) {
+  const MoEStep* p = step.cast<const MoEStep*>();
+  return [p](const at::Tensor& x, at::Tensor counts) { return p->run(x, counts); };
+}
 
 // registered by decode_layers.cpp's module
 void register_moe_step(pybind11::module& m) {
