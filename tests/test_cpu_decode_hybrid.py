@@ -263,3 +263,17 @@ def test_engine_greedy_tokens_equal_the_layers(family: str, dtype: str, quant: s
     if first is not None:  # not a near-tie of the logits: a router's, up to that step
         runs = _greedy_runs(model, ps, first + 1)
         assert runs[True][1] != runs[False][1], f"step {first}: tokens differ beyond rounding, the experts do not"
+
+
+def test_plan_refuses_bad_state_rows(folders) -> None:
+    """A state slot outside the states, given twice, or missing is refused by name, never read or written."""
+    net = _net(folders["qwen3_5"], torch.float32)
+    kv, states, meta, toks = _prefilled(net, [3, 5])
+    h = net.embed(toks)
+    tabs = net.rope_table_list(meta.positions)
+    key_slots, row_seq, lens = cpu_decode.row_key_slots(meta, h.device)
+    rows = states.conv.shape[1]
+    for slots, match in (((0, rows), "out of range"), ((1, 1), "given twice"), ((0,), "one int64 state slot")):
+        with pytest.raises(RuntimeError, match=match):
+            cpu_decode.decode_layers(net, h, meta.slot_mapping, key_slots, row_seq, lens, tabs, kv.k, kv.v, 0,
+                                     len(net.layers), states=states, state_slots=slots)

@@ -98,17 +98,8 @@ class DecodePlan {
       p.cache = ints[0];
       p.gated = ints[1] != 0;
     } else {
-      TORCH_CHECK(kind == DELTA && t.size() == 4 && ints.size() == 5 && ints[0] >= 0,
-                  "DecodePlan.set_kind: a delta rule takes 4 tensors and 5 ints");
-      DeltaP& d = p.delta;
-      d.k_heads = ints[1], d.k_dim = ints[2], d.v_heads = ints[3], d.v_dim = ints[4];
-      TORCH_CHECK(d.k_heads > 0 && d.k_dim > 0 && d.v_heads > 0 && d.v_dim > 0 && t[2].numel() == d.v_heads &&
-                      t[3].numel() == d.v_heads && t[1].numel() == d.v_dim && t[0].dim() == 2,
-                  "DecodePlan.set_kind: a delta rule's tensors do not fit its heads");
-      d.conv = t[0].contiguous();
-      d.norm = t[1].contiguous();
-      d.a_log = t[2].to(at::kFloat).contiguous();
-      d.dt_bias = t[3].to(at::kFloat).contiguous();
+      TORCH_CHECK(kind == DELTA && ints.size() == 5 && ints[0] >= 0, "DecodePlan.set_kind: a kind 1 or 2");
+      p.delta = DeltaP::make(t, ints);
       p.cache = ints[0];
     }
     p.kind = kind;
@@ -213,7 +204,10 @@ class DecodePlan {
     TORCH_CHECK(lora_rows.numel() == 0 || std::all_of(layers_.begin(), layers_.end(), [](const LayerP& p) {
                   return p.kind == PLAIN;
                 }), "DecodePlan: adapters on parts layers are not supported");
-    check_states(B, start, end, conv_state, ssm_state, state_slots);
+    int64_t state_layers = 0;  // the recurrent states' layers that layers start..end-1 read
+    for (int64_t i = start; i < end; ++i)
+      if (layers_[i].kind == DELTA) state_layers = std::max(state_layers, layers_[i].cache + 1);
+    check_states(state_layers, B, conv_state, ssm_state, state_slots);
     const LoraArgs la{&group_rows, &lora};
     const Args args{h, slot_mapping, key_slots, row_seq, seq_lens, cos, sin, k_cache, v_cache, start, end, det, la,
                     conv_state, ssm_state, state_slots};
@@ -268,27 +262,6 @@ class DecodePlan {
       if (p.kind != DELTA) n = std::max(n, (p.kind == PLAIN ? i : p.cache) + 1);
     }
     return n;
-  }
-
-  // the recurrent states, where a delta-rule layer in start..end-1 reads them
-  void check_states(int64_t B, int64_t start, int64_t end, const at::Tensor& conv, const at::Tensor& ssm,
-                    const at::Tensor& slots) const {
-    int64_t need = 0;
-    for (int64_t i = start; i < end; ++i)
-      if (layers_[i].kind == DELTA) need = std::max(need, layers_[i].cache + 1);
-    if (need == 0) return;
-    TORCH_CHECK(conv.dim() == 4 && ssm.dim() == 5 && conv.size(0) >= need && ssm.size(0) >= need &&
-                    conv.size(1) == ssm.size(1) && conv.is_contiguous() && ssm.is_contiguous() &&
-                    ssm.scalar_type() == at::kFloat,
-                "DecodePlan: delta-rule layers need contiguous conv [layers, rows, C, K - 1] and float32 ssm "
-                "[layers, rows, Hv, Dk, Dv] states");
-    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == B,
-                "DecodePlan: one int64 state slot per row");
-    const int64_t* sp = slots.data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(sp[b] >= 0 && sp[b] < conv.size(1), "DecodePlan: state slot ", sp[b], " out of range");
-      for (int64_t c = 0; c < b; ++c) TORCH_CHECK(sp[c] != sp[b], "DecodePlan: state slot ", sp[b], " given twice");
-    }
   }
 
   // run_t for the caches' formats: float rows of T, or keys and values each int8 or 4-bit rows

@@ -35,7 +35,41 @@ struct DeltaP {
   at::Tensor conv, norm;        // [C, K] and [Dv], as the layer holds them (delta_decode_step takes either dtype)
   at::Tensor a_log, dt_bias;    // [Hv] float32
   int64_t k_heads = 0, k_dim = 0, v_heads = 0, v_dim = 0;
+
+  // tensors: conv [C, K], norm [Dv], a_log [Hv], dt_bias [Hv]; ints: (its state layer), k_heads, k_dim, v_heads, v_dim
+  static DeltaP make(const std::vector<at::Tensor>& t, const std::vector<int64_t>& ints) {
+    TORCH_CHECK(t.size() == 4 && ints.size() == 5, "DecodePlan.set_kind: a delta rule takes 4 tensors and 5 ints");
+    DeltaP d;
+    d.k_heads = ints[1], d.k_dim = ints[2], d.v_heads = ints[3], d.v_dim = ints[4];
+    TORCH_CHECK(d.k_heads > 0 && d.k_dim > 0 && d.v_heads > 0 && d.v_dim > 0 && t[2].numel() == d.v_heads &&
+                    t[3].numel() == d.v_heads && t[1].numel() == d.v_dim && t[0].dim() == 2,
+                "DecodePlan.set_kind: a delta rule's tensors do not fit its heads");
+    d.conv = t[0].contiguous();
+    d.norm = t[1].contiguous();
+    d.a_log = t[2].to(at::kFloat).contiguous();
+    d.dt_bias = t[3].to(at::kFloat).contiguous();
+    return d;
+  }
 };
+
+// the recurrent states a run's delta-rule layers read: conv [layers, rows, C, K - 1] and float32 ssm [layers, rows,
+// Hv, Dk, Dv] with at least `layers` layers (0: none read, nothing checked), one distinct int64 row per decode row
+inline void check_states(int64_t layers, int64_t B, const at::Tensor& conv, const at::Tensor& ssm,
+                         const at::Tensor& slots) {
+  if (layers == 0) return;
+  TORCH_CHECK(conv.dim() == 4 && ssm.dim() == 5 && conv.size(0) >= layers && ssm.size(0) >= layers &&
+                  conv.size(1) == ssm.size(1) && conv.is_contiguous() && ssm.is_contiguous() &&
+                  ssm.scalar_type() == at::kFloat,
+              "DecodePlan: delta-rule layers need contiguous conv [layers, rows, C, K - 1] and float32 ssm "
+              "[layers, rows, Hv, Dk, Dv] states");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == B,
+              "DecodePlan: one int64 state slot per row");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < conv.size(1), "DecodePlan: state slot ", sp[b], " out of range");
+    for (int64_t c = 0; c < b; ++c) TORCH_CHECK(sp[c] != sp[b], "DecodePlan: state slot ", sp[b], " given twice");
+  }
+}
 
 // rms_norm_rows with the weight in its own dtype: the model dtype (rowops.h), or float32 (kernels/norm.py
 // rms_norm with weight_in_float: y * w in float32, rounded once to T)
