@@ -293,3 +293,19 @@ def test_moe_decode_without_the_extension_is_the_twin(monkeypatch) -> None:
     a, b = torch.zeros(EXPERTS, dtype=torch.long), torch.zeros(EXPERTS, dtype=torch.long)
     assert torch.equal(moe_step.moe_decode(x, parts, a), moe_step.moe_decode_reference(x, parts, b))
     assert torch.equal(a, b) and parts.step is False
+
+
+def test_a_moved_block_rebuilds_its_step(tiny) -> None:
+    """After net.to(dtype) a MoE block's decode rows use the converted weights, as a block loaded in that dtype
+    does (the cached parts and the kernel's step held the tensors they were built from)."""
+    _, folder = tiny["qwen3_5_moe"]
+    net = superslm.load(folder, dtype="float32").net
+    moe = next(layer.mlp for layer in net.layers if isinstance(layer.mlp, MoE))
+    moe(_rows(1, torch.float32, 5, moe.router.weight.shape[1]), False, decode=True)  # parts (and step) built
+    net.to(torch.bfloat16)
+    fresh = superslm.load(folder, dtype="bfloat16").net
+    other = next(layer.mlp for layer in fresh.layers if isinstance(layer.mlp, MoE))
+    for n in (1, 3):
+        x = _rows(n, torch.bfloat16, 40 + n, moe.router.weight.shape[1])
+        assert torch.equal(moe(x, False, decode=True), other(x, False, decode=True))
+        assert torch.equal(moe(x, False), other(x, False))

@@ -243,6 +243,11 @@ class MoE(nn.Module):
         return moe_step.moe_reference(x, parts, self.tokens_per_expert,
                                       lambda module, rows: _linear(module, rows, deterministic))
 
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def, override]
+        # .to() / .float(): the parts and the kernel's step hold the tensors they were built from
+        self._parts = None
+        return super()._apply(fn, recurse)
+
     def moe_parts(self) -> moe_step.MoEParts:
         """This block as kernels/moe_step.py takes it, built once and again when a linear was swapped (quant.swap
         replaces the experts' placeholders after construction); read from _modules (nn.Module's __getattr__ per
