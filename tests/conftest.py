@@ -103,6 +103,19 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def vnni_off():
+    """The C++ extension with VNNI switched off for one test (on AVX-512 VNNI CPUs the plan, the heads and the prompt
+    path would take those kernels instead of the AVX2 ones); skips where the extension is not built."""
+    ext = cext.extension()
+    if ext is None:
+        pytest.skip("the C++ kernels are not built")
+    was = ext.vnni_available()
+    ext.set_vnni(False)
+    yield ext
+    ext.set_vnni(was)
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct Q4_1 GGUF (llama family, GPT-2 BPE, ChatML)."""

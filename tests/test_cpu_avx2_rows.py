@@ -27,12 +27,9 @@ def ext():
 
 
 @pytest.fixture
-def avx2_only(ext):
-    """VNNI switched off for one test: on AVX-512 VNNI CPUs the plan and the head would take those kernels."""
-    was = ext.vnni_available()
-    ext.set_vnni(False)
-    yield ext
-    ext.set_vnni(was)
+def avx2_only(ext, vnni_off):
+    """The extension with AVX2 (the `ext` fixture's skip) and VNNI switched off for one test (conftest.py)."""
+    return vnni_off
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

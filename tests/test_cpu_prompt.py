@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from superslm.kernels import cpu_decode, cpu_prompt
+from superslm.kernels import cpu_prompt
 from superslm.models import layers
 from superslm.quant import quantize_linears
 from superslm.quant.dense import Int8Linear
@@ -20,15 +20,11 @@ pytestmark = pytest.mark.skipif(os.environ.get("SUPERSLM_CPU_KERNELS") == "0", r
 
 
 @pytest.fixture
-def ext():
-    """The extension with VNNI switched off for one test (on VNNI CPUs the path stands aside)."""
-    ext = cpu_decode.extension()
-    if ext is None or ext.torch_int4_block() <= 0:
-        pytest.skip("no C++ kernels, or torch's packed int4 layout is unknown here")
-    was = ext.vnni_available()
-    ext.set_vnni(False)
-    yield ext
-    ext.set_vnni(was)
+def ext(vnni_off):
+    """The extension with VNNI switched off for one test (conftest.py; on VNNI CPUs the path stands aside)."""
+    if vnni_off.torch_int4_block() <= 0:
+        pytest.skip("torch's packed int4 layout is unknown here")
+    return vnni_off
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:

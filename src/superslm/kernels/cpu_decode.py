@@ -315,6 +315,13 @@ def vnni_linear(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = 
     return _with_bias(module, kernel(_vnni_input(ext, module, x), module.codes, module.scale, rowsum), x)
 
 
+def hooked(module: torch.nn.Module) -> bool:
+    """Whether hooks watch the module or its input rotation: their kernels must not run it past them."""
+    rot = getattr(module, "rotation", None)
+    return bool(module._forward_pre_hooks or module._forward_hooks or (
+        rot is not None and (rot._forward_pre_hooks or rot._forward_hooks)))
+
+
 def one_row_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """`rows_linear` for one row (x [1, K]), else None."""
     return rows_linear(module, x) if x.dim() == 2 and x.shape[0] == 1 else None
@@ -331,10 +338,7 @@ def rows_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None
     rows = x.shape[0] if x.dim() == 2 else 0
     if rows == 0 or x.device.type != "cpu" or backend(x.device) != "torch":
         return None  # the Triton kernels were asked for (SUPERSLM_KERNELS=triton: the interpreter's tests)
-    rot = getattr(module, "rotation", None)
-    if module._forward_pre_hooks or module._forward_hooks or (
-        rot is not None and (rot._forward_pre_hooks or rot._forward_hooks)
-    ):
+    if hooked(module):
         return None
     ext = cext.extension()
     plan_args = getattr(module, "plan_args", None)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from superslm import cext
+from superslm.kernels.cpu_decode import hooked
 from superslm.kernels.dispatch import backend
 
 #: rows from which decoding the weight for a float32 GEMM beats torch's packed kernels (measured 2026-12-07 on
@@ -77,10 +78,7 @@ def prompt_linear(module: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype |
     if x.dim() != 2 or x.shape[0] < PROMPT_ROWS or x.device.type != "cpu" or backend(x.device) != "torch":
         return None
     ext = cext.extension()
-    if ext is None or ext.vnni_available() or cext.torch_kernels_forced() or module._forward_hooks:
-        return None
-    rot = getattr(module, "rotation", None)
-    if module._forward_pre_hooks or (rot is not None and (rot._forward_pre_hooks or rot._forward_hooks)):
+    if ext is None or ext.vnni_available() or cext.torch_kernels_forced() or hooked(module):
         return None
     parts = getattr(module, "parts", None)
     if parts is not None:  # a ConcatLinear: its parts side by side (each prepares its own input)

@@ -37,11 +37,11 @@ def _conv_step_kernel(
     sp = state_ptr + slot * C * (TAPS - 1) + c * (TAPS - 1)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TAPS - 1):
-        s = round_to(tl.load(sp + j, mask=m, other=0.0).to(tl.float32), wt)
+        raw = tl.load(sp + j, mask=m, other=0.0)
         w = tl.load(w_ptr + c * TAPS + j, mask=m, other=0.0).to(tl.float32)
-        acc += round_to(s * w, wt)  # the reference multiplies in the weight's dtype
+        acc += round_to(round_to(raw.to(tl.float32), wt) * w, wt)  # the reference multiplies in the weight's dtype
         if j > 0:
-            tl.store(sp + j - 1, tl.load(sp + j, mask=m, other=0.0), mask=m)
+            tl.store(sp + j - 1, raw, mask=m)  # the window shifted by one
     w_last = tl.load(w_ptr + c * TAPS + (TAPS - 1), mask=m, other=0.0).to(tl.float32)
     acc += round_to(round_to(x, wt) * w_last, wt)
     st = state_ptr.dtype.element_ty
