@@ -477,6 +477,25 @@ def tiny_llama_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return convert(tmp / "hf", tmp / "f32.gguf")
 
 
+def last_logits_beside_llama_cpp(path: Path, model: object, tokens: list[int]
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The last row's logits (float64) of `tokens` through `model` (loaded from the GGUF `path`), through the same
+    file loaded in float32, and through llama.cpp on the file."""
+    import llama_cpp
+
+    import superslm
+    from benchmarks.kv_speed import _no_extra_buffer_types
+    from tests.tiny_models import SingleSequence
+
+    with torch.no_grad():
+        ours = SingleSequence(model.net).step(tokens)[-1].double()  # type: ignore[attr-defined]
+        dense = SingleSequence(superslm.load(path, dtype=torch.float32).net).step(tokens)[-1].double()
+    _no_extra_buffer_types()  # llama.cpp's AMX buffers crash on some CPUs (see there)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    llm.eval(tokens)
+    return ours, dense, torch.tensor(np.asarray(llm.scores[len(tokens) - 1]), dtype=torch.float64)
+
+
 def _quantize_with_llama_cpp(f32: Path, out: Path, ftype: str) -> None:
     """llama.cpp's quantizer with its own per-tensor choice of types for `ftype`."""
     import llama_cpp
@@ -527,9 +546,8 @@ def test_iq_files_from_llama_cpp_load_and_answer_as_llama_cpp(block: str, quanti
                                                               tmp_path: Path) -> None:
     """llama.cpp (or, for the types its quantizer wants an imatrix for, ggml's own quantize routine) writes an IQ
     file: it loads, its linears say where they came from, and its logits follow llama.cpp's own on the same file."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     import superslm
-    from tests.tiny_models import SingleSequence
 
     out = tmp_path / f"{block}.gguf"
     (_quantize_with_llama_cpp if quantizer == "llama.cpp" else _quantize_with_ggml)(tiny_llama_f32, out, block)
@@ -538,15 +556,7 @@ def test_iq_files_from_llama_cpp_load_and_answer_as_llama_cpp(block: str, quanti
     model = superslm.load(out)
     assert any(f"from {block}" in name for name in model.info()["linears"]), model.info()["linears"]
     tokens = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(3)).tolist()
-    with torch.no_grad():
-        ours = SingleSequence(model.net).step(tokens)[-1].double()
-        dense = SingleSequence(superslm.load(out, dtype=torch.float32).net).step(tokens)[-1].double()
-    from benchmarks.kv_speed import _no_extra_buffer_types
-
-    _no_extra_buffer_types()  # llama.cpp's AMX buffers crash on some CPUs (see there)
-    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
-    llm.eval(tokens)
-    theirs = torch.tensor(np.asarray(llm.scores[len(tokens) - 1]), dtype=torch.float64)
+    ours, dense, theirs = last_logits_beside_llama_cpp(out, model, tokens)
     # the file's values in float32 (dense) against llama.cpp's 8-bit activations: the same argmax
     assert int(dense.argmax()) == int(theirs.argmax())
     # ours run the IQ2/IQ3 types as int8 per channel with bf16 activations (about 1% of W x, quant/gguf_map.py), IQ4

@@ -20,7 +20,7 @@ from superslm.quant import load_linear
 from superslm.quant.dense import Int8Linear
 from superslm.quant.gguf_map import NEAREST, linear_from_gguf, nearest_format, q6k_runs
 from superslm.quant.q6k import GEMV_ROWS, GGUFQ6KLinear, q6k_dequantize, q6k_gemv, q6k_matmul, quantize_blocks
-from tests.test_gguf import _quantize_with_llama_cpp, tiny_llama_f32  # noqa: F401 (a fixture)
+from tests.test_gguf import _quantize_with_llama_cpp, last_logits_beside_llama_cpp, tiny_llama_f32  # noqa: F401
 
 U = 2.0**-8
 
@@ -203,7 +203,7 @@ def test_llama_cpp_files_load_and_answer_as_llama_cpp(ftype: str, tiny_llama_f32
     """llama.cpp writes a Q6_K (or a Q4_K_M, whose head and some attn_v / ffn_down are Q6_K) file: its Q6_K
     tensors read back bit for bit, its linears run as gq6k, its logits follow llama.cpp's own on the same file,
     and greedy decoding picks the tokens the int8 re-quantization picked before."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     needs_kernels()
     import superslm
     from tests.tiny_models import SingleSequence
@@ -222,15 +222,7 @@ def test_llama_cpp_files_load_and_answer_as_llama_cpp(ftype: str, tiny_llama_f32
     linears = model.info()["linears"]
     assert any("Q6_K (6-bit g16)" in key for key in linears), linears
     tokens = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(3)).tolist()
-    with torch.no_grad():
-        ours = SingleSequence(model.net).step(tokens)[-1].double()
-        dense = SingleSequence(superslm.load(out, dtype=torch.float32).net).step(tokens)[-1].double()
-    from benchmarks.kv_speed import _no_extra_buffer_types
-
-    _no_extra_buffer_types()  # llama.cpp's AMX buffers crash on some CPUs (see there)
-    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
-    llm.eval(tokens)
-    theirs = torch.tensor(np.asarray(llm.scores[len(tokens) - 1]), dtype=torch.float64)
+    ours, dense, theirs = last_logits_beside_llama_cpp(out, model, tokens)
     assert int(dense.argmax()) == int(theirs.argmax())
     # ours: Q6_K with llama.cpp's 8-bit activations per 256, the other types as before (bf16 activations): a near
     # tie may swap, so llama.cpp must rank our choice within a quarter of its logits' deviation of its own top
