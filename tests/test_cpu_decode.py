@@ -398,36 +398,14 @@ def test_iq4_linears_run_in_the_plan(folders) -> None:
     greedy tokens as the int8 re-quantization they replace; a decode row of a layer the plan does not run takes
     their GEMV (one_row_linear)."""
     from superslm.formats.blocks import IQ4_NL
-    from superslm.quant.gguf_map import iq4_runs, linear_from_gguf
+    from superslm.quant.gguf_map import iq4_runs
     from superslm.quant.iq4 import GGUFIQ4Linear
     from tests.test_iq4 import quantize_iq4_nl
 
     if not iq4_runs():
         pytest.skip("no IQ4 kernels: IQ4 runs as int8")
-    src = open_source(folders["llama"])
-    nets = {}
-    for fmt in ("giq4", "int8"):
-        net = Transformer(src.arch, materialize(src, torch.bfloat16))
-        for layer in net.layers:
-            for name in ("qkv", "gate_up", "down"):
-                w = getattr(layer, name).weight.detach().float().numpy()
-                raw = quantize_iq4_nl(w)
-                setattr(layer, name, linear_from_gguf([(raw, IQ4_NL, w.shape, None)], mapping={"IQ4_NL": (fmt, {})}))
-        nets[fmt] = net
-    net = nets["giq4"]
-    assert isinstance(net.layers[0].qkv, GGUFIQ4Linear) and cpu_decode.plan_for(net) is not None
-    generic, ref, cpp = _three_ways(net, [2, 7, 13, 35])
-    scale = generic.float().abs().max().item()
-    assert (cpp.float() - ref.float()).abs().max().item() <= 2**-6 * scale
-    assert (cpp.float() - generic.float()).abs().max().item() <= 0.03 * scale
-    # the file's values (iq4) against their int8 re-quantization: the same hidden states within int8's error
-    other, _, _ = _three_ways(nets["int8"], [2, 7, 13, 35])
-    cos = torch.nn.functional.cosine_similarity(cpp.float(), other.float(), dim=-1)
-    assert cos.min().item() > 0.99
-    m = net.layers[0].down
-    x = torch.randn(1, m.in_features).to(torch.bfloat16)
-    got = cpu_decode.one_row_linear(m, x)
-    assert got is not None and torch.equal(got, m(x))
+    _stored_blocks_in_the_plan(open_source(folders["llama"]), ("qkv", "gate_up", "down"), quantize_iq4_nl, IQ4_NL,
+                               "giq4", GGUFIQ4Linear)
 
 
 def test_q6k_linears_run_in_the_plan(tmp_path) -> None:
@@ -436,7 +414,7 @@ def test_q6k_linears_run_in_the_plan(tmp_path) -> None:
     layer the plan does not run takes their GEMV (one_row_linear)."""
     from benchmarks.q6k_decode import quantize_q6k
     from superslm.formats.blocks import Q6_K
-    from superslm.quant.gguf_map import linear_from_gguf, q6k_runs
+    from superslm.quant.gguf_map import q6k_runs
     from superslm.quant.q6k import GGUFQ6KLinear
     from tests.tiny_models import CONFIGS
 
@@ -445,22 +423,35 @@ def test_q6k_linears_run_in_the_plan(tmp_path) -> None:
     cls, kwargs = CONFIGS["llama"]  # rows of 256 and 512: whole Q6_K blocks
     build_hf_model("llama", tmp_path, spec=(cls, dict(kwargs, hidden_size=256, intermediate_size=512, head_dim=64,
                                                       num_attention_heads=4, num_key_value_heads=2)))
-    src = open_source(tmp_path)
+    _stored_blocks_in_the_plan(open_source(tmp_path), ("qkv", "o", "gate_up", "down"), quantize_q6k, Q6_K, "gq6k",
+                               GGUFQ6KLinear)
+
+
+def _stored_blocks_in_the_plan(src: object, names: tuple[str, ...], quantize: object, block: object, fmt: str,
+                               cls: type) -> None:
+    """The llama model `src` with its linears `names` quantized to GGUF `block` (by `quantize`) and run as they are
+    (format `fmt`, module class `cls`): the plan within 2^-6 of its reference and 0.03 of the generic path, hidden
+    states near the int8 re-quantization of the same blocks (cosine > 0.99), and a decode row of one such linear
+    outside the plan through `one_row_linear` bit for bit as the module's own forward."""
+    from superslm.quant.gguf_map import linear_from_gguf
+
     nets = {}
-    for fmt in ("gq6k", "int8"):
-        net = Transformer(src.arch, materialize(src, torch.bfloat16))
+    for f in (fmt, "int8"):
+        net = Transformer(src.arch, materialize(src, torch.bfloat16))  # type: ignore[attr-defined]
         for layer in net.layers:
-            for name in ("qkv", "o", "gate_up", "down"):
+            for name in names:
                 w = getattr(layer, name).weight.detach().float().numpy()
-                setattr(layer, name, linear_from_gguf([(quantize_q6k(w), Q6_K, w.shape, None)],
-                                                      mapping={"Q6_K": (fmt, {})}))
-        nets[fmt] = net
-    net = nets["gq6k"]
-    assert isinstance(net.layers[0].down, GGUFQ6KLinear) and cpu_decode.plan_for(net) is not None
+                setattr(layer, name, linear_from_gguf([(quantize(w), block, w.shape, None)],  # type: ignore[operator]
+                                                      mapping={block.name: (f, {})}))  # type: ignore[attr-defined]
+        nets[f] = net
+    net = nets[fmt]
+    assert all(isinstance(getattr(net.layers[0], name), cls) for name in names)
+    assert cpu_decode.plan_for(net) is not None
     generic, ref, cpp = _three_ways(net, [2, 7, 13, 35])
     scale = generic.float().abs().max().item()
     assert (cpp.float() - ref.float()).abs().max().item() <= 2**-6 * scale
     assert (cpp.float() - generic.float()).abs().max().item() <= 0.03 * scale
+    # the file's values against their int8 re-quantization: the same hidden states within int8's error
     other, _, _ = _three_ways(nets["int8"], [2, 7, 13, 35])
     cos = torch.nn.functional.cosine_similarity(cpp.float(), other.float(), dim=-1)
     assert cos.min().item() > 0.99
@@ -468,7 +459,6 @@ def test_q6k_linears_run_in_the_plan(tmp_path) -> None:
     x = torch.randn(1, m.in_features).to(torch.bfloat16)
     got = cpu_decode.one_row_linear(m, x)
     assert got is not None and torch.equal(got, m(x))
-
 
 def test_a_nan_row_stays_its_own(folders) -> None:
     # a NaN in one sequence's hidden state is NaN in its output (the vector exp keeps it) and touches no other
