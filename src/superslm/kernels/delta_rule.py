@@ -26,7 +26,11 @@ from superslm.kernels import dispatch
 CHUNK = 64
 
 
-def normalize_qk(q: torch.Tensor, k: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+#: the q/k L2 norms' epsilon (transformers' and flash-linear-attention's l2norm; the C++ and Triton steps use it too)
+QK_EPS = 1e-6
+
+
+def normalize_qk(q: torch.Tensor, k: torch.Tensor, eps: float = QK_EPS) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k [T, Hk, Dk] -> float32, each head vector L2-normalized (x / sqrt(|x|^2 + eps)) and q scaled by
     Dk^-0.5, as the checkpoints were trained (transformers' and flash-linear-attention's l2norm)."""
     q, k = q.float(), k.float()

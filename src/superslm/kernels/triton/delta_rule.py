@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from superslm.kernels.delta_rule import gated_rms_norm
+from superslm.kernels.delta_rule import QK_EPS, gated_rms_norm
 from superslm.kernels.triton._util import next_pow2, round_to
 
 
@@ -114,6 +114,6 @@ def delta_decode_step(
     bv = min(64, next_pow2(v_dim))
     _recurrent_kernel[(b, v_heads, triton.cdiv(v_dim, bv))](
         y, g, beta, ssm_state, ids, core, k_heads, v_heads, k_dim, v_dim, k_heads * k_dim, g.stride(0),
-        beta.stride(0), 1e-6, k_dim**-0.5, BK=next_pow2(k_dim), BV=bv)
+        beta.stride(0), QK_EPS, k_dim**-0.5, BK=next_pow2(k_dim), BV=bv)
     normed = gated_rms_norm(core.to(mixed.dtype), z.reshape(b, v_heads, v_dim), norm_weight, eps)
     return normed.reshape(b, v_heads * v_dim)
