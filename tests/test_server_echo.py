@@ -58,7 +58,14 @@ def test_prompt_logprobs_field(server, tiny) -> None:  # noqa: F811
         assert {str(t) for t, _ in want[q].top} <= set(got[q])
     events = read_sse(httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=30).text)
     streamed = [c["prompt_logprobs"] for e in events if e for c in e["choices"] if "prompt_logprobs" in c]
-    assert streamed == [got]
+    # the same entries; BLAS rounds a GEMM's last rows by its thread split, so default mode's logprobs may move
+    # in the last bits between two runs of one request
+    assert len(streamed) == 1 and len(streamed[0]) == len(got) and streamed[0][0] is None
+    for s, g in zip(streamed[0][1:], got[1:], strict=True):
+        assert s.keys() == g.keys()
+        for t in g:
+            assert (s[t]["rank"], s[t]["decoded_token"]) == (g[t]["rank"], g[t]["decoded_token"])
+            assert abs(s[t]["logprob"] - g[t]["logprob"]) <= 1e-5
     messages = [{"role": "user", "content": "hi"}]
     chat = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "tiny", "messages": messages,
                                                                  "max_tokens": 2, "prompt_logprobs": 0},
