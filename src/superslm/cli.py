@@ -24,6 +24,9 @@ def _model_args(p: argparse.ArgumentParser, template: bool = False) -> None:
                    help="float32 or bfloat16 (default: a GGUF on the CPU runs its quantized blocks with bf16 "
                         "activations; dense weights are fp32 on the CPU, bf16 on a GPU; either value dequantizes a "
                         "GGUF to dense weights of that type)")
+    p.add_argument("--expert-slots", type=int, default=None, metavar="N",
+                   help="a mixture-of-experts model keeps N experts of each block on the device and reads the "
+                        "others from host memory when chosen (for a GPU that cannot hold them all)")
     add_threads_arg(p)
 
 
@@ -76,7 +79,7 @@ def _sampling(ns: argparse.Namespace) -> Any:
 def cmd_info(ns: argparse.Namespace) -> int:
     import superslm
 
-    model = superslm.load(ns.model, device=ns.device, dtype=ns.dtype)
+    model = superslm.load(ns.model, device=ns.device, dtype=ns.dtype, expert_slots=ns.expert_slots)
     info = model.info()
     if ns.json:
         print(json.dumps(info, indent=2, default=str))
@@ -126,7 +129,7 @@ def _load(ns: argparse.Namespace) -> Any:
     import superslm
 
     t = time.perf_counter()
-    model = superslm.load(ns.model, device=ns.device, dtype=ns.dtype)
+    model = superslm.load(ns.model, device=ns.device, dtype=ns.dtype, expert_slots=getattr(ns, "expert_slots", None))
     apply_template(model, getattr(ns, "chat_template", None))
     if getattr(ns, "verbose", False):
         print(f"loaded {model.name} in {time.perf_counter() - t:.2f} s ({model.device}, "

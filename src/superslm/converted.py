@@ -40,12 +40,16 @@ def converted_net(
     dtype: str | torch.dtype | None = None,
     layers: int | None = None,
     quant: str | None = "auto",
+    build_on: torch.device | None = None,
 ) -> Transformer:
     """The forward pass of a converted folder (`open_source` of it), its linears built from their stored
     formats (no re-quantization; int4 from its packed layout). `quant`: "auto" or the stored format
     runs them as stored (bf16 activations: dtype defaults to bf16); None/"none" dequantizes them into
-    dense weights of `dtype` (as other devices do for formats outside DEVICE_FORMATS)."""
+    dense weights of `dtype` (as other devices do for formats outside DEVICE_FORMATS). `build_on`: where the
+    tensors are put (default `device`; the CPU for a net moved later, its formats still chosen for `device`)."""
     from superslm.devices import pick_dtype
+
+    run_on, device = device, build_on or device
 
     header = source.config["header"]
     body, kept = header["format"], int(header["layers"])
@@ -58,8 +62,8 @@ def converted_net(
     # int4, int8 and bf16 linears run on other devices too (the dispatcher's kernels); GGUF's other blocks
     # have CPU kernels only, so a folder holding them is dequantized there
     on_device = all(m.get("format") in DEVICE_FORMATS for m in linears.values())
-    as_dense = quant in (None, "none") or (device.type != "cpu" and not on_device)
-    dt = pick_dtype(dtype, device) if dtype is not None or as_dense or body == "dense" else torch.bfloat16
+    as_dense = quant in (None, "none") or (run_on.type != "cpu" and not on_device)
+    dt = pick_dtype(dtype, run_on) if dtype is not None or as_dense or body == "dense" else torch.bfloat16
     a, stored = source.arch, {name: s.load() for name, s in source.tensors.items()}
     parts = source.recipe.parts
     # the recipe's float32 tensors (Qwen3.5's 1 + w norms) stay float32 in a bf16 model, as `materialize` keeps them

@@ -245,6 +245,7 @@ def load(
     dtype: str | torch.dtype | None = None,
     layers: int | None = None,
     quant: str | None = "auto",
+    expert_slots: int | None = None,
 ) -> Model:
     """Load a GGUF file, a Hugging Face folder, a folder written by `superslm convert`, a known model
     name (None: the default model) or `hf:OWNER/REPO[/FOLDER][@REVISION]` (fetched and converted once,
@@ -257,6 +258,9 @@ def load(
     None/"none" keeps dense weights of `dtype` (fp32 on the CPU, bf16 on a GPU: the exact path).
     A converted folder runs its stored formats ("auto"; None/"none" dequantizes them to dense).
     With `layers`, only the first layers are kept (hidden states, no logits).
+    `expert_slots`: a mixture-of-experts model keeps that many experts of each block on `device` and reads the
+    others from host memory when its router picks them (for a GPU whose memory does not hold every expert;
+    `Engine.expert_cache()` counts hits, misses and read ms). The net is built on the CPU first.
     """
     if quant not in QUANTS and quant is not None:
         raise InvalidArgument(f"unknown quant {quant!r} (known: {QUANTS})")
@@ -267,13 +271,18 @@ def load(
     else:
         path = resolve_path(path_or_name)
     dev = pick_device(device)
+    if expert_slots is not None and (isinstance(expert_slots, bool) or not isinstance(expert_slots, int)
+                                     or expert_slots < 1):
+        raise InvalidArgument(f"expert_slots must be a positive integer, got {expert_slots!r}")
+    # with an expert cache the experts must not all land on the device: build on the CPU, then move
+    build = torch.device("cpu") if expert_slots is not None else dev
     source = open_source(path)
     tokenizer = load_tokenizer(source)
     if source.format == "native":
         # a converted folder: linears built from their stored formats, nothing re-quantized
         from superslm.converted import converted_net
 
-        net = converted_net(source, dev, dtype, layers, quant)
+        net = converted_net(source, dev, dtype, layers, quant, build_on=build)
         quant = None
     else:
         plain = source.recipe.parts.plain(source.arch)
@@ -289,7 +298,7 @@ def load(
 
             n = source.arch.layers if layers is None else min(layers, source.arch.layers)
             skip = _BLOCK_LINEARS if plain else block_pieces(source, n) | {"head", "embed"}
-        net = Transformer(source.arch, materialize(source, dt, dev, layers, skip), layers)
+        net = Transformer(source.arch, materialize(source, dt, build, layers, skip), layers)
     if quant == "gguf":
         from superslm.quant import quantize_from_source
 
@@ -298,6 +307,8 @@ def load(
         from superslm.quant import quantize_linears
 
         quantize_linears(net, body=quant, head="int8" if quant != "bf16" else "bf16")
+    if expert_slots is not None:
+        net.use_expert_cache(expert_slots, dev)
     name = str(path_or_name) if path_or_name is not None and not Path(str(path_or_name)).exists() else path.name
     return Model(source, net, tokenizer, name or hub.DEFAULT_MODEL)
 

@@ -97,6 +97,11 @@ class ContractsMixin:
         return {i: layer.mlp.tokens_per_expert.tolist() for i, layer in enumerate(self.net.layers)
                 if hasattr(getattr(layer, "mlp", None), "tokens_per_expert")}
 
+    def expert_cache(self: Engine) -> dict[str, Any]:
+        """The expert caches' counts (`superslm.load(..., expert_slots=N)`): slots per block, blocks, hits, misses
+        and the reads' ms; zeros where every expert is on the device."""
+        return self.net.expert_cache()
+
     def prefill_hidden(self: Engine, request_id: int) -> torch.Tensor | None:
         """The final normed hidden state [dim] at the last prompt position of a live request (None
         until its prompt has been read)."""

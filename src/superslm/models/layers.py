@@ -12,7 +12,7 @@ decode rows (kernels/moe_step.py), decode rows' linears (kernels/cpu_decode.py r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from superslm.kernels.attention import AttnMetadata, QKVSpec
 from superslm.kernels.dispatch import add_rms_norm, gated_act, prepare_attention, rms_norm
 from superslm.kernels.row_blocks import by_row_blocks
 from superslm.models.arch import Arch
+from superslm.models.expert_cache import CachedExperts, ExpertCache
 from superslm.models.parts import DELTA_LAYOUTS, stack
 
 
@@ -230,12 +231,23 @@ class MoE(nn.Module):
             self.shared_scale = linear(w["shared_scale"])
         self.tokens_per_expert = torch.zeros(e.count, dtype=torch.long)
         self._parts: tuple[list[nn.Module | None], moe_step.MoEParts] | None = None
+        #: the experts' slots on the device where they do not all fit there (`use_expert_cache`), else None
+        self.expert_cache: ExpertCache | None = None
+
+    def use_expert_cache(self, slots: int, device: torch.device | str) -> None:
+        """Keep `slots` experts on `device` and the others in host memory, read in when the router picks them
+        (models/expert_cache.py). The block then runs its experts one at a time in torch ops (the C++ step and
+        plan, which hold every expert's tensors, decline it)."""
+        cache = ExpertCache(list(self.experts_mlp), slots, device)
+        del self.experts_mlp
+        self.expert_slots = nn.ModuleList(cache.slots)
+        self.expert_cache, self._parts = cache, None
 
     def forward(self, x: torch.Tensor, deterministic: bool, decode: bool = False) -> torch.Tensor:
         """x [N, dim] -> [N, dim]. `decode`: every row is a sequence's decode row; in the default mode the CPU then
         runs the block in one C++ call (kernels/moe_step.py) where it takes the experts' linears."""
         parts = self.moe_parts()
-        if decode and not deterministic:
+        if decode and not deterministic and self.expert_cache is None:
             y = moe_step.run(x, parts, self.tokens_per_expert)
             if y is not None:
                 return y
@@ -252,7 +264,8 @@ class MoE(nn.Module):
         """This block as kernels/moe_step.py takes it, built once and again when a linear was swapped (quant.swap
         replaces the experts' placeholders after construction); read from _modules (nn.Module's __getattr__ per
         expert would cost more than the check)."""
-        mlps = [*self.experts_mlp._modules.values(), *([] if self.shared is None else [self.shared])]
+        experts = self._modules["expert_slots" if self.expert_cache is not None else "experts_mlp"]
+        mlps = [*experts._modules.values(), *([] if self.shared is None else [self.shared])]  # type: ignore[union-attr]
         mods: list[nn.Module | None] = [self._modules["router"], self._modules.get("shared_scale")]
         for mlp in mlps:
             mods += mlp._modules.values()  # type: ignore[union-attr]
@@ -261,11 +274,13 @@ class MoE(nn.Module):
             return cached[1]
         e = self.experts
         assert e is not None
-        pairs = [(m.gate_up, m.down) for m in self.experts_mlp]  # type: ignore[union-attr]
+        cache = self.expert_cache
+        pairs: Sequence[tuple[nn.Module, nn.Module]] = [(m.gate_up, m.down) for m in self.experts_mlp] \
+            if cache is None else CachedExperts(cache)  # type: ignore[union-attr]
         shared = None if self.shared is None else (self.shared.gate_up, self.shared.down)
         parts = moe_step.MoEParts(self.router, pairs, e.top_k, e.norm_top_k, self.act, shared,
                                   None if self.shared is None else self.shared_scale,
-                                  watch=tuple(self.modules())[1:])
+                                  watch=tuple(self.modules())[1:], step=None if cache is None else False)
         self._parts = (mods, parts)
         return parts
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from superslm.errors import InvalidArgument
 from superslm.kernels import cpu_decode
 from superslm.kernels.attention import AttnMetadata, QKVSpec
 from superslm.kernels.cpu_decode import decode_layers, row_key_slots
@@ -38,7 +39,7 @@ from superslm.kernels.norm import norm_dtype
 from superslm.kernels.rope import rope_cos_sin
 from superslm.kernels.row_blocks import BLOCK, by_row_blocks, pad_rows
 from superslm.models.arch import Arch
-from superslm.models.layers import PartsLayer, _linear
+from superslm.models.layers import MoE, PartsLayer, _linear
 from superslm.models.mtp import MTP
 from superslm.models.parts import LINEAR_NAMES, NORMS, LayerParts, stacked
 
@@ -285,6 +286,26 @@ class Transformer(nn.Module):
         # .to() / .float() replace the tensors the C++ plan holds: build it again on next use
         self._decode_plan = None
         return super()._apply(fn, recurse)
+
+    def use_expert_cache(self, slots: int, device: torch.device | str) -> None:
+        """Move the net to `device`, its mixtures of experts keeping `slots` experts each there and the others in
+        host memory (models/expert_cache.py): a model whose experts do not fit in a GPU's memory. Call it on a net
+        built on the CPU. InvalidArgument for a model without experts."""
+        moes = [m for m in self.modules() if isinstance(m, MoE)]  # the MTP block's too
+        if not moes:
+            raise InvalidArgument("expert slots: the model has no mixture-of-experts layers")
+        for mlp in moes:
+            mlp.use_expert_cache(slots, device)
+        self.to(device)
+
+    def expert_cache(self) -> dict[str, Any]:
+        """The expert caches' counts: slots (per block), hits, misses and the reads' ms, summed over the blocks
+        (zeros where the experts are all on the device)."""
+        caches = [m.expert_cache for m in self.modules() if isinstance(m, MoE) and m.expert_cache is not None]
+        stats = [c.stats() for c in caches]
+        return {"slots": stats[0]["slots"] if stats else 0, "blocks": len(stats),
+                "hits": sum(s["hits"] for s in stats), "misses": sum(s["misses"] for s in stats),
+                "read_ms": sum(s["read_ms"] for s in stats)}
 
     @property
     def dtype(self) -> torch.dtype:

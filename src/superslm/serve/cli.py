@@ -76,6 +76,9 @@ def add_parser(sub: Any) -> None:
                    help="float32 or bfloat16 (default: a GGUF on the CPU runs its quantized blocks with bf16 "
                         "activations; dense weights are fp32 on the CPU, bf16 on a GPU; either value dequantizes a "
                         "GGUF to dense weights of that type)")
+    p.add_argument("--expert-slots", type=int, default=None, metavar="N",
+                   help="a mixture-of-experts model keeps N experts of each block on the device and reads the "
+                        "others from host memory when chosen (for a GPU that cannot hold them all)")
     p.add_argument("--threads", "-t", type=int, default=None,
                    help="CPU threads for the kernels (default: the cores this process may use)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
@@ -189,11 +192,18 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     given = ([ns.model] if ns.model else []) + list(ns.models_pos or [])
     if ns.config is not None or len(given) > 1:
+        if ns.expert_slots is not None:
+            print("superslm: error: --expert-slots serves one model (not --config or several)", file=sys.stderr)
+            return 2
         return _serve_several(ns, given)
     ns.model = given[0] if given else None
     kind = "decoder" if ns.model is None else model_kind(ns.model)
     loader = {"encoder": Encoder.load, "cross-encoder": CrossEncoder.load}.get(kind, superslm.load)
-    model = loader(ns.model, device=ns.device, dtype=ns.dtype)
+    if ns.expert_slots is not None and kind != "decoder":
+        print("superslm: error: --expert-slots is for mixture-of-experts language models", file=sys.stderr)
+        return 2
+    extra = {} if ns.expert_slots is None else {"expert_slots": ns.expert_slots}
+    model = loader(ns.model, device=ns.device, dtype=ns.dtype, **extra)
     if ns.chat_template is not None:
         if not hasattr(model, "use_chat_template"):
             print("superslm: error: --chat-template is for language models, not encoders", file=sys.stderr)
