@@ -23,7 +23,8 @@ timeout 270 python3 -m pytest -q -p no:cacheprovider --maxfail=5 -k "not smollm2
   tests/test_kernels_rotate_gemv.py tests/test_kernels_norm_gemv.py tests/test_kernels_prepare_attention.py \
   tests/test_kernels_attention_rotate.py tests/test_kernels_rotate.py tests/test_kernels_triton.py tests/test_kernels_fused.py \
   tests/test_kernels_triton_more.py tests/test_kernels_triton_sampling.py tests/test_graphs.py \
-  tests/test_overlap.py tests/test_quant_device.py tests/test_gpu_agreement.py tests/test_kernels_triton_invariant.py 2>&1 | tee "$OUT/tests.log" | tail -25
+  tests/test_overlap.py tests/test_quant_device.py tests/test_gpu_agreement.py tests/test_kernels_triton_invariant.py \
+  tests/test_kernels_triton_delta.py tests/test_expert_cache.py 2>&1 | tee "$OUT/tests.log" | tail -25
 
 # the acceptance workloads on Qwen2.5-0.5B (bf16 and int4 batch 1, batches 64 and 256, nano-vllm), with transformers
 timeout 210 python3 benchmarks/gpu.py --models qwen2.5-0.5b 2>&1 | tee "$OUT/bench.log"

@@ -76,6 +76,71 @@ def test_decode_step_takes_the_kernels_on_the_triton_backend(monkeypatch) -> Non
     assert calls == []
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hk,hv,dk,dv", [(2, 2, 16, 32), (1, 2, 32, 16)])
+def test_prompt_kernels_are_the_steps_row_after_row(dtype: torch.dtype, hk: int, hv: int, dk: int, dv: int) -> None:
+    """A prompt's T rows in one call give each row what T decode-step kernel calls give, bit for bit, and leave the
+    same states; within float32 sums of the torch reference; other slots untouched; a prompt cut in two pieces
+    the same as whole."""
+    mixed, z, gate, beta, conv_w, conv_state, ssm_state, norm_w = _inputs(dtype, 7, hk, hv, dk, dv, seed=3)
+    slot = 2
+    steps_conv, steps_ssm = conv_state.clone(), ssm_state.clone()
+    want = torch.cat([tk.delta_decode_step(mixed[t:t + 1], z[t:t + 1], gate[t:t + 1], beta[t:t + 1], conv_w,
+                                           steps_conv, steps_ssm, [slot], norm_w, 1e-6, hk, dk, hv, dv)
+                      for t in range(7)])
+    got_conv, got_ssm = conv_state.clone(), ssm_state.clone()
+    got = tk.delta_prompt_rows(mixed, z, gate, beta, conv_w, got_conv, got_ssm, slot, norm_w, 1e-6, hk, dk, hv, dv)
+    assert torch.equal(got, want)
+    assert torch.equal(got_conv, steps_conv) and torch.equal(got_ssm, steps_ssm)
+    ref_conv, ref_ssm = conv_state.clone(), ssm_state.clone()
+    ref = torch.cat([delta_rule.decode_step_reference(mixed[t:t + 1], z[t:t + 1], gate[t:t + 1], beta[t:t + 1],
+                                                      conv_w, ref_conv, ref_ssm, [slot], norm_w, 1e-6, hk, dk, hv, dv)
+                     for t in range(7)])
+    torch.testing.assert_close(got_ssm, ref_ssm, atol=1e-5, rtol=1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    else:
+        assert ((got.float() - ref.float()).abs() <= ref.float().abs().clamp_min(1e-3) * 2**-6).all()
+    others = [s for s in range(conv_state.shape[0]) if s != slot]
+    assert torch.equal(got_conv[others], conv_state[others]) and torch.equal(got_ssm[others], ssm_state[others])
+    cut_conv, cut_ssm = conv_state.clone(), ssm_state.clone()
+    parts = [tk.delta_prompt_rows(mixed[a:b], z[a:b], gate[a:b], beta[a:b], conv_w, cut_conv, cut_ssm, slot, norm_w,
+                                  1e-6, hk, dk, hv, dv) for a, b in ((0, 3), (3, 7))]
+    assert torch.equal(torch.cat(parts), got) and torch.equal(cut_ssm, got_ssm)
+
+
+def test_deterministic_prompts_take_the_prompt_kernels(tmp_path, monkeypatch) -> None:
+    """Deterministic mode on the Triton backend reads a hybrid model's prompt rows through the prompt kernels (one
+    call a layer and sequence, not a step a token): its greedy tokens and logprobs those of the torch backend's
+    deterministic mode, and the same whether the prompt is read in one chunk or several."""
+    from superslm.engine import Request
+    from superslm.model import load
+    from superslm.sampling import Sampling
+    from tests.tiny_models import build_hf_model
+
+    build_hf_model("qwen3_5", tmp_path)
+    model = load(str(tmp_path), device=DEV, dtype=torch.float32)
+    requests = [Request(list(range(5, 29)), 3, Sampling(logprobs=0))]
+
+    def run(**kw: int) -> list[tuple[list[int], list[float]]]:
+        engine = model.engine(slots=1, context=64, prefix_caching=False, deterministic=True, **kw)
+        return [(o.tokens, [lp.logprob for lp in o.logprobs]) for o in engine.generate(requests)]
+
+    monkeypatch.setenv("SUPERSLM_KERNELS", "torch")
+    want = run()
+    monkeypatch.setenv("SUPERSLM_KERNELS", "triton")
+    calls = []
+    real = tk.delta_prompt_rows
+    monkeypatch.setattr(tk, "delta_prompt_rows", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    got = run()
+    assert calls and max(calls) > 1, "the prompt rows did not take the prompt kernels"
+    chunked = run(chunk=8)
+    assert got == chunked  # deterministic: the same bits however the prompt was cut
+    for (gt, glp), (wt, wlp) in zip(got, want, strict=True):
+        assert gt == wt
+        torch.testing.assert_close(torch.tensor(glp), torch.tensor(wlp), atol=1e-4, rtol=0)
+
+
 @pytest.mark.slow
 def test_a_hybrid_model_decodes_on_the_triton_backend(tmp_path, monkeypatch) -> None:
     """A tiny Qwen3.5 (delta-rule and gated attention layers) through the engine with every kernel on the Triton

@@ -244,6 +244,38 @@ def decode_step(
                                  k_heads, k_dim, v_heads, v_dim)
 
 
+def prompt_rows(
+    mixed: torch.Tensor,
+    z: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slot: int,
+    norm_weight: torch.Tensor,
+    eps: float,
+    k_heads: int,
+    k_dim: int,
+    v_heads: int,
+    v_dim: int,
+) -> torch.Tensor | None:
+    """T rows of one sequence through the layer's glue (as `decode_step`'s arguments, its states at row `slot`)
+    where a kernel walks them in order: on the Triton backend, kernels/triton/delta_rule.py's prompt kernels, which
+    give each row what `decode_step` would (so deterministic mode reads a prompt in one call, not T steps). None
+    elsewhere, or for a layout they do not take: the caller runs its own prompt form."""
+    t = dispatch.triton_kernels(mixed.device)
+    if t is None or mixed.dim() != 2 or mixed.shape[0] == 0:
+        return None
+    first = (mixed[:1], z[:1], g[:1], beta[:1], conv_weight, conv_state, ssm_state, [slot], norm_weight, eps,
+             k_heads, k_dim, v_heads, v_dim)
+    n = mixed.shape[0]
+    if not _fused_layout(*first) or any(x.shape[0] != n for x in (z, g, beta)):  # type: ignore[arg-type]
+        return None
+    return t.delta_prompt_rows(mixed, z, g, beta, conv_weight, conv_state, ssm_state, slot, norm_weight, eps,
+                               k_heads, k_dim, v_heads, v_dim)
+
+
 def _cpu_extension(device: torch.device) -> Any:
     """The C++ extension where the fused step runs on `device` (the CPU, the torch backend), else None."""
     if device.type != "cpu" or dispatch.backend(device) != "torch":

@@ -132,7 +132,14 @@ class DeltaRule(nn.Module):
                 continue
             if meta.deterministic:
                 # token by token through the decode step: a row's state gets the same arithmetic however its
-                # prompt was chunked (the chunked form's roundings depend on where its chunks start)
+                # prompt was chunked (the chunked form's roundings depend on where its chunks start); on the
+                # Triton backend one call whose kernels walk the rows with the step's arithmetic
+                rows = delta_rule.prompt_rows(mixed[r0:r1], z[r0:r1], g[r0:r1], beta[r0:r1], self.conv, conv_state,
+                                              ssm_state, slots[s], self.delta_norm, self.arch.norm_eps, d.k_heads,
+                                              d.k_dim, d.v_heads, d.v_dim)
+                if rows is not None:
+                    normed[r0:r1] = rows
+                    continue
                 for t in range(r0, r1):
                     normed[t : t + 1] = self._step(mixed[t : t + 1], z[t : t + 1], g[t : t + 1], beta[t : t + 1],
                                                    conv_state, ssm_state, [slots[s]])

@@ -5,7 +5,7 @@ interpreter (TRITON_INTERPRET=1 set before the import).
 """
 
 from superslm.kernels.triton.attention_linear import attention_linear, attention_rotate
-from superslm.kernels.triton.delta_rule import delta_decode_step
+from superslm.kernels.triton.delta_rule import delta_decode_step, delta_prompt_rows
 from superslm.kernels.triton.dense_gemm import dense_matmul
 from superslm.kernels.triton.fused import gated_act, prepare_qkv
 from superslm.kernels.triton.hadamard import hadamard_rotate
@@ -33,6 +33,7 @@ __all__ = [
     "attention_rotate",
     "apply_rope",
     "delta_decode_step",
+    "delta_prompt_rows",
     "dense_matmul",
     "gated_act",
     "gated_act_rotate",
