@@ -11,6 +11,8 @@ import os
 import pytest
 import torch
 
+import superslm
+from superslm import Request, Sampling
 from superslm.cache.kv import KVCache, slot_mapping
 from superslm.kernels import cpu_decode
 from superslm.kernels.attention import AttnMetadata
@@ -567,3 +569,29 @@ def test_one_row_linear_runs_the_plans_gemvs() -> None:
     parts = [cpu_decode.one_row_linear(m, x) for m in (mods[0], mods[3])]
     assert got is not None and torch.equal(got, torch.cat(parts, 1))
     assert cpu_decode.one_row_linear(ConcatLinear([mods[0], Bf16Linear.from_dense(w)]), x) is None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_hooks_on_layers_keep_the_modules(tmp_path, family: str) -> None:
+    """A forward hook on a layer, or on a module in it (a parts layer's mixer or its linear), sees every step:
+    the plan, which runs whole layers in one call, declines the steps it would skip; without hooks the plan runs
+    again and the tokens are the same."""
+    build_hf_model(family, tmp_path)
+    model = superslm.load(tmp_path, quant="int4")
+    prompt, n = [5, 9, 14, 3, 8], 6
+
+    def tokens() -> list[int]:
+        engine = model.engine(slots=1, context=64)
+        return engine.generate([Request(prompt, n, Sampling(temperature=0))])[0].tokens
+
+    want = tokens()
+    layer = model.net.layers[1]
+    inner = next(m for m in layer._modules.values() if m is not None)  # a linear, or a parts layer's mixer
+    for module in (layer, inner, *[m for m in inner._modules.values() if m is not None][:1]):
+        seen: list[int] = []
+        handle = module.register_forward_hook(lambda *a, seen=seen: seen.append(1))
+        assert cpu_decode.watched(model.net)
+        assert tokens() == want
+        handle.remove()
+        assert len(seen) >= n, f"{type(module).__name__}: the hook saw {len(seen)} of the {n} steps"
+    assert not cpu_decode.watched(model.net)

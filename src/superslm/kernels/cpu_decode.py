@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.nn.modules import module as _module
 
 from superslm import cext
 from superslm.cache.kv import rotated, rotation_block, rotation_signs, values_dtype
@@ -105,8 +106,20 @@ def plan_for(net: Any) -> Any:
     if cached is not None and cached[0] == key:
         return cached[1]
     plan = build_plan(net)
-    net._decode_plan = (key, plan)
+    net._decode_plan = (key, plan, _layer_modules(net))
     return plan
+
+
+def _layer_modules(net: Any) -> list[torch.nn.Module]:
+    """The layers and the modules in them, two levels down (where a parts layer's linears sit)."""
+    out = []
+    for layer in net.layers:
+        out.append(layer)
+        for m in layer._modules.values():
+            if m is not None:
+                out.append(m)
+                out += [sub for sub in m._modules.values() if sub is not None]
+    return out
 
 
 # --- inputs -----------------------------------------------------------------------------------------
@@ -465,4 +478,15 @@ def usable(net: Any, h: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return False
     if cext.torch_kernels_forced():
         return False
-    return plan_for(net) is not None
+    return plan_for(net) is not None and not watched(net)
+
+
+def watched(net: Any) -> bool:
+    """Whether a forward hook watches one of the layers or the modules in them (two levels down, where a parts
+    layer's linears sit), or every module (torch's global hooks): the plan runs whole layers in one call, past
+    them, so such a step keeps the modules (the modules listed once with the plan, ~150 dict checks a step)."""
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return True
+    cached = getattr(net, "_decode_plan", None)
+    mods = cached[2] if cached is not None else _layer_modules(net)
+    return any([m._forward_hooks or m._forward_pre_hooks for m in mods])
