@@ -147,3 +147,28 @@ def test_cli_expert_slots(moe_folder, tmp_path) -> None:
     build_hf_model("llama", tmp_path / "llama")
     bad = run("generate", "--model", str(tmp_path / "llama"), "--expert-slots", "2", "-p", "hi")
     assert bad.returncode != 0 and "no mixture-of-experts" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_metrics_count_the_expert_cache(moe_folder) -> None:
+    """/metrics (prometheus_client's parser) carries the engine's expert-cache counts after a request; a server
+    without the cache writes none of them."""
+    import openai
+
+    from superslm.serve import create_app
+    from tests.test_server_helpers import LiveServer
+    from tests.test_server_metrics import scrape
+
+    folder, _ = moe_folder
+    app = create_app(superslm.load(folder, expert_slots=2), slots=2, context=64, served_model_name="moe")
+    with LiveServer(app) as s:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
+        c.completions.create(model="moe", prompt="one two three", max_tokens=6, temperature=0,
+                             extra_body={"ignore_eos": True})
+        m = scrape(s.url)
+        stats = s.state.engine.expert_cache()
+        assert m["superslm_expert_cache_slots"] == {(): 2}
+        assert m["superslm_expert_cache_hits_total"] == {(): stats["hits"]}
+        assert m["superslm_expert_cache_misses_total"] == {(): stats["misses"]} and stats["misses"] > 0
+        assert m["superslm_expert_cache_read_seconds_total"][()] > 0
+    with LiveServer(create_app(superslm.load(folder), slots=1, context=64)) as s:
+        assert "superslm_expert_cache_slots" not in scrape(s.url)

@@ -101,11 +101,11 @@ class ExpertCache:
 
     @property
     def read_ms(self) -> float:
-        """The ms the reads took (on a GPU: the copies' own time, between events around them)."""
-        if self._events:
-            self._events[-1][1].synchronize()
-            self._read_s += sum(s.elapsed_time(e) for s, e in self._events) / 1000
-            self._events.clear()
+        """The ms the reads took (on a GPU: the copies' own time between events around them, counted once they
+        are done; reading it never waits for the device)."""
+        while self._events and self._events[0][1].query():
+            start, end = self._events.pop(0)
+            self._read_s += start.elapsed_time(end) / 1000
         return self._read_s * 1000
 
     def stats(self) -> dict[str, Any]:

@@ -70,6 +70,11 @@ class EngineStats:
     drafts_proposed: int = 0
     drafts_accepted: int = 0
     draft_steps: int = 0
+    #: the expert cache (`--expert-slots`; zeros without one): slots per block, hits, misses, read ms
+    expert_slots: int = 0
+    expert_hits: int = 0
+    expert_misses: int = 0
+    expert_read_ms: float = 0.0
 
 
 class Submission:
@@ -271,6 +276,7 @@ class EngineLoop(ServiceThread):
         e = self.engine
         pool = e.pool.stats()
         spec = e.speculator.stats() if e.speculator is not None else {}
+        experts = e.expert_cache()
         with self._lock:
             pending = sum(len(s) for s in self._adds)
             self._stats = EngineStats(
@@ -289,6 +295,10 @@ class EngineLoop(ServiceThread):
                 drafts_proposed=spec.get("drafts_proposed", 0),
                 drafts_accepted=spec.get("drafts_accepted", 0),
                 draft_steps=spec.get("draft_steps", 0),
+                expert_slots=experts["slots"],
+                expert_hits=experts["hits"],
+                expert_misses=experts["misses"],
+                expert_read_ms=experts["read_ms"],
             )
 
     def _fail_all(self, exc: BaseException) -> None:

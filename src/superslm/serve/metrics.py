@@ -190,6 +190,15 @@ class Metrics:
         one("superslm_spec_decode_accepted_tokens_total", "counter", "Draft tokens the model accepted.",
             s.drafts_accepted)
         one("superslm_spec_decode_draft_steps_total", "counter", "Sequence steps that carried drafts.", s.draft_steps)
+        if s.expert_slots:
+            one("superslm_expert_cache_slots", "gauge", "Experts of each MoE block kept on the device.",
+                s.expert_slots)
+            one("superslm_expert_cache_hits_total", "counter", "Experts the router chose that were on the device.",
+                s.expert_hits)
+            one("superslm_expert_cache_misses_total", "counter", "Experts read in from host memory.",
+                s.expert_misses)
+            one("superslm_expert_cache_read_seconds_total", "counter", "Time the expert reads took.",
+                s.expert_read_ms / 1000)
         lines.extend(self._vllm(s))
         return "\n".join(lines) + "\n"
 
