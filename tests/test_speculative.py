@@ -439,6 +439,9 @@ def test_opt_out_and_per_request_stats(zoo) -> None:
     assert 0 < seen[on]["drafts_accepted"] <= seen[on]["drafts_proposed"]
     st = engine.stats()
     assert st["drafts_proposed"] >= seen[on]["drafts_proposed"] and st["draft_steps"] > 0
+    for bad in ("no", 0, None):  # only a bool: "no" would otherwise read as true
+        with pytest.raises(InvalidArgument, match="speculative"):
+            engine.add(Request(p, 4, speculative=bad))
 
 
 def test_lora_rows_draft_exactly(tmp_path) -> None:

@@ -279,6 +279,8 @@ class Engine(SequenceMixin, ContractsMixin):
             raise InvalidArgument("add() takes a Request")
         if not isinstance(request.max_tokens, int) or isinstance(request.max_tokens, bool) or request.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be a positive integer, got {request.max_tokens!r}")
+        if not isinstance(request.speculative, bool):
+            raise InvalidArgument(f"speculative must be True or False, got {request.speculative!r}")
         prompt = self._prompt_ids(request.prompt)
         if not prompt:
             # with a prefix too: its last token is computed already, so nothing would give the first logits

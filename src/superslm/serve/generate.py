@@ -321,7 +321,7 @@ async def run(state: ServerState, request: HTTPRequest, req: CompletionRequest |
             # every prompt's choice i gets seed + i (as vLLM): a batch answers as single requests do
             sampling = to_sampling(req, logprobs, seed_offset=i, grammar=grammar, after=after)
             requests.append(Request(prompt=ids, max_tokens=max_tokens, sampling=sampling,
-                                    adapter=state.adapter_for(job.model_name)))
+                                    adapter=state.adapter_for(job.model_name), speculative=not req.disable_spec_decode))
     for r in requests:  # the checks engine.add makes, here so that they fail as a 400 before any work
         try:
             r.sampling.validate(state.engine.vocab)

@@ -106,6 +106,9 @@ class _Generate(BaseModel):
     bad_words: list[str] | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds)
     truncate_prompt_tokens: int | None = None
+    # true: no drafts for this request on a server started with --speculative (the same tokens, one a step); the
+    # spelling of vLLM's proposed per-request SamplingParams.disable_spec_decode
+    disable_spec_decode: bool = False
 
 
 class CompletionRequest(_Generate):
