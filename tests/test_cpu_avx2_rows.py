@@ -101,6 +101,34 @@ def test_int4_rows_the_gemv_declines_take_torch_alone(ext) -> None:
         assert torch.equal(_bits(got[r : r + 1]), _bits(one)), r
 
 
+@pytest.mark.parametrize("n,k,group", [(960, 576, 32), (192, 512, 64), (128, 96, 32), (64, 1024, 256), (192, 384, 128)])
+def test_int4_prompt_rows_equal_the_gemv(ext, n: int, k: int, group: int) -> None:
+    """A prompt chunk's rows (64, 65, 200: whole row pairs, an odd row, several k blocks): each row the one-row
+    GEMV's bits, an all-zero group, a NaN, an inf and an outlier row among them (torch's kernel on that row
+    alone); within bf16 rounding of torch's kernel, its twin."""
+    g = torch.Generator().manual_seed(n + k + group)
+    m = Int4Linear.from_dense(torch.randn(n, k, generator=g) * 0.05, group=group)
+    for rows in (64, 65, 200):
+        x = _wide_rows(rows, m.k_pad, g)
+        x[1, :group] = 0
+        x[rows // 2, 3] = float("nan")
+        x[rows - 1, 1] = float("-inf")
+        x[7] = 0.01
+        x[7, group // 2] = 1000.0  # over 64x its group's rms: the GEMV declines the row
+        x[9] *= 3e4  # outliers the split takes: a row's sums stay in int32
+        got = ext.int4_gemm_avx2(x, m.qweight, m.scales_zeros, group, 0)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, m.qweight.shape[0])
+        torchs = torch.ops.aten._weight_int4pack_mm_for_cpu(x, m.qweight, group, m.scales_zeros)
+        for r in range(rows):
+            one = ext.int4_gemv_avx2(x[r : r + 1], m.qweight, m.scales_zeros, group, 0)
+            if r in (7, rows // 2, rows - 1):
+                assert one is None
+                one = torch.ops.aten._weight_int4pack_mm_for_cpu(x[r : r + 1], m.qweight, group, m.scales_zeros)
+            assert torch.equal(_bits(got[r : r + 1]), _bits(one)), (rows, r)
+        fine = [r for r in range(rows) if r not in (rows // 2, rows - 1)]
+        assert _within_bf16(got[fine], torchs[fine])
+
+
 @pytest.mark.parametrize("n,k", [(300, 64), (4099, 576), (1001, 640), (7, 128), (2, 1024)])
 def test_int8_rows_equal_the_gemv(ext, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(n)

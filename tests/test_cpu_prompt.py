@@ -70,8 +70,10 @@ def _modules(n: int, k: int) -> dict[str, torch.nn.Module]:
     }
 
 
+@pytest.mark.parametrize("int4_rows", [True, False])
 @pytest.mark.parametrize("name", ["int4", "int4-bias", "int4-rotated", "int8", "concat"])
-def test_prompt_rows_as_accurate_as_torchs_kernels(ext, name: str) -> None:
+def test_prompt_rows_as_accurate_as_torchs_kernels(ext, monkeypatch, name: str, int4_rows: bool) -> None:
+    monkeypatch.setattr(cpu_prompt, "INT4_ROWS", int4_rows)  # int4: the AVX2 row kernel, or decoded blocks
     n, k, m = 320, 512, cpu_prompt.PROMPT_ROWS + 3
     lin = _modules(n, k)[name]
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
@@ -84,6 +86,23 @@ def test_prompt_rows_as_accurate_as_torchs_kernels(ext, name: str) -> None:
     # float32 sums of the exact weights: no worse than torch's kernels (bf16 output rounding either way)
     assert _rel(got, exact) <= max(_rel(torchs, exact) * 1.25, 2e-3)
     assert _rel(got, torchs) < 4e-3
+
+
+@pytest.mark.parametrize("name", ["int4", "int4-bias", "int4-rotated"])
+def test_int4_prompt_rows_equal_decode_rows(ext, name: str) -> None:
+    """int4 prompt rows through the AVX2 row kernel: each row the bits decode gives it alone (the one-row GEMV),
+    whatever the chunk; deterministic mode keeps the module's own kernel."""
+    from superslm.kernels import cpu_decode
+
+    lin = _modules(320, 512)[name]
+    x = torch.randn(cpu_prompt.PROMPT_ROWS * 2 + 1, 512, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    got = cpu_prompt.prompt_linear(lin, x)
+    assert got is not None
+    for r in (0, 1, cpu_prompt.PROMPT_ROWS, x.shape[0] - 1):
+        one = cpu_decode.rows_linear(lin, x[r : r + 1])
+        assert one is not None and torch.equal(got[r : r + 1].view(torch.int16), one.view(torch.int16)), r
+    assert torch.equal(layers._linear(lin, x, False).view(torch.int16), got.view(torch.int16))
+    assert torch.equal(layers._linear(lin, x, True).view(torch.int16), lin(x).view(torch.int16))
 
 
 def test_which_rows_and_modes_take_the_path(ext, monkeypatch) -> None:

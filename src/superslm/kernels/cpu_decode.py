@@ -369,12 +369,37 @@ def rows_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None
     if kind == 4:  # a ConcatLinear: its parts side by side, each as the plan runs it
         ys = [rows_linear(part, x) for part in getattr(module, "parts", ())]
         return torch.cat(ys, dim=1) if ys and all(y is not None for y in ys) else None  # type: ignore[misc]
-    if kind != 1 or group % 4 or weight.shape[0] % 64 or not scales.is_contiguous():
+    if kind != 1:
+        return None
+    return _int4_rows(ext, module, x, got, any_rows=False)
+
+
+def int4_prompt_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """module(x) for any number of rows of the default mode through the AVX2 int4 row kernel
+    (kernels/cpu/avx2_rows.cpp), each row the one-row GEMV's bits (or torch's kernel on that row alone where the
+    GEMV declines it), or None where it does not apply: another format, hooks, a CPU with VNNI or without AVX2,
+    the Triton kernels or torch's kernels asked for. A prompt chunk's rows then get the bits decode gives them."""
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if rows == 0 or x.device.type != "cpu" or backend(x.device) != "torch" or hooked(module):
+        return None
+    ext = cext.extension()
+    plan_args = getattr(module, "plan_args", None)
+    got = None if ext is None or plan_args is None else plan_args()
+    if got is None or got[1][0] != 1 or ext.vnni_available():
+        return None
+    return _int4_rows(ext, module, x, got, any_rows=True)
+
+
+def _int4_rows(ext: Any, module: torch.nn.Module, x: torch.Tensor, got: Any, any_rows: bool) -> torch.Tensor | None:
+    """`rows_linear`'s int4 part (`got`: the module's plan_args); `any_rows`: past `avx2_gemm_rows` rows too."""
+    (weight, scales, *_), (_, group, out, _, k_pad) = got
+    rows = x.shape[0]
+    if group % 4 or weight.shape[0] % 64 or not scales.is_contiguous():
         return None
     vnni = ext.vnni_available()
     if not vnni and (not ext.avx2_available() or cext.torch_kernels_forced()):
         return None
-    if rows > 1 and (vnni or rows > ext.avx2_gemm_rows()):
+    if rows > 1 and (vnni or (rows > ext.avx2_gemm_rows() and not any_rows)):
         return None
     h = _vnni_input(ext, module, x).to(torch.bfloat16)  # rotated and padded where the module rotates
     if k_pad != h.shape[1]:

@@ -1,5 +1,6 @@
-"""Prompt chunks' int linears on CPUs without VNNI: the weight decoded to float32 a block of rows at a time, and
-a float32 GEMM (BLAS) on each block.
+"""Prompt chunks' int linears on CPUs without VNNI: int4 through the AVX2 int4 row kernel (`INT4_ROWS`, each row
+the one-row GEMV's bits); int8, and int4 where that kernel does not apply, through the weight decoded to float32
+a block of rows at a time and a float32 GEMM (BLAS) on each block.
 
 torch's packed int4 kernel (`_weight_int4pack_mm_for_cpu`) and its int8 one run ~81 GFLOP/s on an AVX2-only
 EPYC at any row count; MKL's sgemm runs ~160 at 512 rows, ~100 at 64 (2 threads, 2026-12-07). Decoding a block
@@ -16,12 +17,18 @@ from typing import Any
 import torch
 
 from superslm import cext
-from superslm.kernels.cpu_decode import hooked
+from superslm.kernels import cpu_decode
 from superslm.kernels.dispatch import backend
 
 #: rows from which decoding the weight for a float32 GEMM beats torch's packed kernels (measured 2026-12-07 on
 #: an AVX2-only EPYC, shapes of Qwen3.5-0.8B; see benchmarks/linear_formats.py --sections prompt)
 PROMPT_ROWS = 64
+#: int4 prompt rows through the AVX2 int4 row kernel (kernels/cpu/avx2_rows.cpp: weights unpacked once per
+#: chunk and k block, two rows x 32 columns of int32 accumulators, vpmaddwd on the two-part int8 activations),
+#: each row the one-row GEMV's bits, so a prompt's rows equal decode's. It ran 1.2-1.7x the decoded blocks +
+#: sgemm on one core of an AVX2-only EPYC (2026-12-07; benchmarks/linear_formats.py --sections prompt).
+#: False: decoded blocks and float32 GEMMs (benchmarks compare the two)
+INT4_ROWS = True
 #: float32 weights decoded per block (4 MiB: the block stays in cache between its decode and its GEMM)
 BLOCK_BYTES = 4 << 20
 
@@ -78,7 +85,7 @@ def prompt_linear(module: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype |
     if x.dim() != 2 or x.shape[0] < PROMPT_ROWS or x.device.type != "cpu" or backend(x.device) != "torch":
         return None
     ext = cext.extension()
-    if ext is None or ext.vnni_available() or cext.torch_kernels_forced() or hooked(module):
+    if ext is None or ext.vnni_available() or cext.torch_kernels_forced() or cpu_decode.hooked(module):
         return None
     parts = getattr(module, "parts", None)
     if parts is not None:  # a ConcatLinear: its parts side by side (each prepares its own input)
@@ -86,6 +93,10 @@ def prompt_linear(module: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype |
             return None
         ys = [prompt_linear(part, x) for part in parts]
         return torch.cat(ys, dim=1) if ys and all(y is not None for y in ys) else None  # type: ignore[misc]
+    if INT4_ROWS and dtype is None:  # int4: the AVX2 row kernel, each row the bits decode gives it
+        y = cpu_decode.int4_prompt_linear(module, x)
+        if y is not None:
+            return y
     got = _decoder(module, ext)
     if got is None:
         return None

@@ -69,27 +69,6 @@ inline void unpack_quad(const uint8_t* p, int64_t stride, __m256i* out) {
   }
 }
 
-// NR rows' int32 sums 254 H + L over one group's `nq` quads (`buf`: unpack_quad's vectors; t[r]: row r's
-// table at the group's first quad) for the chunk's 32 rows: acc[r][a] holds rows[a] + 0..7
-template <int NR>
-inline void group_sums(const __m256i* buf, int64_t nq, const uint32_t* const t[NR], __m256i acc[NR][4]) {
-  for (int r = 0; r < NR; ++r)
-    for (int a = 0; a < 4; ++a) acc[r][a] = _mm256_setzero_si256();
-  for (int64_t q = 0; q < nq; ++q, buf += 8) {
-    __m256i x02[NR], x13[NR];
-    for (int r = 0; r < NR; ++r) {
-      x02[r] = _mm256_set1_epi32(static_cast<int>(t[r][2 * q]));
-      x13[r] = _mm256_set1_epi32(static_cast<int>(t[r][2 * q + 1]));
-    }
-    for (int a = 0; a < 4; ++a) {
-      const __m256i c02 = _mm256_load_si256(buf + 2 * a), c13 = _mm256_load_si256(buf + 2 * a + 1);
-      for (int r = 0; r < NR; ++r)
-        acc[r][a] = _mm256_add_epi32(acc[r][a], _mm256_add_epi32(_mm256_madd_epi16(c02, x02[r]),
-                                                                  _mm256_madd_epi16(c13, x13[r])));
-    }
-  }
-}
-
 // 8 rows' (s, z) pairs of one group (torch's [groups, N, 2] bf16, as 32-bit words s | z << 16) -> floats
 inline void scales8(const uint32_t* p, __m256& s, __m256& z) {
   const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -97,22 +76,107 @@ inline void scales8(const uint32_t* p, __m256& s, __m256& z) {
   z = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
-// row tile of NR rows (row indices rs) for one group g: sums, then avx2.cpp int4_chunk's epilogue
-template <int NR>
-inline void int4_tile(const __m256i* buf, int64_t nq, const std::vector<uint32_t>& tab, const int64_t* rs, int64_t g,
-                      int64_t G, const float* gsum, const float* gsl, const __m256* s, const __m256* z, __m256* y) {
-  const uint32_t* t[NR];
-  for (int r = 0; r < NR; ++r) t[r] = tab.data() + (rs[r] * G + g) * 2 * nq;
-  __m256i acc[NR][4];
-  group_sums<NR>(buf, nq, t, acc);
-  for (int r = 0; r < NR; ++r) {
-    const float sum = gsum[rs[r] * G + g];
-    const __m256 gs = _mm256_set1_ps(sum), g8 = _mm256_set1_ps(8.f * sum), sl = _mm256_set1_ps(gsl[rs[r] * G + g]);
-    __m256* yr = y + rs[r] * 4;
+// One group of two activation rows (t0, t1: their tables at the group's first quad) against a 32-row chunk's
+// `nq` unpacked quads (`buf`, unpack_quad's vectors): the int32 sums 254 H + L of each row and accumulator,
+// then avx2.cpp int4_chunk's epilogue into the rows' float sums y0, y1 (8 floats per accumulator, 32 each;
+// s, z: the chunk's scales for the group). The loop body is written out in assembly: with 8 accumulators, 4
+// activation words and 4 temporaries it needs all 16 ymm registers, and GCC 12 spilled three accumulators
+// to the stack (a store-to-load chain on every quad). vpmaddwd runs two a cycle here, vpaddd four: 32
+// products per 2 vpmaddwd and 2 vpaddd, about 1.6x the products per cycle of float32 FMAs.
+inline void pair_group(const __m256i* buf, int64_t nq, const uint32_t* t0, const uint32_t* t1, const float sum[2],
+                       const float sl[2], const __m256* s, const __m256* z, float* y0, float* y1) {
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  for (int64_t q = 0; q < nq; ++q, buf += 8) {
+    __m256i x0, x1, u0, u1, c, d, m1, m2;
+    __asm__("vpbroadcastd (%[t0]), %[x0]\n\t"
+            "vpbroadcastd 4(%[t0]), %[x1]\n\t"
+            "vpbroadcastd (%[t1]), %[u0]\n\t"
+            "vpbroadcastd 4(%[t1]), %[u1]\n\t"
+            "vmovdqu 0(%[p]), %[c]\n\t"
+            "vmovdqu 32(%[p]), %[d]\n\t"
+            "vpmaddwd %[c], %[x0], %[m1]\n\t"
+            "vpmaddwd %[d], %[x1], %[m2]\n\t"
+            "vpaddd %[m1], %[a0], %[a0]\n\t"
+            "vpaddd %[m2], %[a0], %[a0]\n\t"
+            "vpmaddwd %[c], %[u0], %[c]\n\t"
+            "vpmaddwd %[d], %[u1], %[d]\n\t"
+            "vpaddd %[c], %[b0], %[b0]\n\t"
+            "vpaddd %[d], %[b0], %[b0]\n\t"
+            "vmovdqu 64(%[p]), %[c]\n\t"
+            "vmovdqu 96(%[p]), %[d]\n\t"
+            "vpmaddwd %[c], %[x0], %[m1]\n\t"
+            "vpmaddwd %[d], %[x1], %[m2]\n\t"
+            "vpaddd %[m1], %[a1], %[a1]\n\t"
+            "vpaddd %[m2], %[a1], %[a1]\n\t"
+            "vpmaddwd %[c], %[u0], %[c]\n\t"
+            "vpmaddwd %[d], %[u1], %[d]\n\t"
+            "vpaddd %[c], %[b1], %[b1]\n\t"
+            "vpaddd %[d], %[b1], %[b1]\n\t"
+            "vmovdqu 128(%[p]), %[c]\n\t"
+            "vmovdqu 160(%[p]), %[d]\n\t"
+            "vpmaddwd %[c], %[x0], %[m1]\n\t"
+            "vpmaddwd %[d], %[x1], %[m2]\n\t"
+            "vpaddd %[m1], %[a2], %[a2]\n\t"
+            "vpaddd %[m2], %[a2], %[a2]\n\t"
+            "vpmaddwd %[c], %[u0], %[c]\n\t"
+            "vpmaddwd %[d], %[u1], %[d]\n\t"
+            "vpaddd %[c], %[b2], %[b2]\n\t"
+            "vpaddd %[d], %[b2], %[b2]\n\t"
+            "vmovdqu 192(%[p]), %[c]\n\t"
+            "vmovdqu 224(%[p]), %[d]\n\t"
+            "vpmaddwd %[c], %[x0], %[m1]\n\t"
+            "vpmaddwd %[d], %[x1], %[m2]\n\t"
+            "vpaddd %[m1], %[a3], %[a3]\n\t"
+            "vpaddd %[m2], %[a3], %[a3]\n\t"
+            "vpmaddwd %[c], %[u0], %[c]\n\t"
+            "vpmaddwd %[d], %[u1], %[d]\n\t"
+            "vpaddd %[c], %[b3], %[b3]\n\t"
+            "vpaddd %[d], %[b3], %[b3]\n\t"
+            : [a0] "+x"(a0), [a1] "+x"(a1), [a2] "+x"(a2), [a3] "+x"(a3), [b0] "+x"(b0), [b1] "+x"(b1),
+              [b2] "+x"(b2), [b3] "+x"(b3), [x0] "=&x"(x0), [x1] "=&x"(x1), [u0] "=&x"(u0), [u1] "=&x"(u1),
+              [c] "=&x"(c), [d] "=&x"(d), [m1] "=&x"(m1), [m2] "=&x"(m2)
+            : [p] "r"(buf), [t0] "r"(t0 + 2 * q), [t1] "r"(t1 + 2 * q)
+            : "memory");
+  }
+  const __m256i acc[2][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}};
+  float* const ys[2] = {y0, y1};
+  for (int r = 0; r < 2; ++r) {
+    const __m256 gs = _mm256_set1_ps(sum[r]), g8 = _mm256_set1_ps(8.f * sum[r]), l = _mm256_set1_ps(sl[r]);
     for (int a = 0; a < 4; ++a) {
-      const __m256 d = _mm256_fmsub_ps(_mm256_cvtepi32_ps(acc[r][a]), sl, g8);
-      yr[a] = _mm256_fmadd_ps(s[a], d, yr[a]);
-      yr[a] = _mm256_fmadd_ps(z[a], gs, yr[a]);
+      const __m256 dd = _mm256_fmsub_ps(_mm256_cvtepi32_ps(acc[r][a]), l, g8);
+      __m256 y = _mm256_loadu_ps(ys[r] + 8 * a);
+      y = _mm256_fmadd_ps(s[a], dd, y);
+      y = _mm256_fmadd_ps(z[a], gs, y);
+      _mm256_storeu_ps(ys[r] + 8 * a, y);
+    }
+  }
+}
+
+// unpacked codes per k block: ~16 KiB, so a block stays in L1 while every row pair passes over it
+constexpr int64_t INT4_BLOCK_BYTES = 16384;
+
+// One 32-row chunk of the weight (codes: its bytes of k = 0, `stride` bytes a k; rows[a] + 0..7: accumulator
+// a's rows) against the rows `rs` (ng of them): per k block, the chunk's codes unpacked once into `buf` and
+// its scales into `sf`, then every pair of rows over the block's groups, their sums in y (32 floats a row,
+// ng + 1 rows: an odd row pairs with itself, its twin landing in the spare row).
+void int4_rows_chunk(const uint8_t* codes, int64_t stride, const uint32_t* sz, int64_t N, int64_t K, int64_t group,
+                     const int64_t rows[4], const int64_t* rs, int64_t ng, const uint32_t* tab, const float* gsum,
+                     const float* gsl, __m256i* buf, __m256* sf, float* y) {
+  const int64_t G = K / group, nq = group / 4, per = std::max<int64_t>(1, INT4_BLOCK_BYTES / (group * 64));
+  std::fill(y, y + (ng + 1) * 32, 0.f);
+  for (int64_t g0 = 0; g0 < G; g0 += per) {
+    const int64_t g1 = std::min(G, g0 + per);
+    for (int64_t q = g0 * nq; q < g1 * nq; ++q) unpack_quad(codes + 4 * q * stride, stride, buf + 8 * (q - g0 * nq));
+    for (int64_t g = g0; g < g1; ++g)
+      for (int a = 0; a < 4; ++a) scales8(sz + g * N + rows[a], sf[(g - g0) * 8 + a], sf[(g - g0) * 8 + 4 + a]);
+    for (int64_t i = 0; i < ng; i += 2) {
+      const int64_t r0 = rs[i], r1 = i + 1 < ng ? rs[i + 1] : r0;
+      float* y1 = y + (i + 1) * 32;  // the spare row for an odd row's twin
+      for (int64_t g = g0; g < g1; ++g) {
+        const float sum[2] = {gsum[r0 * G + g], gsum[r1 * G + g]}, sl[2] = {gsl[r0 * G + g], gsl[r1 * G + g]};
+        pair_group(buf + (g - g0) * nq * 8, nq, tab + (r0 * G + g) * 2 * nq, tab + (r1 * G + g) * 2 * nq, sum, sl,
+                   sf + (g - g0) * 8, sf + (g - g0) * 8 + 4, y + i * 32, y1);
+      }
     }
   }
 }
@@ -184,55 +248,46 @@ at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const 
   if (!avx2_available() || B < 32 || qweight.size(0) % B) return at::Tensor();
 #ifdef SUPERSLM_AVX2_ROWS
   const int64_t R = x.size(0), K = x.size(1), N = qweight.size(0), G = K / group, nq = group / 4;
-  const std::vector<float> xf = bf16_rows(x);
+  const at::Tensor xb = x.to(at::kBFloat16).contiguous();  // rounded to bf16, as torch's kernels and the GEMV see x
+  const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
   std::vector<uint32_t> tab(R * K / 2);  // per row, per quad: two words
   std::vector<float> gsum(R * G), gsl(R * G);
-  std::vector<int64_t> good, bad;
-  {
+  std::vector<uint8_t> split(R);
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {  // a prompt's rows: as long as a small GEMM, alone
     std::vector<int8_t> hi(K), lo(K);
-    for (int64_t r = 0; r < R; ++r) {
-      if (superslm_vnni::split_groups(xf.data() + r * K, K, group, hi.data(), lo.data(), gsum.data() + r * G,
-                                      gsl.data() + r * G)) {
-        int4_table(hi.data(), lo.data(), K, tab.data() + r * K / 2);
-        good.push_back(r);
-      } else {
-        bad.push_back(r);
-      }
+    std::vector<float> xf(K);
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t k = 0; k < K; ++k) xf[k] = static_cast<float>(xp[r * K + k]);
+      split[r] = superslm_vnni::split_groups(xf.data(), K, group, hi.data(), lo.data(), gsum.data() + r * G,
+                                             gsl.data() + r * G);
+      if (split[r]) int4_table(hi.data(), lo.data(), K, tab.data() + r * K / 2);
     }
-  }
+  });
+  std::vector<int64_t> good, bad;
+  for (int64_t r = 0; r < R; ++r) (split[r] ? good : bad).push_back(r);
   if (!bad.empty() && block != 0 && block != torch_int4_block()) return at::Tensor();
   at::Tensor out = at::empty({R, N}, x.options().dtype(at::kBFloat16));
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   const uint32_t* szp = reinterpret_cast<const uint32_t*>(sz.data_ptr<at::BFloat16>());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t per_block = B / 32, stride = B / 2, ng = static_cast<int64_t>(good.size());
+  const int64_t per_k = std::max<int64_t>(1, INT4_BLOCK_BYTES / (group * 64)) * group / 4 * 8;  // buf's vectors
   if (ng)
     at::parallel_for(0, N / 32, 1, [&](int64_t c0, int64_t c1) {
-      std::vector<__m256i> buf(nq * 8);
-      std::vector<__m256> y(R * 4);
+      // scratch: the unpacked codes and scales of a k block, the rows' float sums
+      std::vector<__m256i> buf(per_k), sf(per_k / nq);
+      std::vector<__m256> y((ng + 1) * 4);
       for (int64_t ch = c0; ch < c1; ++ch) {
-        const int64_t b = ch / per_block, part = ch % per_block;
+        const int64_t b = ch / per_block, part = ch % per_block;  // bytes 16 part .. 16 part + 15 of each k
         const int64_t r0 = b * B + 16 * part, r1 = r0 + B / 2;
         const int64_t rows[4] = {r0, r0 + 8, r1, r1 + 8};
-        const uint8_t* codes = wp + b * B * K / 2 + 16 * part;
-        for (auto& v : y) v = _mm256_setzero_ps();
-        for (int64_t g = 0; g < G; ++g) {
-          for (int64_t q = 0; q < nq; ++q) unpack_quad(codes + (g * group + 4 * q) * stride, stride, buf.data() + 8 * q);
-          __m256 s[4], z[4];
-          for (int a = 0; a < 4; ++a) scales8(szp + g * N + rows[a], s[a], z[a]);
-          int64_t i = 0;
-          for (; i + 2 <= ng; i += 2)
-            int4_tile<2>(buf.data(), nq, tab, good.data() + i, g, G, gsum.data(), gsl.data(), s, z, y.data());
-          if (i < ng) int4_tile<1>(buf.data(), nq, tab, good.data() + i, g, G, gsum.data(), gsl.data(), s, z, y.data());
-        }
-        for (int64_t i = 0; i < ng; ++i) {
-          const int64_t r = good[i];
-          for (int a = 0; a < 4; ++a) {
-            alignas(32) float v[8];
-            _mm256_store_ps(v, y[r * 4 + a]);
-            for (int j = 0; j < 8; ++j) op[r * N + rows[a] + j] = static_cast<at::BFloat16>(v[j]);
-          }
-        }
+        float* yf = reinterpret_cast<float*>(y.data());
+        int4_rows_chunk(wp + b * B * K / 2 + 16 * part, stride, szp, N, K, group, rows, good.data(), ng, tab.data(),
+                        gsum.data(), gsl.data(), buf.data(), reinterpret_cast<__m256*>(sf.data()), yf);
+        for (int64_t i = 0; i < ng; ++i)
+          for (int a = 0; a < 4; ++a)
+            for (int j = 0; j < 8; ++j)
+              op[good[i] * N + rows[a] + j] = static_cast<at::BFloat16>(yf[i * 32 + 8 * a + j]);
       }
     });
   for (int64_t r : bad)  // torch's kernel on the row alone, as the plan computes a row the GEMV declines
