@@ -105,6 +105,25 @@ def test_int4_prompt_rows_equal_decode_rows(ext, name: str) -> None:
     assert torch.equal(layers._linear(lin, x, True).view(torch.int16), lin(x).view(torch.int16))
 
 
+def test_a_concatenation_whose_part_the_path_does_not_take(ext) -> None:
+    """A ConcatLinear with a part the path does not take (here: hooked) runs that part as it is and the others
+    through the path, not all of them on torch's kernels."""
+    a = Int4Linear.from_dense(torch.randn(128, 256, generator=torch.Generator().manual_seed(5)) * 0.05, None, group=32)
+    b = Int8Linear.from_dense(torch.randn(64, 256, generator=torch.Generator().manual_seed(6)) * 0.05, None)
+    cat = ConcatLinear([a, b])
+    x = torch.randn(cpu_prompt.PROMPT_ROWS, 256, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    seen = []
+    handle = b.register_forward_hook(lambda *args: seen.append(1))
+    got = cpu_prompt.prompt_linear(cat, x)
+    assert got is not None and seen == [1]
+    want = torch.cat([cpu_prompt.prompt_linear(a, x), b(x)], dim=1)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    a_hook = a.register_forward_hook(lambda *args: None)
+    assert cpu_prompt.prompt_linear(cat, x) is None  # no part takes the path: the caller runs the module
+    a_hook.remove()
+    handle.remove()
+
+
 def test_which_rows_and_modes_take_the_path(ext, monkeypatch) -> None:
     lin = _modules(320, 512)["int4"]
     few = torch.randn(cpu_prompt.PROMPT_ROWS - 1, 512, dtype=torch.bfloat16)

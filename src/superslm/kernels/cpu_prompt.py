@@ -81,7 +81,7 @@ def prompt_linear(module: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype |
     """module(x) (or module.forward_rotated(x, dtype) for an input already rotated) for `PROMPT_ROWS` rows or more
     of the default mode, through decoded blocks of the weight and float32 GEMMs; None where it does not apply
     (few rows, another format, hooks, a GPU or the Triton kernels, a CPU with VNNI, torch's kernels forced):
-    the caller runs the module as it is. A ConcatLinear part by part."""
+    the caller runs the module as it is. A ConcatLinear part by part, a part the path does not take as it is."""
     if x.dim() != 2 or x.shape[0] < PROMPT_ROWS or x.device.type != "cpu" or backend(x.device) != "torch":
         return None
     ext = cext.extension()
@@ -92,7 +92,11 @@ def prompt_linear(module: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype |
         if dtype is not None:
             return None
         ys = [prompt_linear(part, x) for part in parts]
-        return torch.cat(ys, dim=1) if ys and all(y is not None for y in ys) else None  # type: ignore[misc]
+        if all(y is None for y in ys):
+            return None
+        # a part the path does not take (a Q6_K v beside Q4_K q and k) runs as it is, as ConcatLinear.forward
+        # runs it, rather than sending the other parts back to torch's kernels with it
+        return torch.cat([part(x) if y is None else y for part, y in zip(parts, ys, strict=True)], dim=1)
     if INT4_ROWS and dtype is None:  # int4: the AVX2 row kernel, each row the bits decode gives it
         y = cpu_decode.int4_prompt_linear(module, x)
         if y is not None:
