@@ -125,8 +125,9 @@ int64_t chunk_rows(int64_t K, int64_t N) {
 // One row of x (bf16, K values) as int8 per block of 256 with a step per 32: block b's coarsest step
 // dx = max|x| / 127 over the block, group g's m = ceil(16 max|x_g| / max|x|) in 1..16, its step dx * m / 16,
 // q = nearbyint(x / step), |q| <= 127. Out: q [K]; bsm int16 [K / 16], the sums of q per 16 times their group's m
-// (at most 16 * 16 * 127 = 32,512); mv int16 [K / 32 * 16], each group's m 16 times (a register's worth); dxs
-// [K / 256] = dx / 16. An all-zero block (or one whose dx underflows to 0) gets q = 0, m = 16. False where x holds
+// (at most 16 * 16 * 127 = 32,512); mv int16 [K / 128 * 16], per block and half h (values 128 h ..) the m of each
+// of its 8 scales, twice: [m_4h, m_4h, m_4h+1, m_4h+1, .., m_4h+3 | the same] (a register's worth, lined up with
+// dot_rows' scales 8 h .. 8 h + 7 in each 128-bit lane); dxs [K / 256] = dx / 16. An all-zero block (or one whose dx underflows to 0) gets q = 0, m = 16. False where x holds
 // a NaN or an inf.
 bool quantize_row(const at::BFloat16* xp, int64_t K, int8_t* xq, int16_t* bsm, int16_t* mv, float* dxs) {
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -172,7 +173,8 @@ bool quantize_row(const at::BFloat16* xp, int64_t K, int8_t* xq, int16_t* bsm, i
       const __m256i h23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);  // 16..31
       const __m256i bq = _mm256_permute4x64_epi64(_mm256_packs_epi16(h01, h23), 0xD8);     // 0..31, int8
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * QK + 32 * s), bq);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(mv + (b * 8 + s) * 16), _mm256_set1_epi16(static_cast<int16_t>(mg)));
+      int16_t* mh = mv + (b * 2 + s / 4) * 16 + 2 * (s % 4);  // scales 2s, 2s + 1: group s's m, in both lanes
+      mh[0] = mh[1] = mh[8] = mh[9] = static_cast<int16_t>(mg);
       // the sums of 16: int16 values 0..15 and 16..31 added pairwise, then within the register
       const __m256i s01 = _mm256_madd_epi16(h01, ones), s23 = _mm256_madd_epi16(h23, ones);  // 8 int32 each
       const __m256i t = _mm256_hadd_epi32(s01, s23);  // [s01 0+1, 2+3, s23 0+1, 2+3 | s01 4+5, 6+7, s23 4+5, 6+7]
@@ -188,7 +190,8 @@ bool quantize_row(const at::BFloat16* xp, int64_t K, int8_t* xq, int16_t* bsm, i
 
 // The R rows of x (R <= 4) against one weight row's blocks -> res[R] (float). Per block: 8 vectors of 32 codes
 // (t = 4 h + q4), each maddubs'd with x's 32 values and madd'd with [scale 2t x 8 | scale 2t + 1 x 8] times x's
-// m of group t into 8 int32 lanes (lane j < 4: values 4j..4j+3 of each vector, times scale 2t; j >= 4:
+// m of group t (the products scale * m formed once per row and half block, one int16 multiply for 8 scales, then
+// shuffled out: integer multiplies are what this loop is short of) into 8 int32 lanes (lane j < 4: values 4j..4j+3 of each vector, times scale 2t; j >= 4:
 // 16 + 4(j - 4).., times 2t + 1); minus 32 * (bsm 2j * scale 2j + bsm 2j+1 * scale 2j+1) in lane j (an int32 lane
 // at most ~2^30: scale * m <= 2,048); then acc = fma(float(lanes), d * dx / 16, acc); the lanes reduced pairwise
 // at the end.
@@ -219,7 +222,9 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const int8_t* const* xq, cons
       const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
       const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
       const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-      const __m256i sch = sch2[h];
+      __m256i scm[R];  // scales 8 h .. 8 h + 7 in both lanes, each times its group's m of row r (at most 2,048)
+      for (int r = 0; r < R; ++r)
+        scm[r] = _mm256_mullo_epi16(sch2[h], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mv[r] + (b * 2 + h) * 16)));
       __m256i v[4];
       v[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
       v[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
@@ -227,12 +232,11 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const int8_t* const* xq, cons
       v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
                              _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
       for (int q4 = 0; q4 < 4; ++q4) {
-        const __m256i scl = _mm256_shuffle_epi8(sch, _mm256_load_si256(reinterpret_cast<const __m256i*>(kShuf[q4])));
+        const __m256i shuf = _mm256_load_si256(reinterpret_cast<const __m256i*>(kShuf[q4]));
         for (int r = 0; r < R; ++r) {
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * QK + 128 * h + 32 * q4));
-          const __m256i mg = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mv[r] + (b * 8 + 4 * h + q4) * 16));
-          isum[r] = _mm256_add_epi32(isum[r],
-                                     _mm256_madd_epi16(_mm256_maddubs_epi16(v[q4], xv), _mm256_mullo_epi16(scl, mg)));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(v[q4], xv),
+                                                                _mm256_shuffle_epi8(scm[r], shuf)));
         }
       }
     }
@@ -303,12 +307,12 @@ at::Tensor q6k_gemv(const at::Tensor& x, const at::Tensor& blocks) {
   const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0), nb = K / QK;
   const at::Tensor xb = x.to(at::kBFloat16).contiguous();
   std::vector<int8_t> xq(M * K);
-  std::vector<int16_t> bs(M * K / 16), mv(M * K / 2);
+  std::vector<int16_t> bs(M * K / 16), mv(M * K / 8);
   std::vector<float> dx(M * nb);
   std::vector<int64_t> good, bad;
   for (int64_t m = 0; m < M; ++m) {
     const bool ok = quantize_row(xb.data_ptr<at::BFloat16>() + m * K, K, xq.data() + m * K, bs.data() + m * K / 16,
-                                 mv.data() + m * K / 2, dx.data() + m * nb);
+                                 mv.data() + m * K / 8, dx.data() + m * nb);
     (ok ? good : bad).push_back(m);
   }
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kBFloat16));
@@ -331,7 +335,7 @@ at::Tensor q6k_gemv(const at::Tensor& x, const at::Tensor& blocks) {
             const int64_t m = good[a + i];
             xs[i] = xq.data() + m * K;
             bss[i] = bs.data() + m * K / 16;
-            mvs[i] = mv.data() + m * K / 2;
+            mvs[i] = mv.data() + m * K / 8;
             dxs[i] = dx.data() + m * nb;
           }
           float res[4];
