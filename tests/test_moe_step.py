@@ -119,6 +119,28 @@ def test_several_rows_equal_the_twin(fmt: str, dtype: torch.dtype) -> None:
 
 
 @needs_ext
+@pytest.mark.parametrize("fmt", ["int4", "int8", "concat", "dense"])
+def test_units_side_by_side_give_the_serial_bits(fmt: str) -> None:
+    """Decode rows run the chosen experts and the shared expert side by side, one thread each: every row gets the
+    bits of the same block run on one thread (each unit's kernels then split their own work), and one row the
+    twin's, at 1 to 32 rows (up to kUnitRows; more rows run the units in order)."""
+    parts = _parts(fmt, torch.bfloat16, 2, True, True, seed=3)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 5, 32, 33):
+            x = _rows(n, torch.bfloat16, 11 + n)
+            torch.set_num_threads(1)
+            alone, alone_counts = _kernel(x, parts)
+            torch.set_num_threads(2)
+            split, split_counts = _kernel(x, parts)
+            assert torch.equal(split, alone) and torch.equal(split_counts, alone_counts), f"{n} rows"
+            if n == 1:
+                assert torch.equal(split, _twin(x, parts)[0])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_ext
 def test_the_twin_is_moe_forward(tmp_path) -> None:
     """moe_decode_reference is MoE.forward's default mode, bit for bit, on a tiny Qwen3.5-MoE block with int4 and
     with int8 experts (the twin's routing, grouping and sums are the module's), and the kernel is the twin's bits

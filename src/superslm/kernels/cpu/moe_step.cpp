@@ -11,7 +11,9 @@
 // row in expert order (index_add_), then the shared expert's scaled output added.
 // The torch twin with the same arguments is kernels/moe_step.py `moe_decode_reference`.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -30,6 +32,10 @@ struct Mlp {
 
 // Lin::make's operands: 6 tensors (a, b, bias, signs, hadamard, extra) and 5 ints (kind, group, out, in, kpad)
 constexpr size_t kTensors = 6, kInts = 5;
+
+// rows up to which a block's units (its chosen experts, the shared one) run side by side, one thread each: decode
+// steps of up to this many sequences, whose experts' GEMVs are too small to split across threads well
+constexpr int64_t kUnitRows = 32;
 
 // act(gate) * up for gate_up [m, 2 I] (gate, then up) in its dtype: kernels/fused.py gated_act's ops
 at::Tensor gated_act(const at::Tensor& gu, int64_t act) {
@@ -147,11 +153,21 @@ class MoEStep {
     }
     std::vector<int64_t> fill(start.begin(), start.end() - 1);
     for (int64_t i = 0; i < n * k; ++i) pairs[fill[ch[i]]++] = i;
-    T* op = out.data_ptr<T>();
-    std::vector<float> tmp(dim);
-    for (int64_t e = 0; e < E; ++e) {
+    // the chosen experts in order, then the shared expert (index E): each unit's MLP output, computed before any
+    // sum so that the units can run side by side
+    std::vector<int64_t> units;
+    for (int64_t e = 0; e < E; ++e)
+      if (start[e + 1] > start[e]) units.push_back(e);
+    if (has_shared_) units.push_back(E);
+    const int64_t U = static_cast<int64_t>(units.size());
+    std::vector<at::Tensor> ys(U);
+    auto run_unit = [&](int64_t u) {
+      const int64_t e = units[u];
+      if (e == E) {
+        ys[u] = mlp(shared_, x);
+        return;
+      }
       const int64_t m = start[e + 1] - start[e];
-      if (m == 0) continue;
       const int64_t* pe = pairs.data() + start[e];
       at::Tensor xe = x;  // every row chose this expert (each row chooses an expert once): x as it is
       if (m < n) {
@@ -159,22 +175,71 @@ class MoEStep {
         for (int64_t i = 0; i < m; ++i)
           std::memcpy(xe.data_ptr<T>() + i * dim, x.data_ptr<T>() + (pe[i] / k) * dim, dim * sizeof(T));
       }
-      const at::Tensor y = mlp(experts_[e], xe);  // [m, dim]
+      ys[u] = mlp(experts_[e], xe);  // [m, dim]
+    };
+    const std::vector<std::vector<int64_t>> lanes = split_units(units, start, n);
+    if (lanes.size() > 1) {
+      // decode rows: each thread runs whole units with their kernels serially (nested parallel_for runs inline),
+      // one fork a block instead of two a linear; every kernel gives an output row the same bits on any thread
+      at::parallel_for(0, static_cast<int64_t>(lanes.size()), 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t l = lo; l < hi; ++l)
+          for (const int64_t u : lanes[l]) run_unit(u);
+      });
+    } else {
+      for (int64_t u = 0; u < U; ++u) run_unit(u);
+    }
+    T* op = out.data_ptr<T>();
+    std::vector<float> tmp(dim);
+    for (int64_t u = 0; u < U; ++u) {  // the sums in expert order, the shared expert last: the twin's order
+      const int64_t e = units[u];
+      const at::Tensor& y = ys[u];
+      if (e == E) {
+        const at::Tensor scale = at::sigmoid(shared_gate_(x, false));  // [n, 1]
+        TORCH_CHECK(scale.size(0) == n && scale.size(1) == 1 && y.size(0) == n && y.size(1) == dim,
+                    "MoEStep.run: the shared expert gives ", y.sizes(), ", its gate ", scale.sizes());
+        const at::Tensor sc = scale.contiguous();
+        const T* sp = sc.data_ptr<T>();
+        const T* yp = y.data_ptr<T>();
+        for (int64_t r = 0; r < n; ++r) add_scaled<T>(op + r * dim, yp + r * dim, ld(sp + r), dim, tmp.data());
+        continue;
+      }
+      const int64_t m = start[e + 1] - start[e];
+      const int64_t* pe = pairs.data() + start[e];
       TORCH_CHECK(y.size(0) == m && y.size(1) == dim && y.is_contiguous(), "MoEStep.run: an expert's output is not [m, dim]");
       const T* yp = y.data_ptr<T>();
       for (int64_t i = 0; i < m; ++i) add_scaled<T>(op + (pe[i] / k) * dim, yp + i * dim, ld(wp + pe[i]), dim, tmp.data());
     }
-    if (has_shared_) {
-      const at::Tensor scale = at::sigmoid(shared_gate_(x, false));  // [n, 1]
-      const at::Tensor y = mlp(shared_, x);
-      TORCH_CHECK(scale.size(0) == n && scale.size(1) == 1 && y.size(0) == n && y.size(1) == dim,
-                  "MoEStep.run: the shared expert gives ", y.sizes(), ", its gate ", scale.sizes());
-      const at::Tensor sc = scale.contiguous();
-      const T* sp = sc.data_ptr<T>();
-      const T* yp = y.data_ptr<T>();
-      for (int64_t r = 0; r < n; ++r) add_scaled<T>(op + r * dim, yp + r * dim, ld(sp + r), dim, tmp.data());
-    }
     return out;
+  }
+
+  // The units (positions in `units`: expert indices, E the shared expert) dealt to the threads by their cost,
+  // largest first onto the least loaded thread; none (the caller runs them in order, each kernel splitting its own
+  // work) where that would not pay: one thread, one unit, or rows enough that an expert's GEMM splits well alone
+  std::vector<std::vector<int64_t>> split_units(const std::vector<int64_t>& units, const std::vector<int64_t>& start,
+                                                int64_t n) const {
+    const int64_t threads = at::get_num_threads(), U = static_cast<int64_t>(units.size());
+    if (threads < 2 || U < 2 || n > kUnitRows || at::in_parallel_region()) return {};
+    const int64_t E = num_experts();
+    std::vector<std::pair<double, int64_t>> cost(U);  // (cost, unit position)
+    for (int64_t u = 0; u < U; ++u) {
+      const int64_t e = units[u];
+      const Mlp& m = e == E ? shared_ : experts_[e];
+      const int64_t rows = e == E ? n : start[e + 1] - start[e];
+      // its weights (read once) and a share of them per further row (the row kernels' arithmetic)
+      cost[u] = {static_cast<double>(m.gate_up.out + m.down.out) * static_cast<double>(m.gate_up.in + m.down.in) *
+                     (1.0 + 0.25 * static_cast<double>(rows - 1)),
+                 u};
+    }
+    std::stable_sort(cost.begin(), cost.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    const int64_t L = std::min(threads, U);
+    std::vector<std::vector<int64_t>> lanes(L);
+    std::vector<double> load(L, 0.0);
+    for (const auto& [c, u] : cost) {
+      const int64_t l = std::min_element(load.begin(), load.end()) - load.begin();
+      lanes[l].push_back(u);
+      load[l] += c;
+    }
+    return lanes;
   }
 
   int64_t top_k_;
