@@ -298,6 +298,10 @@ def test_gguf_fused_parts_and_nearest_formats() -> None:
     y = mixed(x).double()
     ref = F.linear(x.double(), mixed.dequantize().double(), torch.cat([p.bias for p in mixed.parts]).double())
     assert ((y - ref).abs() <= U * (bound(x, mixed.dequantize()) + ref.abs()) + 1e-6).all()
+    # neighbouring parts of one format stay one module (a Q5_0 q and k beside a Q8_0 v: two kernel calls, not three)
+    runs = linear_from_gguf([*parts[:1], *parts], mapping={"Q6_K": ("int8", {})})
+    assert isinstance(runs, ConcatLinear) and [p.out_features for p in runs.parts] == [128, 32]
+    assert torch.equal(runs.dequantize(), torch.cat([mixed.parts[0].dequantize(), mixed.dequantize()]))
 
 
 # --- save / load -----------------------------------------------------------------------------------

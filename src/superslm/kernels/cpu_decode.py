@@ -341,8 +341,8 @@ def one_row_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | N
 
 
 def rows_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """module(x) for decode rows of the default mode through the kernels that the C++ plan runs them on (int4 and
-    int8 formats, as their `plan_args` hand them over; a ConcatLinear part by part), or None where they do not
+    """module(x) for decode rows of the default mode through the kernels that the C++ plan runs them on (int4, int5
+    and int8 formats, as their `plan_args` hand them over; a ConcatLinear part by part), or None where they do not
     apply (another format or shape, hooks on the module or its rotation, neither VNNI nor AVX2, several rows
     where the plan takes torch's kernel): layers the plan does not run (delta rules, experts) read their weights
     at the plan's speed. One row: the GEMVs; without VNNI, 2 to `avx2_gemm_rows` rows: the AVX2 row kernels
@@ -366,6 +366,9 @@ def rows_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None
         return _with_bias(module, ext.q6k_gemv(x.to(torch.bfloat16), weight), x) if rows <= 64 else None
     if kind == 2:
         return vnni_linear(module, x) if rows == 1 or not ext.vnni_available() else None
+    if kind == 5:  # Q5_0 (quant/int5.py): the VNNI kernels, else the AVX2 ones (the same bits); plan_args said which
+        y = (ext.int5_gemv if rows == 1 else ext.int5_gemm)(x.to(torch.bfloat16), weight, scales, got[0][5])
+        return _with_bias(module, y if y.shape[1] == out else y[:, :out], x)
     if kind == 4:  # a ConcatLinear: its parts side by side, each as the plan runs it
         ys = [rows_linear(part, x) for part in getattr(module, "parts", ())]
         return torch.cat(ys, dim=1) if ys and all(y is not None for y in ys) else None  # type: ignore[misc]

@@ -48,8 +48,8 @@ def int4_dequant_rows_reference(qweight: torch.Tensor, sz: torch.Tensor, group: 
 
 def _decoder(module: torch.nn.Module, ext: Any) -> tuple[Any, int, int] | None:
     """(decode(n0, n1, out) -> rows n0..n1 of the weight as a float32 [K, n1 - n0] matrix (in `out`'s memory), the
-    rows' multiple, K) for an int4 (torch's packed CPU layout) or int8 linear, from the operands it hands the C++
-    plan; None for other formats."""
+    rows' multiple, K) for an int4 (torch's packed CPU layout), int5 (GGUF Q5_0) or int8 linear, from the operands it
+    hands the C++ plan; None for other formats."""
     got = getattr(module, "plan_args", lambda: None)()
     if got is None:
         return None
@@ -65,6 +65,14 @@ def _decoder(module: torch.nn.Module, ext: Any) -> tuple[Any, int, int] | None:
             return out[: (n1 - n0) * k].view(k, n1 - n0)
 
         return int4, block, k
+    if kind == 5:  # Q5_0 (quant/int5.py): nibbles in blocks of 64 rows, the fifth bits' masks
+        bits, k = got[0][5], weight.shape[1] * 2
+
+        def int5(n0: int, n1: int, out: torch.Tensor) -> torch.Tensor:
+            ext.int5_dequant_rows(weight, scales, bits, n0, n1, out)
+            return out[: (n1 - n0) * k].view(k, n1 - n0)
+
+        return int5, 64, k
     if kind == 2 and weight.dtype == torch.int8 and scales is not None:
         k = weight.shape[1]
 

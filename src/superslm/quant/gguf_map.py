@@ -1,7 +1,7 @@
 """Which runtime format each GGUF block type becomes, and linears built from GGUF tensors.
 
 Q4_0, Q4_1 and Q4_K run as they are ("gguf": their 32-value groups are the packed kernel's groups), and
-Q5_0 too ("gguf5", quant/int5.py) where the C++ VNNI kernels run (else int8, as below), and IQ4_NL / IQ4_XS
+Q5_0 too ("gguf5", quant/int5.py) where the C++ VNNI or AVX2 kernels run (else int8, as below), and IQ4_NL / IQ4_XS
 ("giq4", quant/iq4.py: a float32 scale times a table value per code) where the C++ IQ4 GEMV runs (AVX2), and
 Q6_K ("gq6k", quant/q6k.py: the file's blocks byte for byte) where the C++ Q6_K GEMV runs (AVX2).
 Every other quantized type is dequantized and re-quantized to int8 per output channel: measured on
@@ -24,7 +24,7 @@ from superslm.errors import InvalidArgument, TokenOutOfRange
 from superslm.formats.blocks import IQ4_NL, IQ4_XS, Q5_0, Q6_K, BlockType, Int4BlockType
 from superslm.quant.base import LinearFormat, dequantize_gguf, format_class, load_linear, register_format
 from superslm.quant.int4 import GGUFInt4Linear
-from superslm.quant.int5 import GGUFInt5Linear
+from superslm.quant.int5 import GGUFInt5Linear, int5_kernels
 from superslm.quant.iq4 import GGUFIQ4Linear, iq4_kernels
 from superslm.quant.q6k import GGUFQ6KLinear, q6k_kernels
 
@@ -70,8 +70,9 @@ def nearest_format(block_type: type[BlockType], mapping: Mapping[str, tuple[str,
 
 
 def int5_runs() -> bool:
-    """Whether Q5_0 can run as it is here: the C++ VNNI kernels built, and not SUPERSLM_KERNELS=torch."""
-    return not cext.torch_kernels_forced() and cext.vnni() is not None
+    """Whether Q5_0 can run as it is here: the C++ 5-bit kernels built (AVX-512 VNNI, or AVX2 and FMA), and not
+    SUPERSLM_KERNELS=torch."""
+    return not cext.torch_kernels_forced() and int5_kernels() is not None
 
 
 def iq4_runs() -> bool:
@@ -241,6 +242,14 @@ def linear_from_gguf(
             return _int8_by_rows(parts[0], bias, f"from {names}", release)
         weights = [dequantize_gguf(*p) for p in parts]
         return format_class(fmt).from_dense(weights, bias, note=f"from {names}", **options)
-    sizes = [int(p[2][0]) for p in parts]
-    biases = [None] * len(parts) if bias is None else list(torch.split(bias, sizes))
-    return ConcatLinear([linear_from_gguf([p], b, mapping) for p, b in zip(parts, biases)])
+    # runs of neighbouring parts in one format stay one module (Gemma's Q5_0 q and k beside a Q8_0 v: two kernel
+    # calls a step, not three)
+    runs: list[list[int]] = []
+    for i, t in enumerate(targets):
+        if runs and targets[runs[-1][0]] == t:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    sizes = [sum(int(parts[i][2][0]) for i in run) for run in runs]
+    biases = [None] * len(runs) if bias is None else list(torch.split(bias, sizes))
+    return ConcatLinear([linear_from_gguf([parts[i] for i in run], b, mapping) for run, b in zip(runs, biases)])

@@ -5,8 +5,11 @@ where the file has 0.69, and the re-quantization added 0.8% error. Here the code
 the low nibbles in torch's packed int4 layout (`pack_int4`), the fifth bits as 64-bit masks in the
 VNNI kernels' lane order (kernels/cpu/vnni.h `add_bits`), and torch's [groups, N, 2] bf16 scales with
 (d, -8 d): (code - 8) d - 8 d = (code - 16) d. 0.75 bytes a weight; the only rounding is d to bf16, as
-for the other GGUF-native blocks. torch has no 5-bit kernel: the C++ VNNI kernels run it (superslm/cext.py;
-each row's bits the same alone or in a batch), and without them a dense copy (built at first use).
+for the other GGUF-native blocks. torch has no 5-bit kernel: the C++ kernels run it (superslm/cext.py), with
+AVX-512 VNNI (gemv.cpp, gemm.cpp) or with AVX2 and FMA (avx2.cpp, avx2_rows.cpp: the same bits), each row's
+bits the same alone or in a batch; prompt chunks on AVX2 CPUs decode blocks of rows for a float32 GEMM
+(kernels/cpu_prompt.py, `int5_dequant_rows`). Without the kernels, a dense copy (built at first use).
+`int5_rows_reference` and `int5_dequant_rows_reference` are the kernels' torch twins.
 """
 
 from __future__ import annotations
@@ -64,9 +67,89 @@ def q5_0_params(raw: np.ndarray, shape: Sequence[int], row_perm: torch.Tensor | 
     return codes, d
 
 
+def int5_kernels() -> Any:
+    """The extension where its 5-bit kernels run: built with AVX-512 VNNI, or with AVX2 and FMA; else None."""
+    ext = cext.extension()
+    if ext is None or not (ext.vnni_available() or ext.avx2_available()):
+        return None
+    return ext
+
+
+def _codes(qweight: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """The kernels' operands (nibbles in blocks of 64 rows, fifth-bit masks) -> codes int64 [N, K] of 0..31."""
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    c = unpack_int4(qweight.cpu()).numpy() | (unpack_bits(bits.cpu().numpy(), n, k) << np.uint8(4))
+    return torch.from_numpy(c.astype(np.int64))
+
+
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a * b + c of float32 tensors rounded once, as the kernels' FMA: the product is exact in float64, and the
+    sum's rounding to float64 and then float32 differs from one rounding only on an exact float32 halfway point."""
+    return (a.double() * b.double() + c.double()).float()
+
+
+def _split_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels/cpu/vnni.h split_groups for rows x float32 [M, K] in groups of 32 -> (hi, lo int64 [M, K], sum of each
+    group float32 [M, G], its low part's scale float32 [M, G], whether each row splits bool [M])."""
+    m, k = x.shape
+    xg = x.view(m, k // 32, 32)  # [M, G, 32]
+    gsum = torch.zeros(m, k // 32)
+    for i in range(32):  # the kernels' order: one element after the other, in float32
+        gsum = gsum + xg[..., i]
+    amax = xg.abs().amax(-1)
+    sq = xg.double() ** 2
+    rest = (sq.sum(-1) - amax.double() ** 2).clamp(min=0) / 31
+    zero = (xg == 0).all(-1)
+    ok = torch.isfinite(xg).all(-1) & (amax >= 1e-30) & ~((rest > 0) & (amax.double() ** 2 > 4096 * rest))
+    ok = (ok | zero).all(-1)
+    sh = torch.where(zero, torch.ones_like(amax), amax / 127)[..., None]  # an all-zero group: zero parts
+    sl = sh / 254
+    qh = torch.round(xg / sh).clamp(-127, 127)
+    # x - qh sh: GCC contracts it to one FMA (C++ allows it by default), rounded once
+    ql = torch.round(_fma(-qh, sh.expand_as(qh), xg) / sl).clamp(-127, 127)
+    gsl = torch.where(zero, torch.zeros_like(amax), sl[..., 0])
+    return qh.long().view(m, k), ql.long().view(m, k), gsum, gsl, ok
+
+
+def int5_rows_reference(x: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """The torch twin of the extension's 5-bit kernels (int5_gemv, int5_gemm and their AVX2 forms): x [M, K] ->
+    [M, N] bf16. Each row rounded to bf16 and split per group of 32 into two int8 parts (kernels/cpu/vnni.h
+    split_groups), the exact integer sums H and L of the codes times each part, then per group y += s (sl (254 H + L)
+    - 8 sum x) + z sum x with the kernels' FMAs. A row that does not split (a NaN, an inf, an outlier) gets the
+    float32 product of the decoded weights (the kernels' int5_reference sums those in another order)."""
+    xf = x.to(torch.bfloat16).float().cpu()
+    m, k = xf.shape
+    n, g = qweight.shape[0], k // 32
+    codes = _codes(qweight, bits).view(n, g, 32)
+    hi, lo, gsum, gsl, ok = _split_groups(xf)
+    h = torch.einsum("mgk,ngk->mng", hi.view(m, g, 32), codes)  # [M, N, G], exact in int64
+    low = torch.einsum("mgk,ngk->mng", lo.view(m, g, 32), codes)
+    comb = (254 * h + low).float()  # one rounding to float32, as the kernels' conversion
+    s, z = sz[..., 0].float().t(), sz[..., 1].float().t()  # [N, G]
+    y = torch.zeros(m, n)
+    for j in range(g):
+        d = _fma(comb[..., j], gsl[:, j : j + 1].expand(m, n), -(8 * gsum[:, j : j + 1]).expand(m, n))
+        y = _fma(s[:, j].expand(m, n), d, y)
+        y = _fma(z[:, j].expand(m, n), gsum[:, j : j + 1].expand(m, n), y)
+    if not ok.all():
+        w = ((codes - 8).float() * s[..., None] + z[..., None]).view(n, k)  # exact: (c - 16) d
+        y[~ok] = (xf[~ok].double() @ w.double().t()).float()
+    return y.to(torch.bfloat16)
+
+
+def int5_dequant_rows_reference(qweight: torch.Tensor, sz: torch.Tensor, bits: torch.Tensor, n0: int,
+                                n1: int) -> torch.Tensor:
+    """The torch twin of the extension's int5_dequant_rows: rows n0..n1 (multiples of 64) of the weight as float32
+    [K, n1 - n0] (transposed), (c - 8) s + z = (c - 16) d exactly."""
+    codes = _codes(qweight, bits)[n0:n1]  # [rows, K]
+    s = sz[:, n0:n1, 0].float().t().repeat_interleave(32, dim=1)  # [rows, K]
+    z = sz[:, n0:n1, 1].float().t().repeat_interleave(32, dim=1)
+    return ((codes.float() - 8) * s + z).t().contiguous()
+
+
 @register_format
 class GGUFInt5Linear(LinearFormat):
-    """GGUF Q5_0 blocks as they are (group 32, 5-bit codes), on the C++ VNNI kernels."""
+    """GGUF Q5_0 blocks as they are (group 32, 5-bit codes), on the C++ VNNI or AVX2 kernels."""
 
     name: ClassVar[str] = "gguf5"
 
@@ -89,8 +172,8 @@ class GGUFInt5Linear(LinearFormat):
         self.register_buffer("scales_zeros", sz.transpose(0, 1).contiguous())  # [groups, N_pad, 2]
 
     def kernel_row_invariant(self) -> bool:
-        # the VNNI kernels give a row its bits whatever the batch; the dense fallback matmul does not
-        return cext.vnni() is not None and self.qweight.device.type == "cpu"
+        # the VNNI and AVX2 kernels give a row its bits whatever the batch; the dense fallback matmul does not
+        return int5_kernels() is not None and self.qweight.device.type == "cpu"
 
     @classmethod
     def from_gguf_parts(cls, parts: Sequence[tuple[np.ndarray, type[BlockType], Sequence[int], Any]],
@@ -116,12 +199,12 @@ class GGUFInt5Linear(LinearFormat):
         raise InvalidArgument("the gguf5 format is built from GGUF Q5_0 blocks (from_gguf)")
 
     def plan_args(self) -> tuple[list[torch.Tensor | None], list[int]] | None:
-        if cext.vnni() is None:
-            return None  # the 5-bit codes run only on the VNNI kernels; the module has its own fallback
+        if int5_kernels() is None:
+            return None  # the 5-bit codes run only on the C++ kernels; the module has its own fallback
         return [self.qweight, self.scales_zeros, self.bias, None, None, self.bits], [5, 32, *self._plan_ints()]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        ext = cext.vnni()
+        ext = int5_kernels()  # VNNI, else AVX2 (int5_gemv and int5_gemm pick them: the same bits)
         if ext is None or x.device.type != "cpu":
             # no 5-bit kernel here (a folder converted on another CPU, or another device): a dense copy in
             # x's dtype, built once; each weight rounded to that dtype
@@ -137,8 +220,7 @@ class GGUFInt5Linear(LinearFormat):
 
     def _codes(self) -> np.ndarray:
         """codes uint8 [N_pad, K] of 0..31."""
-        n, k = self.qweight.shape[0], self.k_pad
-        return unpack_int4(self.qweight.cpu()).numpy() | (unpack_bits(self.bits.cpu().numpy(), n, k) << np.uint8(4))
+        return _codes(self.qweight, self.bits).numpy().astype(np.uint8)
 
     def dequantize_stored(self) -> torch.Tensor:
         n = self._out

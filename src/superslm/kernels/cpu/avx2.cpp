@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "vnni.h"
+#include "int5_avx2.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -62,14 +63,19 @@ int64_t torch_int4_block() {
 #ifdef SUPERSLM_AVX2
 namespace {
 
-// The int16 sums of `nq` quads of k (at most 8) for 32 rows: torch's layout holds, per k, 16 bytes whose
-// byte j has one row in its low nibble and the row B / 2 later in its high one (the k STRIDE = B / 2 bytes
-// apart). A byte unpack of [k0 | k1] with [k2 | k3] puts each row's codes in one 16-bit lane, (k0, k2) in
-// the low 128 bits and (k1, k3) in the high, which quad_table's activation layout matches. h[0] / l[0]:
-// rows 0-7, [1] 8-15 (low nibbles), [2] 16-23, [3] 24-31 (high nibbles). Named accumulators and this order
-// keep the live values close to AVX2's 16 ymm registers (GCC 12 still spills one accumulator).
-template <int STRIDE>
-inline void quad_sums(const uint8_t* p, const __m256i* xh, const __m256i* xl, int64_t nq, __m256i h[4], __m256i l[4]) {
+using superslm_int5::FifthBits;
+using superslm_int5::load_masks;
+
+// The int16 sums of `nq` quads of k (at most 8; with fifth bits at most 4) for 32 rows: torch's layout holds,
+// per k, 16 bytes whose byte j has one row in its low nibble and the row B / 2 later in its high one (the k
+// STRIDE = B / 2 bytes apart). A byte unpack of [k0 | k1] with [k2 | k3] puts each row's codes in one 16-bit
+// lane, (k0, k2) in the low 128 bits and (k1, k3) in the high, which quad_table's activation layout matches.
+// h[0] / l[0]: rows 0-7, [1] 8-15 (low nibbles), [2] 16-23, [3] 24-31 (high nibbles). Named accumulators and
+// this order keep the live values close to AVX2's 16 ymm registers (GCC 12 still spills one accumulator).
+// FIVE: Q5_0's codes (0..31), the fifth bits from `masks` (4 per quad, FifthBits).
+template <int STRIDE, bool FIVE = false>
+inline void quad_sums(const uint8_t* p, const __m256i* xh, const __m256i* xl, int64_t nq, __m256i h[4], __m256i l[4],
+                      const uint64_t* masks = nullptr, const FifthBits* fb = nullptr) {
   const __m256i nib = _mm256_set1_epi8(0x0f);
   __m256i h0 = _mm256_setzero_si256(), h1 = h0, h2 = h0, h3 = h0, l0 = h0, l1 = h0, l2 = h0, l3 = h0;
   for (int64_t q = 0; q < nq; ++q, p += 4 * STRIDE) {
@@ -82,19 +88,22 @@ inline void quad_sums(const uint8_t* p, const __m256i* xh, const __m256i* xl, in
       v23 = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p + 3 * STRIDE),
                                 reinterpret_cast<const __m128i*>(p + 2 * STRIDE));
     }
+    __m256i m01, m23;
+    if (FIVE) load_masks(masks + 4 * q, m01, m23);
+    auto code = [&](__m256i c, int a) { return FIVE ? fb->add(c, a, m01, m23) : c; };
     const __m256i vh = xh[q], vl = xl[q];
     const __m256i r07 = _mm256_unpacklo_epi8(v01, v23);
-    __m256i c = _mm256_and_si256(r07, nib);
+    __m256i c = code(_mm256_and_si256(r07, nib), 0);
     h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(c, vh));
     l0 = _mm256_add_epi16(l0, _mm256_maddubs_epi16(c, vl));
-    c = _mm256_and_si256(_mm256_srli_epi16(r07, 4), nib);
+    c = code(_mm256_and_si256(_mm256_srli_epi16(r07, 4), nib), 2);
     h2 = _mm256_add_epi16(h2, _mm256_maddubs_epi16(c, vh));
     l2 = _mm256_add_epi16(l2, _mm256_maddubs_epi16(c, vl));
     const __m256i r815 = _mm256_unpackhi_epi8(v01, v23);
-    c = _mm256_and_si256(r815, nib);
+    c = code(_mm256_and_si256(r815, nib), 1);
     h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(c, vh));
     l1 = _mm256_add_epi16(l1, _mm256_maddubs_epi16(c, vl));
-    c = _mm256_and_si256(_mm256_srli_epi16(r815, 4), nib);
+    c = code(_mm256_and_si256(_mm256_srli_epi16(r815, 4), nib), 3);
     h3 = _mm256_add_epi16(h3, _mm256_maddubs_epi16(c, vh));
     l3 = _mm256_add_epi16(l3, _mm256_maddubs_epi16(c, vl));
   }
@@ -132,18 +141,23 @@ inline void scales8(const uint32_t* p, __m256& s, __m256& z) {
 // rows r and r + B / 2 in one byte). The int4 sums of codes (0..15, unsigned) times the int8 parts of x
 // (xh, xl: quad_table): maddubs' int16 sums of two products are at most 2 * 15 * 127 = 3,810, so eight
 // of them (32 k) add up in int16 before they widen. Per group: y += s * (sum c x - 8 sum x) + z * sum x,
-// as vnni.h group_epilogue.
+// as vnni.h group_epilogue. FIVE: Q5_0's codes (0..31, blocks of 64 rows), their fifth bits from `masks` (the
+// block's, 4 per quad of k): the int16 sums reach 2 * 31 * 127 = 7,874 a quad, so four quads (16 k) at a time.
+template <bool FIVE = false>
 void int4_chunk(const uint8_t* codes, int64_t stride, const uint32_t* sz, int64_t N, int64_t K, int64_t group,
                 const int64_t rows[4], const __m256i* xh, const __m256i* xl, const float* gsum, const float* gsl,
-                __m256 y[4]) {
+                __m256 y[4], const uint64_t* masks = nullptr, const FifthBits* fb = nullptr) {
+  constexpr int64_t step = FIVE ? 16 : 32;
   for (int a = 0; a < 4; ++a) y[a] = _mm256_setzero_ps();
   for (int64_t g = 0; g < K / group; ++g) {
     __m256i hs[4], ls[4];  // the integer sums of the codes times each part, per row
     for (int a = 0; a < 4; ++a) hs[a] = ls[a] = _mm256_setzero_si256();
-    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 32) {
+    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += step) {
       __m256i h16[4], l16[4];
-      const int64_t k1 = std::min(k0 + 32, (g + 1) * group);
-      if (stride == 16)
+      const int64_t k1 = std::min(k0 + step, (g + 1) * group);
+      if (FIVE)
+        quad_sums<32, true>(codes + k0 * 32, xh + k0 / 4, xl + k0 / 4, (k1 - k0) / 4, h16, l16, masks + k0, fb);
+      else if (stride == 16)
         quad_sums<16>(codes + k0 * 16, xh + k0 / 4, xl + k0 / 4, (k1 - k0) / 4, h16, l16);
       else
         quad_sums<32>(codes + k0 * 32, xh + k0 / 4, xl + k0 / 4, (k1 - k0) / 4, h16, l16);
@@ -298,6 +312,52 @@ at::Tensor int8_gemv_avx2(const at::Tensor& x, const at::Tensor& codes, const at
   const int64_t grain = std::max<int64_t>(4, (262144 / K) & ~int64_t(3));  // ~256 KiB of weights a task
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     int8_rows(hi.data(), lo.data(), cp, sp, sh, sl, op, K, n0, n1);
+  });
+  return out;
+#else
+  return at::Tensor();
+#endif
+}
+
+// gemm.cpp: the fifth-bit masks' check, and the plain float32 reference of the 5-bit codes
+const uint64_t* int5_bits(const at::Tensor& bits, int64_t N, int64_t K);
+
+// x [1, K] -> [1, N] bf16 for Q5_0 weights (quant/int5.py: nibbles in blocks of 64 rows of torch's packed int4
+// layout, the fifth bits as masks [N / 64, K / 4, 4], (d, -8 d) per group of 32), as gemv.cpp int5_gemv computes
+// it with VNNI (the same bits: the same split, exact integer sums, the same epilogue); undefined without AVX2 or
+// where x cannot be split (a NaN, an inf, an outlier: the caller takes gemm.cpp int5_reference).
+at::Tensor int5_gemv_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits) {
+  superslm_vnni::check_int4(x, qweight, sz, 32, "int5_gemv_avx2");
+  TORCH_CHECK(x.size(0) == 1, "int5_gemv_avx2: one row");
+  const int64_t K = x.size(1), N = qweight.size(0), G = K / 32;
+  const uint64_t* bp = int5_bits(bits, N, K);
+  if (!avx2_available()) return at::Tensor();
+#ifdef SUPERSLM_AVX2
+  const std::vector<float> xf = bf16_row(x);
+  std::vector<int8_t> hi(K), lo(K);
+  std::vector<float> gsum(G), gsl(G);
+  if (!superslm_vnni::split_groups(xf.data(), K, 32, hi.data(), lo.data(), gsum.data(), gsl.data()))
+    return at::Tensor();
+  const std::vector<__m256i> xh = quad_table(hi.data(), K), xl = quad_table(lo.data(), K);
+  const FifthBits fb[2] = {FifthBits(0), FifthBits(1)};
+  at::Tensor out = at::empty({1, N}, x.options().dtype(at::kBFloat16));
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const uint32_t* szp = reinterpret_cast<const uint32_t*>(sz.data_ptr<at::BFloat16>());
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, N / 32, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t ch = c0; ch < c1; ++ch) {
+      const int64_t b = ch / 2, part = ch % 2;  // bytes 16 part .. 16 part + 15 of each k of block b
+      const int64_t r0 = b * 64 + 16 * part, r1 = r0 + 32;
+      const int64_t rows[4] = {r0, r0 + 8, r1, r1 + 8};
+      __m256 y[4];
+      int4_chunk<true>(wp + b * 32 * K + 16 * part, 32, szp, N, K, 32, rows, xh.data(), xl.data(), gsum.data(),
+                       gsl.data(), y, bp + b * K, &fb[part]);
+      for (int a = 0; a < 4; ++a) {
+        alignas(32) float v[8];
+        _mm256_store_ps(v, y[a]);
+        for (int i = 0; i < 8; ++i) op[rows[a] + i] = static_cast<at::BFloat16>(v[i]);
+      }
+    }
   });
   return out;
 #else

@@ -13,9 +13,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <functional>
 #include <vector>
 
 #include "vnni.h"
+#include "int5_avx2.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -54,15 +56,22 @@ void int4_table(const int8_t* hi, const int8_t* lo, int64_t K, uint32_t* t) {
 // One quad of k of a 32-row chunk of torch's layout (16 bytes a k, `stride` bytes apart; byte j holds row
 // rows[0] + j in its low nibble, rows[2] + j in its high one, as avx2.cpp quad_sums reads it) -> 8 vectors:
 // for accumulator a (rows[a] + 0..7), out[2a] the codes at (k0, k2) as int16 pairs, out[2a + 1] at (k1, k3).
-inline void unpack_quad(const uint8_t* p, int64_t stride, __m256i* out) {
+// With `fb`: Q5_0's codes, the fifth bits from the quad's four masks `m` (int5_avx2.h).
+inline void unpack_quad(const uint8_t* p, int64_t stride, __m256i* out, const uint64_t* m = nullptr,
+                        const superslm_int5::FifthBits* fb = nullptr) {
   const __m256i nib = _mm256_set1_epi8(0x0f);
   const __m256i v01 = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p + stride),
                                           reinterpret_cast<const __m128i*>(p));
   const __m256i v23 = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p + 3 * stride),
                                           reinterpret_cast<const __m128i*>(p + 2 * stride));
   const __m256i a = _mm256_unpacklo_epi8(v01, v23), b = _mm256_unpackhi_epi8(v01, v23);
-  const __m256i c[4] = {_mm256_and_si256(a, nib), _mm256_and_si256(b, nib),
-                        _mm256_and_si256(_mm256_srli_epi16(a, 4), nib), _mm256_and_si256(_mm256_srli_epi16(b, 4), nib)};
+  __m256i c[4] = {_mm256_and_si256(a, nib), _mm256_and_si256(b, nib),
+                  _mm256_and_si256(_mm256_srli_epi16(a, 4), nib), _mm256_and_si256(_mm256_srli_epi16(b, 4), nib)};
+  if (fb) {
+    __m256i m01, m23;
+    superslm_int5::load_masks(m, m01, m23);
+    for (int i = 0; i < 4; ++i) c[i] = fb->add(c[i], i, m01, m23);
+  }
   for (int i = 0; i < 4; ++i) {
     out[2 * i] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(c[i]));
     out[2 * i + 1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(c[i], 1));
@@ -158,15 +167,18 @@ constexpr int64_t INT4_BLOCK_BYTES = 16384;
 // One 32-row chunk of the weight (codes: its bytes of k = 0, `stride` bytes a k; rows[a] + 0..7: accumulator
 // a's rows) against the rows `rs` (ng of them): per k block, the chunk's codes unpacked once into `buf` and
 // its scales into `sf`, then every pair of rows over the block's groups, their sums in y (32 floats a row,
-// ng + 1 rows: an odd row pairs with itself, its twin landing in the spare row).
+// ng + 1 rows: an odd row pairs with itself, its twin landing in the spare row). With `masks` and `fb`: Q5_0's
+// 5-bit codes (the chunk's block's fifth-bit masks, four a quad of k; the exact int32 sums hold them too).
 void int4_rows_chunk(const uint8_t* codes, int64_t stride, const uint32_t* sz, int64_t N, int64_t K, int64_t group,
                      const int64_t rows[4], const int64_t* rs, int64_t ng, const uint32_t* tab, const float* gsum,
-                     const float* gsl, __m256i* buf, __m256* sf, float* y) {
+                     const float* gsl, __m256i* buf, __m256* sf, float* y, const uint64_t* masks = nullptr,
+                     const superslm_int5::FifthBits* fb = nullptr) {
   const int64_t G = K / group, nq = group / 4, per = std::max<int64_t>(1, INT4_BLOCK_BYTES / (group * 64));
   std::fill(y, y + (ng + 1) * 32, 0.f);
   for (int64_t g0 = 0; g0 < G; g0 += per) {
     const int64_t g1 = std::min(G, g0 + per);
-    for (int64_t q = g0 * nq; q < g1 * nq; ++q) unpack_quad(codes + 4 * q * stride, stride, buf + 8 * (q - g0 * nq));
+    for (int64_t q = g0 * nq; q < g1 * nq; ++q)
+      unpack_quad(codes + 4 * q * stride, stride, buf + 8 * (q - g0 * nq), masks ? masks + 4 * q : nullptr, fb);
     for (int64_t g = g0; g < g1; ++g)
       for (int a = 0; a < 4; ++a) scales8(sz + g * N + rows[a], sf[(g - g0) * 8 + a], sf[(g - g0) * 8 + 4 + a]);
     for (int64_t i = 0; i < ng; i += 2) {
@@ -236,18 +248,19 @@ inline void int8_block(const int8_t* codes, int64_t K, int64_t n, const int64_t*
 // prompt chunk's decoded blocks and float32 GEMMs are faster, kernels/cpu_prompt.py)
 int64_t avx2_gemm_rows() { return 63; }
 
-// x [R, K] -> [R, N] bf16 for int4 weights packed in blocks of `block` rows (0: torch's layout here): row r
-// gets int4_gemv_avx2(x[r:r+1])'s bits, or where the GEMV declines that row (a NaN, an inf, an outlier)
-// torch's kernel on that row alone, as the plan then computes it. Undefined where it does not apply (no AVX2,
-// an unknown layout, a declined row in a layout torch's kernel does not read): the caller takes torch's kernel.
-at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group,
-                          int64_t block) {
-  superslm_vnni::check_int4(x, qweight, sz, group, "int4_gemm_avx2");
-  TORCH_CHECK(block == 0 || block == 32 || block == 64, "int4_gemm_avx2: blocks of 32 or 64 rows (0: torch's)");
-  const int64_t B = block ? block : torch_int4_block();
-  if (!avx2_available() || B < 32 || qweight.size(0) % B) return at::Tensor();
+// gemm.cpp: the fifth-bit masks' check, and the plain float32 reference of the 5-bit codes
+const uint64_t* int5_bits(const at::Tensor& bits, int64_t N, int64_t K);
+at::Tensor int5_reference(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits);
+
+namespace {
+
+// int4_gemm_avx2 (bits null) and int5_gemm_avx2 (Q5_0's fifth-bit masks, blocks of 64 rows, groups of 32): every
+// row the one-row GEMV's bits; the rows it declines to `declined` (x's rows, bf16) or, where that is empty,
+// undefined. B: rows per block of the layout.
+at::Tensor rows_kernel(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group, int64_t B,
+                       const uint64_t* bits, const std::function<at::Tensor(const at::Tensor&)>& declined) {
 #ifdef SUPERSLM_AVX2_ROWS
-  const int64_t R = x.size(0), K = x.size(1), N = qweight.size(0), G = K / group, nq = group / 4;
+  const int64_t R = x.size(0), K = x.size(1), N = qweight.size(0), G = K / group;
   const at::Tensor xb = x.to(at::kBFloat16).contiguous();  // rounded to bf16, as torch's kernels and the GEMV see x
   const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
   std::vector<uint32_t> tab(R * K / 2);  // per row, per quad: two words
@@ -265,13 +278,14 @@ at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const 
   });
   std::vector<int64_t> good, bad;
   for (int64_t r = 0; r < R; ++r) (split[r] ? good : bad).push_back(r);
-  if (!bad.empty() && block != 0 && block != torch_int4_block()) return at::Tensor();
+  if (!bad.empty() && !declined) return at::Tensor();
   at::Tensor out = at::empty({R, N}, x.options().dtype(at::kBFloat16));
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   const uint32_t* szp = reinterpret_cast<const uint32_t*>(sz.data_ptr<at::BFloat16>());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int64_t per_block = B / 32, stride = B / 2, ng = static_cast<int64_t>(good.size());
+  const int64_t nq = group / 4, per_block = B / 32, stride = B / 2, ng = static_cast<int64_t>(good.size());
   const int64_t per_k = std::max<int64_t>(1, INT4_BLOCK_BYTES / (group * 64)) * group / 4 * 8;  // buf's vectors
+  const superslm_int5::FifthBits fb[2] = {superslm_int5::FifthBits(0), superslm_int5::FifthBits(1)};
   if (ng)
     at::parallel_for(0, N / 32, 1, [&](int64_t c0, int64_t c1) {
       // scratch: the unpacked codes and scales of a k block, the rows' float sums
@@ -282,21 +296,52 @@ at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const 
         const int64_t r0 = b * B + 16 * part, r1 = r0 + B / 2;
         const int64_t rows[4] = {r0, r0 + 8, r1, r1 + 8};
         float* yf = reinterpret_cast<float*>(y.data());
+        const uint64_t* masks = bits ? bits + b * K : nullptr;  // the block's: four a quad of k
         int4_rows_chunk(wp + b * B * K / 2 + 16 * part, stride, szp, N, K, group, rows, good.data(), ng, tab.data(),
-                        gsum.data(), gsl.data(), buf.data(), reinterpret_cast<__m256*>(sf.data()), yf);
+                        gsum.data(), gsl.data(), buf.data(), reinterpret_cast<__m256*>(sf.data()), yf, masks,
+                        bits ? &fb[part] : nullptr);
         for (int64_t i = 0; i < ng; ++i)
           for (int a = 0; a < 4; ++a)
             for (int j = 0; j < 8; ++j)
               op[good[i] * N + rows[a] + j] = static_cast<at::BFloat16>(yf[i * 32 + 8 * a + j]);
       }
     });
-  for (int64_t r : bad)  // torch's kernel on the row alone, as the plan computes a row the GEMV declines
-    out.narrow(0, r, 1).copy_(
-        at::_weight_int4pack_mm_for_cpu(x.narrow(0, r, 1).to(at::kBFloat16), qweight, group, sz));
+  for (int64_t r : bad)  // as the caller computes a row the GEMV declines: that row alone
+    out.narrow(0, r, 1).copy_(declined(x.narrow(0, r, 1).to(at::kBFloat16)));
   return out;
 #else
   return at::Tensor();
 #endif
+}
+
+}  // namespace
+
+// x [R, K] -> [R, N] bf16 for int4 weights packed in blocks of `block` rows (0: torch's layout here): row r
+// gets int4_gemv_avx2(x[r:r+1])'s bits, or where the GEMV declines that row (a NaN, an inf, an outlier)
+// torch's kernel on that row alone, as the plan then computes it. Undefined where it does not apply (no AVX2,
+// an unknown layout, a declined row in a layout torch's kernel does not read): the caller takes torch's kernel.
+at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group,
+                          int64_t block) {
+  superslm_vnni::check_int4(x, qweight, sz, group, "int4_gemm_avx2");
+  TORCH_CHECK(block == 0 || block == 32 || block == 64, "int4_gemm_avx2: blocks of 32 or 64 rows (0: torch's)");
+  const int64_t B = block ? block : torch_int4_block();
+  if (!avx2_available() || B < 32 || qweight.size(0) % B) return at::Tensor();
+  std::function<at::Tensor(const at::Tensor&)> torch_row;  // torch's kernel reads its own layout only
+  if (block == 0 || block == torch_int4_block())
+    torch_row = [&](const at::Tensor& row) { return at::_weight_int4pack_mm_for_cpu(row, qweight, group, sz); };
+  return rows_kernel(x, qweight, sz, group, B, nullptr, torch_row);
+}
+
+// x [R, K] -> [R, N] bf16 for Q5_0 weights (quant/int5.py, avx2.cpp int5_gemv_avx2's layout): row r gets
+// int5_gemv_avx2(x[r:r+1])'s bits (so the VNNI kernels' too), or where the GEMV declines that row gemm.cpp
+// int5_reference on that row alone, as int5_gemv then computes it. Any row count (a row's bits never depend
+// on the others); undefined without AVX2.
+at::Tensor int5_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits) {
+  superslm_vnni::check_int4(x, qweight, sz, 32, "int5_gemm_avx2");
+  const uint64_t* bp = int5_bits(bits, qweight.size(0), x.size(1));
+  if (!avx2_available()) return at::Tensor();
+  return rows_kernel(x, qweight, sz, 32, 64, bp,
+                     [&](const at::Tensor& row) { return int5_reference(row, qweight, sz, bits); });
 }
 
 // x [R, K] (K % 64 == 0), codes int8 [N, K], scale bf16 [N] -> [R, N] bf16: row r gets

@@ -511,6 +511,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("torch_int4_block", &torch_int4_block);
   m.def("int4_gemv_avx2", &int4_gemv_avx2, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int8_gemv_avx2", &int8_gemv_avx2, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int5_gemv_avx2", &int5_gemv_avx2, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int5_gemm_avx2", &int5_gemm_avx2, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("avx2_gemm_rows", &avx2_gemm_rows);
   m.def("int4_gemm_avx2", &int4_gemm_avx2, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int8_gemm_avx2", &int8_gemm_avx2, pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -14,6 +14,8 @@
 #include "vnni.h"
 
 bool vnni_available();
+// avx2_rows.cpp
+at::Tensor int5_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits);
 
 namespace {
 
@@ -253,8 +255,13 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::T
 }
 
 // x [M, K] -> [M, N] bf16 for Q5_0 weights (int5_gemv's layout), each row as int5_gemv computes it alone
+// (without VNNI: avx2_rows.cpp int5_gemm_avx2, the same bits)
 at::Tensor int5_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros,
                      const at::Tensor& bits) {
+  if (!vnni_available() && x.dim() == 2 && x.size(0) > 0) {
+    at::Tensor y = int5_gemm_avx2(x, qweight, scales_zeros, bits);
+    if (y.defined()) return y;
+  }
   return gemm4(x, qweight, scales_zeros, 32, &bits);
 }
 

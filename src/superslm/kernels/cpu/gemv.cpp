@@ -222,12 +222,16 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
 // gemm.cpp: the plain float32 reference of the 5-bit codes, for rows the VNNI kernels cannot split
 at::Tensor int5_reference(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits);
 const uint64_t* int5_bits(const at::Tensor& bits, int64_t N, int64_t K);
+// avx2.cpp
+at::Tensor int5_gemv_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits);
 
 // x [1, K] -> [1, N] bf16 for Q5_0 weights: nibbles in torch's packed int4 layout, the fifth bits as
 // masks [N / 64, K / 4, 4], scales_zeros (d, -8 d) per group of 32: (code - 16) * d
+// (without VNNI: the AVX2 GEMV, avx2.cpp int5_gemv_avx2, the same bits)
 at::Tensor int5_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && qweight.dim() == 2 && qweight.size(1) * 2 == x.size(1),
               "int5_gemv: one row of K against packed codes [N, K / 2]");
   at::Tensor y = gemv4(x, qweight, sz, 32, int5_bits(bits, qweight.size(0), x.size(1)));
+  if (!y.defined() && !vnni_available()) y = int5_gemv_avx2(x, qweight, sz, bits);
   return y.defined() ? y : int5_reference(x, qweight, sz, bits);
 }

@@ -29,14 +29,18 @@ int64_t torch_int4_block();
 at::Tensor int4_gemv_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group,
                           int64_t block);
 at::Tensor int8_gemv_avx2(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale);
+at::Tensor int5_gemv_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits);
 // avx2_rows.cpp
 int64_t avx2_gemm_rows();
 at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group,
                           int64_t block);
 at::Tensor int8_gemm_avx2(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale);
+at::Tensor int5_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits);
 std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const at::Tensor& codes,
                                                     const at::Tensor& scale, const at::Tensor& rowsum,
                                                     const at::Tensor& w2, int64_t limit);
+// prompt.cpp
+at::Tensor int5_gemm_float(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits);
 // iq4.cpp
 bool iq4_available();
 at::Tensor iq4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table);
@@ -194,8 +198,11 @@ struct Lin {
       if (!y.defined()) y = at::_weight_int4pack_mm_for_cpu(h, a, group, b);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == INT5) {
-      // no torch kernel for 5-bit codes: the VNNI kernels at every row count (their rows batch-invariant)
-      y = h.size(0) == 1 ? int5_gemv(h, a, b, extra) : int5_gemm(h, a, b, extra);
+      // no torch kernel for 5-bit codes: the VNNI kernels at every row count, without VNNI the AVX2 ones (the same
+      // bits; their rows batch-invariant too), or for prompt rows of the default mode decoded blocks and a float32
+      // GEMM (prompt.cpp; faster than the row kernel from 64 rows, as kernels/cpu_prompt.py's path)
+      if (!deterministic && h.size(0) > avx2_gemm_rows() && !vnni_available()) y = int5_gemm_float(h, a, b, extra);
+      else y = h.size(0) == 1 ? int5_gemv(h, a, b, extra) : int5_gemm(h, a, b, extra);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == IQ4) {
       // the GEMV for a row of the default mode; deterministic steps take the 16-row float32 GEMM at every row
