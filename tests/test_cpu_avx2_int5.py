@@ -65,7 +65,7 @@ def _near_twin(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (diff == 0).float().mean().item() >= 0.99
 
 
-SHAPES = [(64, 128), (960, 576), (2048, 640), (1001, 640), (100, 1024), (1280, 640)]
+SHAPES = [(64, 128), (960, 576), (2048, 640), (1001, 640), (100, 1024), (1280, 640), (160, 96), (64, 32)]
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -101,7 +101,7 @@ def test_int5_gemv_refuses_what_it_cannot_split(ext) -> None:
         ext.int5_gemv_avx2(x, m.qweight, m.scales_zeros, m.bits[:, :-1].contiguous())
 
 
-@pytest.mark.parametrize("n,k", [(64, 128), (960, 576), (1001, 640), (256, 1024)])
+@pytest.mark.parametrize("n,k", [(64, 128), (960, 576), (1001, 640), (256, 1024), (130, 96)])
 def test_int5_rows_equal_the_gemv(ext, n: int, k: int) -> None:
     m, _ = _q5(n, k, n * 3 + k)
     g = torch.Generator().manual_seed(k)
