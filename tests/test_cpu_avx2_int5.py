@@ -248,3 +248,16 @@ def test_gemma_q5_0_as_int5_beside_int8(ext, gemma3_gguf, monkeypatch) -> None:
         chosen = ref.gather(1, torch.tensor(picked)[:, None])[:, 0]
         assert (chosen >= top - 0.25 * ref.std(-1)).all(), (picked, (top - chosen).tolist())
     assert errors[0] < errors[1], errors
+
+
+def test_int5_gemm_float_is_the_prompt_path(ext) -> None:
+    """The plan's prompt rows of the default mode without VNNI (prompt.cpp int5_gemm_float): the Python prompt path's
+    blocks and float32 GEMMs (the same bits), within bf16 rounding of the float32 product."""
+    m, _ = _q5(4096, 640, 13)  # [4096, 640]: two blocks of 1,600 decoded rows and one of 896
+    x = _wide_rows(cpu_prompt.PROMPT_ROWS + 37, 640, torch.Generator().manual_seed(13))
+    got = ext.int5_gemm_float(x, *_ops(m))
+    assert got.dtype == torch.bfloat16 and got.shape == (x.shape[0], 4096)
+    if not ext.vnni_available():
+        assert torch.equal(_bits(got), _bits(cpu_prompt.prompt_linear(m, x)))
+    want = (x.double() @ m.dequantize_stored().double().t()).float()
+    assert ((got.float() - want).abs() <= 2**-7 * want.abs() + 1e-4 * want.abs().max()).all()
