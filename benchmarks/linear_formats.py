@@ -84,33 +84,41 @@ PROMPT_SHAPES = [
 
 def bench_prompt() -> None:
     """Prompt rows of int4 and int8 linears: torch's packed kernels against kernels/cpu_prompt.py's decoded
-    blocks and float32 GEMMs (the path the default mode takes from PROMPT_ROWS rows), interleaved."""
+    blocks and float32 GEMMs (the path the default mode takes from PROMPT_ROWS rows) and, for int4, the AVX2 int4
+    row kernel it takes there where the kernel runs (cpu_prompt.INT4_ROWS), interleaved."""
     from superslm.kernels import cpu_prompt
 
     rows = (16, 64, 128, 512)
-    print("### Prompt rows: milliseconds per call (median of 5), torch's kernel / decoded blocks + sgemm\n")
+    print("### Prompt rows: milliseconds per call (median of 5), torch's kernel / decoded blocks + sgemm "
+          "[/ int4 row kernel]\n")
+    print(f"load average {os.getloadavg()[0]:.1f}, {torch.get_num_threads()} threads\n")
     print("| linear (in -> out) | format | " + " | ".join(f"M={m}" for m in rows) + " |")
     print("|---" * (len(rows) + 2) + "|")
-    for name, k, n in PROMPT_SHAPES:
-        w = torch.randn(n, k) * 0.02
-        for fmt, opts in (("int4", {"group": 32}), ("int8", {})):
-            module = FORMATS[fmt].from_dense(w, **opts)
-            cells = []
-            for m in rows:
-                x = torch.randn(m, k, dtype=torch.bfloat16)
-                with torch.no_grad():
-                    if cpu_prompt.prompt_linear(module, x) is None and m >= cpu_prompt.PROMPT_ROWS:
-                        print(f"(the path does not run here: {fmt})")
-                        return
-                    saved = cpu_prompt.PROMPT_ROWS
-                    cpu_prompt.PROMPT_ROWS = 1
-                    try:
-                        ours = best_time(lambda module=module, x=x: cpu_prompt.prompt_linear(module, x), repeats=5)
-                    finally:
-                        cpu_prompt.PROMPT_ROWS = saved
-                    theirs = best_time(lambda module=module, x=x: module(x), repeats=5)
-                cells.append(f"{theirs * 1e3:.1f} / {ours * 1e3:.1f}")
-            print(f"| {name} ({k} -> {n}) | {fmt} | " + " | ".join(cells) + " |")
+    saved = cpu_prompt.PROMPT_ROWS, cpu_prompt.INT4_ROWS
+    try:
+        for name, k, n in PROMPT_SHAPES:
+            w = torch.randn(n, k) * 0.02
+            for fmt, opts in (("int4", {"group": 32}), ("int8", {})):
+                module = FORMATS[fmt].from_dense(w, **opts)
+                cells = []
+                for m in rows:
+                    x = torch.randn(m, k, dtype=torch.bfloat16)
+                    with torch.no_grad():
+                        cpu_prompt.PROMPT_ROWS = 1
+                        cpu_prompt.INT4_ROWS = False
+                        if cpu_prompt.prompt_linear(module, x) is None:
+                            print(f"(the path does not run here: {fmt})")
+                            return
+                        times = [best_time(lambda module=module, x=x: module(x), repeats=5),
+                                 best_time(lambda module=module, x=x: cpu_prompt.prompt_linear(module, x), repeats=5)]
+                        if fmt == "int4":
+                            cpu_prompt.INT4_ROWS = True
+                            times.append(best_time(lambda module=module, x=x: cpu_prompt.prompt_linear(module, x),
+                                                   repeats=5))
+                    cells.append(" / ".join(f"{t * 1e3:.1f}" for t in times))
+                print(f"| {name} ({k} -> {n}) | {fmt} | " + " | ".join(cells) + " |")
+    finally:
+        cpu_prompt.PROMPT_ROWS, cpu_prompt.INT4_ROWS = saved
     print()
 
 

@@ -8,7 +8,8 @@
 //
 // int4: per group, the GEMV forms 254 H + L from its two sums H (codes times the high part) and L (the low
 // one). Here the parts are joined first, x16 = 254 hi + lo (|x16| <= 32,385: an int16), and `madd` sums
-// codes (0..15, as int16) times x16 in int32: the same integer 254 H + L per group. int8: the epilogue takes
+// codes (0..15, as int16) times x16 in int32: the same integer 254 H + L per group. Prompt chunks of any
+// length take it too (kernels/cpu_prompt.py): it is tiled for them (int4_rows_chunk). int8: the epilogue takes
 // H and L apart (they round to float apart), so each is summed with `madd` of the codes and the part as int16.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -244,8 +245,9 @@ inline void int8_block(const int8_t* codes, int64_t K, int64_t n, const int64_t*
 
 }  // namespace
 
-// Rows up to which the decode plan and kernels/cpu_decode.py rows_linear take these kernels (from 64 rows a
-// prompt chunk's decoded blocks and float32 GEMMs are faster, kernels/cpu_prompt.py)
+// Rows up to which the decode plan and kernels/cpu_decode.py rows_linear take these kernels (from 64 rows,
+// kernels/cpu_prompt.py: int4 prompt chunks take int4_gemm_avx2 at any row count, int8 ones decoded blocks and
+// float32 GEMMs, faster than int8_gemm_avx2 there)
 int64_t avx2_gemm_rows() { return 63; }
 
 // gemm.cpp: the fifth-bit masks' check, and the plain float32 reference of the 5-bit codes
