@@ -10,9 +10,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
+#include "dynamic_for.h"
 #include "vnni.h"
 #include "int5_avx2.h"
 
@@ -266,7 +268,9 @@ at::Tensor int4_gemv_avx2(const at::Tensor& x, const at::Tensor& qweight, const 
   const uint32_t* szp = reinterpret_cast<const uint32_t*>(sz.data_ptr<at::BFloat16>());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t per_block = B / 32, stride = B / 2;  // chunks of 32 rows per block; bytes per k of a block
-  at::parallel_for(0, N / 32, 1, [&](int64_t c0, int64_t c1) {
+  // taken in turn (dynamic_for.h): at least ~128 KiB of codes, at most ~1/16 of a thread's share
+  const int64_t grain = std::max<int64_t>((int64_t(1) << 17) / (16 * K), N / 32 / (16 * at::get_num_threads()));
+  superslm_dyn::dynamic_for(N / 32, grain, [&](int64_t c0, int64_t c1) {
     for (int64_t ch = c0; ch < c1; ++ch) {
       const int64_t b = ch / per_block, part = ch % per_block;  // bytes 16 part .. 16 part + 15 of each k
       const int64_t r0 = b * B + 16 * part, r1 = r0 + B / 2;

@@ -13,10 +13,12 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
+#include "dynamic_for.h"
 #include "rowops.h"
 
 namespace {
@@ -150,8 +152,10 @@ void run_step(const at::Tensor& mixed, const at::Tensor& z, const at::Tensor& g,
   T* op = out.data_ptr<T>();
   const float q_scale = static_cast<float>(std::pow(static_cast<double>(Dk), -0.5));
 
-  // the delta rule and the gated norm per (sequence, value head): its state [Dk, Dv] read twice
-  at::parallel_for(0, B * Hv, 1, [&](int64_t begin, int64_t end) {
+  // the delta rule and the gated norm per (sequence, value head): its state [Dk, Dv] read twice; heads taken in
+  // turn (dynamic_for.h), a few at a time
+  superslm_dyn::dynamic_for(B * Hv, std::max<int64_t>(1, B * Hv / (8 * at::get_num_threads())),
+                            [&](int64_t begin, int64_t end) {
     std::vector<float> q(Dk), k(Dk), pred(Dv), delta(Dv), o(Dv);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hv, h = bh % Hv, kh = h / rep;

@@ -32,6 +32,8 @@
 #include <limits>
 #include <vector>
 
+#include "dynamic_for.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define SUPERSLM_Q6K_AVX2 1
@@ -319,10 +321,10 @@ at::Tensor q6k_gemv(const at::Tensor& x, const at::Tensor& blocks) {
   const uint8_t* q = blocks.data_ptr<uint8_t>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t G = static_cast<int64_t>(good.size()), rowb = nb * BB;
-  // ~128 KiB of blocks per task
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 17) / rowb);
+  // chunks taken in turn (dynamic_for.h): at least ~128 KiB of blocks, at most ~1/16 of a thread's share
+  const int64_t chunk = std::max((int64_t(1) << 17) / rowb, N / (16 * at::get_num_threads()));
   if (G > 0) {
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    superslm_dyn::dynamic_for(N, chunk, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* w = q + n * rowb;
         for (int64_t a = 0; a < G; a += 4) {
