@@ -198,6 +198,51 @@ def test_draft_counts_maximize_the_steps_tokens_per_cost() -> None:
     assert c.draft_counts([0.95, 0.2], [8, 8]) == [6, 0]  # each sequence by its own estimate
 
 
+def test_step_cost_curves_and_the_machines_prices() -> None:
+    """A (rows, cost) curve prices steps straight between its points and past the last along its last segment;
+    the draft counts stay the best of all combinations under it; an unpriced engine on a CPU with the AVX2 row
+    kernels and no VNNI takes AVX2_COSTS, a priced one or another machine keeps its prices."""
+    import itertools
+
+    from superslm import cext
+    from superslm.engine.speculative import AVX2_COSTS, VNNI_PRICES
+
+    c = Speculative(costs=((1, 1.0), (2, 1.5), (4, 2.0), (8, 5.0)))
+    assert [c.step_cost(r) for r in (1, 2, 3, 4, 6, 8, 10)] == [1.0, 1.5, 1.75, 2.0, 3.5, 5.0, 6.5]
+    rng = random.Random(1)
+    for _ in range(100):
+        rates = [rng.random() for _ in range(rng.randint(1, 3))]
+        got = c.draft_counts(rates, [3] * len(rates))
+
+        def value(ks, rates=rates):  # type: ignore[no-untyped-def]
+            tokens = sum(sum(p**j for j in range(k + 1)) for p, k in zip(rates, ks, strict=True))
+            return tokens / c.step_cost(len(rates) + sum(ks))
+
+        assert value(got) >= max(value(ks) for ks in itertools.product(range(4), repeat=len(rates))) * (1 - 1e-9)
+    # unpriced: VNNI's prices, rows in tiles of 4; a field given keeps the others at theirs
+    assert Speculative().step_cost(5) == VNNI_PRICES[0] + VNNI_PRICES[1] * 8
+    assert Speculative(row_tile=1).step_cost(5) == VNNI_PRICES[0] + VNNI_PRICES[1] * 5
+    for bad in (((1, 1.0),), ((2, 1.0), (1, 2.0)), ((1, 1.0), (2, -1.0)), ((0, 1.0), (2, 2.0)), [(1, 1.0), (2, 2.0)]):
+        with pytest.raises(InvalidArgument, match="costs"):
+            Speculative(costs=bad).validate()  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="one or the other"):
+        Speculative(costs=AVX2_COSTS, row_cost=0.1).validate()
+    assert Speculative.of({"costs": [[1, 1.0], [4, 2.0]]}).costs == ((1, 1.0), (4, 2.0))  # JSON's lists
+    ext = cext.extension()
+    avx2_rows = (ext is not None and not cext.torch_kernels_forced() and ext.avx2_available()
+                 and not ext.vnni_available())
+    assert Speculative().for_device(torch.device("cpu")).costs == (AVX2_COSTS if avx2_rows else None)
+    assert Speculative().for_device(torch.device("cpu"), deterministic=True).costs is None  # torch's kernel rows
+    assert Speculative().for_device(torch.device("meta")).costs is None
+    priced = Speculative(row_cost=0.0)
+    assert priced.for_device(torch.device("cpu")) is priced
+    assert Speculative(method="mtp", k=3).for_device(torch.device("cpu")).costs is None  # its draft_cost's prices
+    # AVX2's curve: a step of 64 rows takes the prompt GEMMs, dearer than 63 rows' row kernels: sure drafts stop short
+    c = Speculative(costs=AVX2_COSTS)
+    assert c.step_cost(64) > c.step_cost(63) and sum(c.draft_counts([1.0] * 8, [8] * 8)) == 63 - 8
+    assert c.draft_counts([1.0], [8]) == [8] and c.draft_counts([0.3] * 8, [8] * 8) == [0] * 8
+
+
 # --- the engine -----------------------------------------------------------------------------------
 
 

@@ -146,6 +146,8 @@ class Engine(SequenceMixin, ContractsMixin):
         device, dtype = model.device, model.dtype
         layers = self.net.kv_layers  # delta-rule layers keep a recurrent state per slot instead of KV pages
         spec = Speculative.of(speculative)
+        if spec is not None:  # unpriced: the curve of the kernels this engine's multi-row steps run on
+            spec = spec.for_device(model.device, bool(deterministic))
         mtp = spec is not None and spec.method == "mtp"
         if mtp:
             spec = mtp_config(self.net, spec, graphs)

@@ -36,8 +36,9 @@ row that ends a page: only verified states are ever checkpointed.
 Adaptive: each sequence keeps an estimate p of the chance that a draft token is kept (a moving average over the
 drafts verified: each kept draft a success, the first rejected one a failure). The step's decoding sequences choose
 their draft counts together, for the most expected tokens per unit of the step's cost (`Speculative.draft_counts`):
-a one-row step costs 1; more rows cost a fixed part plus a part a row, rows counted in the CPU kernels' tiles of 4
-(`Speculative.step_cost`, measured on SmolLM2: 1 row 7.1 ms, 4 rows 13, 8 rows 20, 12 rows 28, 16 rows 35). So at
+a one-row step costs 1, more rows cost what the kernels they run on make them cost (`Speculative.step_cost`: on the
+VNNI kernels a fixed part plus a part a row in tiles of 4, measured on SmolLM2: 1 row 7.1 ms, 4 rows 13, 8 rows 20, 12
+rows 28, 16 rows 35; on AVX2 without VNNI a curve measured the same way, `AVX2_COSTS`, whose rows cost more). So at
 batch 1 three drafts cost less than two more plain steps, and at batch 8 a draft must be kept about as often as a
 plain row gives a token; none where no draft beats plain steps. While it does not draft, the lookup's first guess is
 checked against the token the plain step gives (free: no row is computed for it), so the estimate follows the text
@@ -48,9 +49,10 @@ n-grams guess badly drafts little.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from superslm import cext
 from superslm.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -59,6 +61,14 @@ if TYPE_CHECKING:
 
 #: the most tokens the MTP block drafts a step: its first draft, then its own output fed back twice
 MTP_DEPTH = 3
+#: (fixed_cost, row_cost, row_tile) of a step on the VNNI kernels (see Speculative's docstring)
+VNNI_PRICES = (0.85, 0.25, 4)
+#: a step's cost by rows, in one-row steps, where multi-row steps run the AVX2 row kernels (kernels/cpu/avx2_rows.cpp:
+#: 2-63 rows, the weights unpacked once and multiplied against each row: ~0.33 of a one-row step a row) and from 64
+#: rows the prompt GEMMs (kernels/cpu_prompt.py: dearer than 63 rows here); SmolLM2-135M Q4_1 on an AMD EPYC with
+#: AVX2 and no VNNI, steps of 1 + d and 8 + d rows timed in one process (benchmarks/spec_rows.py)
+AVX2_COSTS: tuple[tuple[int, float], ...] = ((1, 1.0), (2, 1.42), (4, 2.1), (8, 3.7), (16, 6.2), (32, 11.5), (63, 22.0),
+                                             (64, 30.0), (72, 33.0))
 
 
 @dataclass(frozen=True)
@@ -67,25 +77,33 @@ class Speculative:
     `Speculative(method="mtp", k=MTP_DEPTH)`: the model's own MTP block drafts, engine/mtp_drafter.py).
 
     `k`: the most drafts a step carries per sequence; `min_n` .. `max_n`: the n-gram lengths the prompt lookup
-    tries, longest first; `fixed_cost`, `row_cost`, `row_tile`: a step of more than one row costs fixed_cost +
-    row_cost * (its rows rounded up to a multiple of row_tile) one-row steps, at least 1 (`step_cost`; SmolLM2 Q4_1
-    on 2 AMD EPYC cores, its steps timed by rows: 1 row 7.1 ms, 4 rows 13.0, 8 rows 19.4-20.6, 12 rows 29, 16 rows
-    34-36; Gemma-3 270M's per-row part is smaller, ~0.15, so these settings draft less than would pay there, never
-    more; row_cost 0: rows are free, as on a GPU far from its compute bound); `decay`: the weight of the past in the
-    acceptance estimate's moving average (see the module's docstring); `draft_cost`: what computing one draft
-    token costs, in one-row steps (the MTP's layer and the head: 0 for the n-gram lookup; None: the engine's estimate
-    from the model's weights, `mtp_drafter.draft_cost`). "mtp" drafts at most `MTP_DEPTH` tokens a step (k).
+    tries, longest first. A step's price by its rows, in one-row steps (`step_cost`), is one of:
+    - `costs`: a curve of (rows, cost) points, straight between them and past the last along its last segment;
+    - `fixed_cost`, `row_cost`, `row_tile`: a step of more than one row costs fixed_cost + row_cost * (its rows
+      rounded up to a multiple of row_tile), at least 1 (row_cost 0: rows are free, as on a GPU far from its
+      compute bound). Fields left None take `VNNI_PRICES` (SmolLM2 Q4_1 on 2 AMD EPYC cores with AVX-512 VNNI, its
+      steps timed by rows: 1 row 7.1 ms, 4 rows 13.0, 8 rows 19.4-20.6, 12 rows 29, 16 rows 34-36; Gemma-3 270M's
+      per-row part is smaller, ~0.15, so these prices draft less than would pay there, never more);
+    - neither given (the default): the engine prices steps by the kernels its multi-row steps run on
+      (`for_device`): `AVX2_COSTS` on CPUs with AVX2 but no VNNI, `VNNI_PRICES` elsewhere.
+    `decay`: the weight of the past in the acceptance estimate's moving average (see the module's docstring);
+    `prior`: the estimate a sequence starts from (1: a copy drafts fully from its first lookup that finds a match);
+    `draft_cost`: what computing one draft token costs, in one-row steps (the MTP's layer and the head: 0 for the
+    n-gram lookup; None: the engine's estimate from the model's weights, `mtp_drafter.draft_cost`). "mtp" drafts
+    at most `MTP_DEPTH` tokens a step (k).
     """
 
     method: str = "ngram"
     k: int = 8
     min_n: int = 2
     max_n: int = 4
-    fixed_cost: float = 0.85
-    row_cost: float = 0.25
-    row_tile: int = 4
+    fixed_cost: float | None = None
+    row_cost: float | None = None
+    row_tile: int | None = None
     decay: float = 0.8
+    prior: float = 1.0
     draft_cost: float | None = None
+    costs: tuple[tuple[int, float], ...] | None = None
 
     @classmethod
     def of(cls, value: Any) -> Speculative | None:
@@ -104,6 +122,8 @@ class Speculative:
                 fields["k"] = fields.pop("num_speculative_tokens")
             if fields.get("method") == "mtp":
                 fields.setdefault("k", MTP_DEPTH)
+            if isinstance(fields.get("costs"), list):  # JSON's pairs
+                fields["costs"] = tuple(tuple(p) if isinstance(p, list) else p for p in fields["costs"])
             try:
                 return cls(**fields).validate()
             except TypeError as e:
@@ -117,22 +137,58 @@ class Speculative:
             raise InvalidArgument(f"unknown speculative method {self.method!r} (known: 'ngram', 'mtp')")
         for name in ("k", "min_n", "max_n", "row_tile"):
             v = getattr(self, name)
+            if name == "row_tile" and v is None:
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidArgument(f"speculative {name} must be a positive integer, got {v!r}")
         if self.min_n > self.max_n:
             raise InvalidArgument(f"speculative min_n {self.min_n} is more than max_n {self.max_n}")
         for name in ("fixed_cost", "row_cost"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v < float("inf")):
+            if v is not None and not _finite(v):
                 raise InvalidArgument(f"speculative {name} must be a finite number >= 0, got {v!r}")
+        if self.costs is not None:
+            self._check_costs()
         if not (isinstance(self.decay, (int, float)) and 0.0 <= self.decay < 1.0):
             raise InvalidArgument(f"speculative decay must be in [0, 1), got {self.decay!r}")
+        if not (isinstance(self.prior, (int, float)) and not isinstance(self.prior, bool) and 0.0 <= self.prior <= 1.0):
+            raise InvalidArgument(f"speculative prior must be in [0, 1], got {self.prior!r}")
         d = self.draft_cost
         if d is not None and not (isinstance(d, (int, float)) and not isinstance(d, bool) and 0.0 <= d < float("inf")):
             raise InvalidArgument(f"speculative draft_cost must be a finite number >= 0 or None, got {d!r}")
         if self.method == "mtp" and self.k > MTP_DEPTH:
             raise InvalidArgument(f"speculative mtp drafts at most {MTP_DEPTH} tokens a step (k), got {self.k}")
         return self
+
+    def _check_costs(self) -> None:
+        costs = self.costs
+        pairs = isinstance(costs, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in costs)
+        if not pairs or len(costs) < 2:
+            raise InvalidArgument(f"speculative costs must be two or more (rows, cost) pairs, got {costs!r}")
+        rows = [r for r, _ in costs]
+        if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in rows) \
+                or any(a >= b for a, b in zip(rows, rows[1:])):
+            raise InvalidArgument(f"speculative costs' rows must be positive integers, increasing, got {rows}")
+        if not all(_finite(c) for _, c in costs):
+            raise InvalidArgument(f"speculative costs must be finite numbers >= 0, got {[c for _, c in costs]}")
+        if any(getattr(self, n) is not None for n in ("fixed_cost", "row_cost", "row_tile")):
+            raise InvalidArgument("speculative costs replace fixed_cost, row_cost and row_tile: give one or the other")
+
+    def for_device(self, device: Any, deterministic: bool = False) -> Speculative:
+        """This configuration priced for the kernels an engine's multi-row steps run on: `AVX2_COSTS` for the
+        n-gram drafts on a CPU with the AVX2 row kernels and no VNNI (default mode: deterministic mode keeps torch's
+        kernel at every row count), where no price was given; else itself (the MTP's `draft_cost` is estimated
+        against VNNI_PRICES' one-row step)."""
+        priced = self.costs is not None or any(getattr(self, n) is not None for n in ("fixed_cost", "row_cost",
+                                                                                      "row_tile"))
+        if priced or self.method != "ngram":
+            return self
+        if getattr(device, "type", device) != "cpu" or deterministic:
+            return self
+        ext = cext.extension()
+        if ext is None or cext.torch_kernels_forced() or ext.vnni_available() or not ext.avx2_available():
+            return self
+        return replace(self, costs=AVX2_COSTS)
 
     def best_k(self, p: float, room: int) -> int:
         """The draft count (0 .. min(k, room)) of a sequence decoding alone at a per-draft acceptance chance p."""
@@ -142,8 +198,12 @@ class Speculative:
         """A step of `rows` rows, in one-row steps (see the class's docstring)."""
         if rows <= 1:
             return 1.0
-        tiles = -(-rows // self.row_tile)
-        return max(1.0, self.fixed_cost + self.row_cost * tiles * self.row_tile)  # never less than one row's
+        if self.costs is not None:
+            return max(1.0, _along(self.costs, rows))
+        fixed, row, tile = (d if v is None else v for v, d in zip((self.fixed_cost, self.row_cost, self.row_tile),
+                                                                  VNNI_PRICES, strict=True))
+        tiles = -(-rows // tile)
+        return max(1.0, fixed + row * tiles * tile)  # never less than one row's
 
     def draft_counts(self, rates: Seq[float], rooms: Seq[int]) -> list[int]:
         """The draft counts k_i (0 .. min(k, rooms[i])) of one step's decoding sequences, at per-draft acceptance
@@ -168,6 +228,22 @@ class Speculative:
         for _, _, i in gains[:best_d]:
             counts[i] += 1
         return counts
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v < float("inf")
+
+
+def _along(points: tuple[tuple[int, float], ...], x: int) -> float:
+    """The piecewise-linear curve through `points` (x increasing) at x: flat before the first, past the last along
+    the last segment."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
 
 
 class NgramDrafter:
@@ -282,7 +358,7 @@ class Speculator:
         against the token that step gave (the free check: a guess it did not draft)."""
         st = seq.spec
         if st is None:
-            st = seq.spec = SpecState(drafter)
+            st = seq.spec = SpecState(drafter, rate=self.config.prior)
         tokens = seq.tokens
         if 0 <= st.guess_at < len(tokens):  # the plain step since the last proposal: was the guess right?
             st.learn(tokens[st.guess_at] == st.guess, self.config.decay)
