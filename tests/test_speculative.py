@@ -205,7 +205,7 @@ def test_step_cost_curves_and_the_machines_prices() -> None:
     import itertools
 
     from superslm import cext
-    from superslm.engine.speculative import AVX2_COSTS, VNNI_PRICES
+    from superslm.engine.speculative import AVX2_COSTS, AVX2_PRIOR, VNNI_PRICES
 
     c = Speculative(costs=((1, 1.0), (2, 1.5), (4, 2.0), (8, 5.0)))
     assert [c.step_cost(r) for r in (1, 2, 3, 4, 6, 8, 10)] == [1.0, 1.5, 1.75, 2.0, 3.5, 5.0, 6.5]
@@ -225,6 +225,9 @@ def test_step_cost_curves_and_the_machines_prices() -> None:
     for bad in (((1, 1.0),), ((2, 1.0), (1, 2.0)), ((1, 1.0), (2, -1.0)), ((0, 1.0), (2, 2.0)), [(1, 1.0), (2, 2.0)]):
         with pytest.raises(InvalidArgument, match="costs"):
             Speculative(costs=bad).validate()  # type: ignore[arg-type]
+    for bad_prior in (1.5, -0.1, True):
+        with pytest.raises(InvalidArgument, match="prior"):
+            Speculative(prior=bad_prior).validate()
     with pytest.raises(InvalidArgument, match="one or the other"):
         Speculative(costs=AVX2_COSTS, row_cost=0.1).validate()
     assert Speculative.of({"costs": [[1, 1.0], [4, 2.0]]}).costs == ((1, 1.0), (4, 2.0))  # JSON's lists
@@ -232,6 +235,8 @@ def test_step_cost_curves_and_the_machines_prices() -> None:
     avx2_rows = (ext is not None and not cext.torch_kernels_forced() and ext.avx2_available()
                  and not ext.vnni_available())
     assert Speculative().for_device(torch.device("cpu")).costs == (AVX2_COSTS if avx2_rows else None)
+    assert Speculative().for_device(torch.device("cpu")).prior == (AVX2_PRIOR if avx2_rows else None)
+    assert Speculative(prior=0.5).for_device(torch.device("cpu")).prior == 0.5
     assert Speculative().for_device(torch.device("cpu"), deterministic=True).costs is None  # torch's kernel rows
     assert Speculative().for_device(torch.device("meta")).costs is None
     priced = Speculative(row_cost=0.0)
@@ -359,7 +364,8 @@ def test_sampled_law_is_plain_sampling(zoo) -> None:
         return [Request(prompt, 3, Sampling(temperature=temp, seed=i, allowed_token_ids=allowed, ignore_eos=True))
                 for i in range(3000)]
 
-    spec, e = generate(model, reqs(), slots=64, context=64, speculative=Speculative(k=4, min_n=1))
+    # prior 1: 3-token answers at batch 64 draft from their first step (a lower prior waits for a free check)
+    spec, e = generate(model, reqs(), slots=64, context=64, speculative=Speculative(k=4, min_n=1, prior=1.0))
     st = e.stats()
     assert 0 < st["drafts_accepted"] < st["drafts_proposed"]  # both the kept and the rejected path are taken
     plain, _ = generate(model, reqs(), slots=64, context=64)

@@ -80,7 +80,8 @@ def test_forced_bytes_are_drafted_where_jump_forward_cannot_take_them(zoo) -> No
         return [Request(prompt, 100, Sampling(grammar=Constraint.json_schema(schema, max_whitespace=0)))]
 
     plain, e0 = generate(model, reqs())
-    spec, e1 = generate(model, reqs(), speculative=Speculative(k=8, min_n=12, max_n=12))
+    # prior 1: the forced bytes drafted from the first step (a lower prior drafts fewer until they are kept)
+    spec, e1 = generate(model, reqs(), speculative=Speculative(k=8, min_n=12, max_n=12, prior=1.0))
     same_ends(spec, plain)
     assert spec[0].end == "stop"
     assert e1.stats()["drafts_accepted"] > 0 and e1.stats()["steps"] < e0.stats()["steps"]

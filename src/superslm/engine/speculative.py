@@ -69,6 +69,10 @@ VNNI_PRICES = (0.85, 0.25, 4)
 #: AVX2 and no VNNI, steps of 1 + d and 8 + d rows timed in one process (benchmarks/spec_rows.py)
 AVX2_COSTS: tuple[tuple[int, float], ...] = ((1, 1.0), (2, 1.42), (4, 2.1), (8, 3.7), (16, 6.2), (32, 11.5), (63, 22.0),
                                              (64, 30.0), (72, 33.0))
+#: the acceptance estimate a sequence starts from under AVX2_COSTS: at 1 every sequence of a batch drafts fully at its
+#: first match, which on prose is mostly rejected (benchmarks/speculative.py's story at batch 8: 0.96x of plain steps'
+#: cost by the curve, 0.999x at 0.75; its rewrite 2.07x -> 2.12x at batch 1, 1.15x at batch 8 either way)
+AVX2_PRIOR = 0.75
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,8 @@ class Speculative:
     - neither given (the default): the engine prices steps by the kernels its multi-row steps run on
       (`for_device`): `AVX2_COSTS` on CPUs with AVX2 but no VNNI, `VNNI_PRICES` elsewhere.
     `decay`: the weight of the past in the acceptance estimate's moving average (see the module's docstring);
-    `prior`: the estimate a sequence starts from (1: a copy drafts fully from its first lookup that finds a match);
+    `prior`: the estimate a sequence starts from (None: 1, a copy drafting fully from its first lookup that finds a
+    match, or `AVX2_PRIOR` where `for_device` prices rows by `AVX2_COSTS`);
     `draft_cost`: what computing one draft token costs, in one-row steps (the MTP's layer and the head: 0 for the
     n-gram lookup; None: the engine's estimate from the model's weights, `mtp_drafter.draft_cost`). "mtp" drafts
     at most `MTP_DEPTH` tokens a step (k).
@@ -101,7 +106,7 @@ class Speculative:
     row_cost: float | None = None
     row_tile: int | None = None
     decay: float = 0.8
-    prior: float = 1.0
+    prior: float | None = None
     draft_cost: float | None = None
     costs: tuple[tuple[int, float], ...] | None = None
 
@@ -151,7 +156,9 @@ class Speculative:
             self._check_costs()
         if not (isinstance(self.decay, (int, float)) and 0.0 <= self.decay < 1.0):
             raise InvalidArgument(f"speculative decay must be in [0, 1), got {self.decay!r}")
-        if not (isinstance(self.prior, (int, float)) and not isinstance(self.prior, bool) and 0.0 <= self.prior <= 1.0):
+        prior = self.prior
+        if prior is not None and not (isinstance(prior, (int, float)) and not isinstance(prior, bool)
+                                      and 0.0 <= prior <= 1.0):
             raise InvalidArgument(f"speculative prior must be in [0, 1], got {self.prior!r}")
         d = self.draft_cost
         if d is not None and not (isinstance(d, (int, float)) and not isinstance(d, bool) and 0.0 <= d < float("inf")):
@@ -188,7 +195,7 @@ class Speculative:
         ext = cext.extension()
         if ext is None or cext.torch_kernels_forced() or ext.vnni_available() or not ext.avx2_available():
             return self
-        return replace(self, costs=AVX2_COSTS)
+        return replace(self, costs=AVX2_COSTS, prior=AVX2_PRIOR if self.prior is None else self.prior)
 
     def best_k(self, p: float, room: int) -> int:
         """The draft count (0 .. min(k, room)) of a sequence decoding alone at a per-draft acceptance chance p."""
@@ -358,7 +365,8 @@ class Speculator:
         against the token that step gave (the free check: a guess it did not draft)."""
         st = seq.spec
         if st is None:
-            st = seq.spec = SpecState(drafter, rate=self.config.prior)
+            prior = self.config.prior
+            st = seq.spec = SpecState(drafter, rate=1.0 if prior is None else prior)
         tokens = seq.tokens
         if 0 <= st.guess_at < len(tokens):  # the plain step since the last proposal: was the guess right?
             st.learn(tokens[st.guess_at] == st.guess, self.config.decay)
