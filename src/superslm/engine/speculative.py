@@ -297,7 +297,7 @@ class SpecState:
 
     #: the prompt lookup (None: the MTP drafts)
     drafter: NgramDrafter | None
-    #: the moving average of draft tokens kept (optimistic at first: a copy drafts fully from its first step)
+    #: the moving average of draft tokens kept (from Speculative.prior: 1 by default, a copy drafting fully at once)
     rate: float = 1.0
     #: a step without drafts: the lookup's first guess and the position of the token it guessed
     guess: int = -1
