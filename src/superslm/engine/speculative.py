@@ -38,7 +38,8 @@ drafts verified: each kept draft a success, the first rejected one a failure). T
 their draft counts together, for the most expected tokens per unit of the step's cost (`Speculative.draft_counts`):
 a one-row step costs 1, more rows cost what the kernels they run on make them cost (`Speculative.step_cost`: on the
 VNNI kernels a fixed part plus a part a row in tiles of 4, measured on SmolLM2: 1 row 7.1 ms, 4 rows 13, 8 rows 20, 12
-rows 28, 16 rows 35; on AVX2 without VNNI a curve measured the same way, `AVX2_COSTS`, whose rows cost more). So at
+rows 28, 16 rows 35; on AVX2 without VNNI a curve measured the same way, `AVX2_COSTS`: a row ~0.33 of a one-row
+step at any batch, dearer past 63 rows, where the prompt GEMMs take the step). So at
 batch 1 three drafts cost less than two more plain steps, and at batch 8 a draft must be kept about as often as a
 plain row gives a token; none where no draft beats plain steps. While it does not draft, the lookup's first guess is
 checked against the token the plain step gives (free: no row is computed for it), so the estimate follows the text
