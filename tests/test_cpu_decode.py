@@ -404,6 +404,42 @@ def test_iq4_linears_run_in_the_plan(folders) -> None:
                                "giq4", GGUFIQ4Linear)
 
 
+def test_iq4_decode_rows_are_each_rows_own(folders) -> None:
+    """The plan's IQ4 linears take the GEMV row by row in a default-mode decode step of a few rows (a float32
+    decode of the whole weight per call made 16 streams slower than one): each row of a 4-row step is, bit for bit,
+    the row the step of its sequence alone gives."""
+    from superslm.formats.blocks import IQ4_NL
+    from superslm.quant.gguf_map import iq4_runs, linear_from_gguf
+    from tests.test_iq4 import quantize_iq4_nl
+
+    if not iq4_runs():
+        pytest.skip("no IQ4 kernels: IQ4 runs as int8")
+    src = open_source(folders["llama"])
+    net = Transformer(src.arch, materialize(src, torch.bfloat16))
+    for layer in net.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            w = getattr(layer, name).weight.detach().float().numpy()
+            setattr(layer, name, linear_from_gguf([(quantize_iq4_nl(w), IQ4_NL, w.shape, None)],
+                                                  mapping={"IQ4_NL": ("giq4", {})}))
+    lengths = [2, 7, 13, 35]
+    kv, meta, toks = _prefilled(net, lengths)
+
+    def step(kv: KVCache, meta: AttnMetadata, toks: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            h = net.embed(toks)
+            tables = net._rope_tables(meta.positions)
+            tabs = [tables.get(k, tables[max(tables)]) for k in range(2)]
+            key_slots, row_seq, lens = cpu_decode.row_key_slots(meta, h.device)
+            return cpu_decode.decode_layers(net, h, meta.slot_mapping, key_slots, row_seq, lens, tabs, kv.k, kv.v, 0,
+                                            len(net.layers))
+
+    together = step(kv, meta, toks)  # each step writes its rows' keys to the same slots: the same values
+    for i, n in enumerate(lengths):
+        one = AttnMetadata(meta.positions[i : i + 1], meta.slot_mapping[i : i + 1], (0, 1), (n + 1,),
+                           (meta.block_tables[i],), PS)
+        assert torch.equal(step(kv, one, toks[i : i + 1])[0], together[i]), f"row {i}"
+
+
 def test_q6k_linears_run_in_the_plan(tmp_path) -> None:
     """GGUF Q6_K weights run as they are (quant/q6k.py) inside the C++ plan (four decode rows: the GEMV's rows
     sharing each block), equal to the reference; near the int8 re-quantization they replace; a decode row of a
