@@ -435,9 +435,11 @@ def test_quantized_gguf_runs_its_blocks_as_stored(family: str, tmp_path) -> None
     def agree(x: torch.Tensor) -> float:
         return (x.argmax(-1) == want.argmax(-1)).float().mean().item()
 
-    # close to the dense weights, at least as close as re-quantizing them to int8 is (a tiny random MoE's router
-    # flips experts on small errors, so its bar is that path's, which tests against transformers above)
-    assert corr(got) > min(0.999, corr(int8)), (corr(got), corr(int8))
+    # close to the dense weights, about as close as re-quantizing them to int8 is (a tiny random MoE's router
+    # flips experts on small errors, so its bar is that path's, which tests against transformers above, less 1e-3:
+    # Qwen3-MoE's logits moved from 0.9996 to 0.9975 when its int4 prompt rows changed from decoded blocks + sgemm
+    # to the AVX2 row kernel, whose outputs are one bf16 ulp from the sgemm's, both 0.25% from the float product)
+    assert corr(got) > min(0.999, corr(int8) - 1e-3), (corr(got), corr(int8))
     assert agree(got) >= min(0.9, agree(int8)), (agree(got), agree(int8))
     p = [Request(tokens[:30], 8, Sampling(ignore_eos=True))]
     c = stored.engine(slots=1, context=128).generate(p)[0]
