@@ -117,6 +117,21 @@ def vnni_off():
 
 
 @pytest.fixture(scope="session")
+def avx2_ext():
+    """The C++ extension where it was built with AVX2 and FMA (the AVX2 kernels' tests), else the test skips."""
+    ext = cext.extension()
+    if ext is None or not ext.avx2_available():
+        pytest.skip("the C++ kernels were built without AVX2 and FMA")
+    return ext
+
+
+@pytest.fixture
+def avx2_only(avx2_ext, vnni_off):
+    """The extension with AVX2 (`avx2_ext`'s skip) and VNNI switched off for one test (`vnni_off`)."""
+    return vnni_off
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct Q4_1 GGUF (llama family, GPT-2 BPE, ChatML)."""
     return hub.fetch("smollm2-135m-instruct", progress=False)

@@ -22,20 +22,6 @@ pytestmark = pytest.mark.skipif(os.environ.get("SUPERSLM_CPU_KERNELS") == "0", r
 gguf_quants = pytest.importorskip("gguf.quants")
 
 
-@pytest.fixture(scope="module")
-def ext():
-    ext = cpu_decode.extension()
-    if ext is None or not ext.avx2_available():
-        pytest.skip("the C++ kernels were built without AVX2 and FMA")
-    return ext
-
-
-@pytest.fixture
-def avx2_only(ext, vnni_off):
-    """The extension with AVX2 (the `ext` fixture's skip) and VNNI switched off for one test (conftest.py)."""
-    return vnni_off
-
-
 def _q5(n: int, k: int, seed: int) -> tuple[GGUFInt5Linear, np.ndarray]:
     """A Q5_0 linear of a Gaussian [n, k] weight (gguf-py's quantizer) and the file's bytes."""
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
@@ -69,40 +55,40 @@ SHAPES = [(64, 128), (960, 576), (2048, 640), (1001, 640), (100, 1024), (1280, 6
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_int5_gemv_equals_its_twin(ext, n: int, k: int) -> None:
+def test_int5_gemv_equals_its_twin(avx2_ext, n: int, k: int) -> None:
     m, _ = _q5(n, k, n + k)
     g = torch.Generator().manual_seed(n)
     x = _wide_rows(1, k, g)
     x[0, :32] = 0  # an all-zero group: zero parts and sums
-    got = ext.int5_gemv_avx2(x, *_ops(m))
+    got = avx2_ext.int5_gemv_avx2(x, *_ops(m))
     assert got is not None and got.shape == (1, m.qweight.shape[0])
     _near_twin(got, int5_rows_reference(x, *_ops(m)))
     # within bf16 rounding of the float32 product of the decoded weights
     want = (x.double() @ m.dequantize_stored().double().t()).float()
     assert ((got[:, :n].float() - want).abs() <= 2**-7 * want.abs() + 1e-3 * want.abs().max()).all()
     # float32 rows are rounded to bf16 first; a zero row gives zeros
-    assert torch.equal(_bits(ext.int5_gemv_avx2(x.float(), *_ops(m))), _bits(got))
-    assert torch.equal(ext.int5_gemv_avx2(torch.zeros_like(x), *_ops(m)).float(), torch.zeros_like(got).float())
+    assert torch.equal(_bits(avx2_ext.int5_gemv_avx2(x.float(), *_ops(m))), _bits(got))
+    assert torch.equal(avx2_ext.int5_gemv_avx2(torch.zeros_like(x), *_ops(m)).float(), torch.zeros_like(got).float())
 
 
-def test_int5_gemv_refuses_what_it_cannot_split(ext) -> None:
+def test_int5_gemv_refuses_what_it_cannot_split(avx2_ext) -> None:
     m, _ = _q5(128, 256, 1)
     x = _wide_rows(1, 256, torch.Generator().manual_seed(1))
     for bad in (float("nan"), float("inf")):
         y = x.clone()
         y[0, 3] = bad
-        assert ext.int5_gemv_avx2(y, *_ops(m)) is None  # the caller takes the float32 reference
+        assert avx2_ext.int5_gemv_avx2(y, *_ops(m)) is None  # the caller takes the float32 reference
     y = (x * 0 + 0.01).to(torch.bfloat16)
     y[0, 40] = 1000.0  # one outlier over 64x its group's rms
-    assert ext.int5_gemv_avx2(y, *_ops(m)) is None
+    assert avx2_ext.int5_gemv_avx2(y, *_ops(m)) is None
     with pytest.raises(RuntimeError, match="one row"):
-        ext.int5_gemv_avx2(x.repeat(2, 1), *_ops(m))
+        avx2_ext.int5_gemv_avx2(x.repeat(2, 1), *_ops(m))
     with pytest.raises(RuntimeError, match="fifth-bit masks"):
-        ext.int5_gemv_avx2(x, m.qweight, m.scales_zeros, m.bits[:, :-1].contiguous())
+        avx2_ext.int5_gemv_avx2(x, m.qweight, m.scales_zeros, m.bits[:, :-1].contiguous())
 
 
 @pytest.mark.parametrize("n,k", [(64, 128), (960, 576), (1001, 640), (256, 1024), (130, 96)])
-def test_int5_rows_equal_the_gemv(ext, n: int, k: int) -> None:
+def test_int5_rows_equal_the_gemv(avx2_ext, n: int, k: int) -> None:
     m, _ = _q5(n, k, n * 3 + k)
     g = torch.Generator().manual_seed(k)
     for rows in (2, 3, 5, 16, 37, 70):
@@ -113,55 +99,55 @@ def test_int5_rows_equal_the_gemv(ext, n: int, k: int) -> None:
             x[2, 5] = float("nan")
             x[rows - 1] = 0.01
             x[rows - 1, 40] = 1000.0
-        got = ext.int5_gemm_avx2(x, *_ops(m))
+        got = avx2_ext.int5_gemm_avx2(x, *_ops(m))
         assert got.dtype == torch.bfloat16 and got.shape == (rows, m.qweight.shape[0])
         for r in range(rows):
-            one = ext.int5_gemv_avx2(x[r : r + 1], *_ops(m))
+            one = avx2_ext.int5_gemv_avx2(x[r : r + 1], *_ops(m))
             if r in bad:
                 assert one is None
-                one = ext.int5_reference(x[r : r + 1], *_ops(m))
+                one = avx2_ext.int5_reference(x[r : r + 1], *_ops(m))
             assert torch.equal(_bits(got[r : r + 1]), _bits(one)), (rows, r)
         ok = torch.ones(rows, dtype=torch.bool)
         if bad:
             ok[2] = False  # NaN: NaN everywhere in both
         _near_twin(got[ok], int5_rows_reference(x[ok], *_ops(m)))
         # the public entries: int5_gemv / int5_gemm take these kernels where VNNI does not run
-        if not ext.vnni_available():
-            assert torch.equal(_bits(ext.int5_gemm(x, *_ops(m))), _bits(got))
-            assert torch.equal(_bits(ext.int5_gemv(x[:1], *_ops(m))), _bits(got[:1]))
+        if not avx2_ext.vnni_available():
+            assert torch.equal(_bits(avx2_ext.int5_gemm(x, *_ops(m))), _bits(got))
+            assert torch.equal(_bits(avx2_ext.int5_gemv(x[:1], *_ops(m))), _bits(got[:1]))
 
 
-def test_same_bits_as_the_vnni_kernels(ext) -> None:
+def test_same_bits_as_the_vnni_kernels(avx2_ext) -> None:
     """Where the CPU has AVX-512 VNNI both kernels run: they give every row the same bits."""
-    if not ext.vnni_available():
+    if not avx2_ext.vnni_available():
         pytest.skip("this CPU has no AVX-512 VNNI")
     m, _ = _q5(960, 640, 5)
     x = _wide_rows(5, 640, torch.Generator().manual_seed(5))
-    assert torch.equal(_bits(ext.int5_gemv_avx2(x[:1], *_ops(m))), _bits(ext.int5_gemv(x[:1], *_ops(m))))
-    assert torch.equal(_bits(ext.int5_gemm_avx2(x, *_ops(m))), _bits(ext.int5_gemm(x, *_ops(m))))
+    assert torch.equal(_bits(avx2_ext.int5_gemv_avx2(x[:1], *_ops(m))), _bits(avx2_ext.int5_gemv(x[:1], *_ops(m))))
+    assert torch.equal(_bits(avx2_ext.int5_gemm_avx2(x, *_ops(m))), _bits(avx2_ext.int5_gemm(x, *_ops(m))))
 
 
 @pytest.mark.parametrize("n,k", [(64, 32), (1001, 640), (2048, 640), (128, 1024)])
-def test_int5_dequant_rows_equal_the_twin_and_gguf(ext, n: int, k: int) -> None:
+def test_int5_dequant_rows_equal_the_twin_and_gguf(avx2_ext, n: int, k: int) -> None:
     m, raw = _q5(n, k, 7 * n + k)
     qweight, sz, bits = _ops(m)
     n_pad = qweight.shape[0]
     out = torch.empty(n_pad * k)
     for n0, n1 in ((0, n_pad), (0, 64), (n_pad - 64, n_pad)):
-        ext.int5_dequant_rows(qweight, sz, bits, n0, n1, out)
+        avx2_ext.int5_dequant_rows(qweight, sz, bits, n0, n1, out)
         got = out[: (n1 - n0) * k].view(k, n1 - n0)
         assert torch.equal(got, int5_dequant_rows_reference(qweight, sz, bits, n0, n1))
-    ext.int5_dequant_rows(qweight, sz, bits, 0, n_pad, out)
+    avx2_ext.int5_dequant_rows(qweight, sz, bits, 0, n_pad, out)
     w = out[: n_pad * k].view(k, n_pad).t()[:n]
     assert torch.equal(w, m.dequantize_stored())
     # gguf-py's values, up to d's rounding to bf16 (2^-9 of each weight)
     ref = torch.from_numpy(gguf_quants.dequantize(raw.reshape(n, -1), gguf_quants.GGMLQuantizationType.Q5_0))
     assert ((w - ref.view(n, k)).abs() <= 2**-8 * ref.view(n, k).abs()).all()
     with pytest.raises(RuntimeError, match="block boundaries"):
-        ext.int5_dequant_rows(qweight, sz, bits, 0, 32, out)
+        avx2_ext.int5_dequant_rows(qweight, sz, bits, 0, 32, out)
 
 
-def test_q5_0_runs_as_int5_here(ext) -> None:
+def test_q5_0_runs_as_int5_here(avx2_ext) -> None:
     """With AVX2 (or VNNI) built, gguf_map keeps Q5_0 as it is; the module runs on the kernels."""
     assert int5_runs()
     w = np.random.default_rng(3).standard_normal((96, 256)).astype(np.float32)
@@ -173,14 +159,14 @@ def test_q5_0_runs_as_int5_here(ext) -> None:
 def test_python_paths_take_the_avx2_kernels(avx2_only) -> None:
     """Without VNNI: decode rows (rows_linear) take the GEMV and the row kernel, the module's own forward the same
     bits at any row count (deterministic mode too); a prompt chunk decodes blocks for a float32 GEMM."""
-    ext = avx2_only
+    avx2_ext = avx2_only
     m, _ = _q5(1001, 640, 11)
     m.bias = torch.randn(1001)
     g = torch.Generator().manual_seed(11)
-    for rows in (1, 2, 16, ext.avx2_gemm_rows()):
+    for rows in (1, 2, 16, avx2_ext.avx2_gemm_rows()):
         x = _wide_rows(rows, 640, g)
         got = cpu_decode.rows_linear(m, x)
-        kernel = ext.int5_gemv_avx2 if rows == 1 else ext.int5_gemm_avx2
+        kernel = avx2_ext.int5_gemv_avx2 if rows == 1 else avx2_ext.int5_gemm_avx2
         want = (kernel(x, *_ops(m))[:, :1001].float() + m.bias).to(x.dtype)
         assert got is not None and torch.equal(_bits(got), _bits(want)), rows
         assert torch.equal(_bits(m(x)), _bits(got))
@@ -207,7 +193,7 @@ def test_q5_0_plan_without_vnni(avx2_only, tmp_path) -> None:
                                GGUFInt5Linear)
 
 
-def test_gemma_q5_0_as_int5_beside_int8(ext, gemma3_gguf, monkeypatch) -> None:
+def test_gemma_q5_0_as_int5_beside_int8(avx2_ext, gemma3_gguf, monkeypatch) -> None:
     """Gemma-3-270M's Q5_0 tensors as they are (int5) where they ran as int8 before: the last prompt row's logits
     nearer the file's float32 values than int8's, and each greedy token of both near the top of the file's float32
     logits at its prefix (a quarter of their deviation, as the other stored block types are held)."""
@@ -250,14 +236,14 @@ def test_gemma_q5_0_as_int5_beside_int8(ext, gemma3_gguf, monkeypatch) -> None:
     assert errors[0] < errors[1], errors
 
 
-def test_int5_gemm_float_is_the_prompt_path(ext) -> None:
+def test_int5_gemm_float_is_the_prompt_path(avx2_ext) -> None:
     """The plan's prompt rows of the default mode without VNNI (prompt.cpp int5_gemm_float): the Python prompt path's
     blocks and float32 GEMMs (the same bits), within bf16 rounding of the float32 product."""
     m, _ = _q5(4096, 640, 13)  # [4096, 640]: two blocks of 1,600 decoded rows and one of 896
     x = _wide_rows(cpu_prompt.PROMPT_ROWS + 37, 640, torch.Generator().manual_seed(13))
-    got = ext.int5_gemm_float(x, *_ops(m))
+    got = avx2_ext.int5_gemm_float(x, *_ops(m))
     assert got.dtype == torch.bfloat16 and got.shape == (x.shape[0], 4096)
-    if not ext.vnni_available():
+    if not avx2_ext.vnni_available():
         assert torch.equal(_bits(got), _bits(cpu_prompt.prompt_linear(m, x)))
     want = (x.double() @ m.dequantize_stored().double().t()).float()
     assert ((got.float() - want).abs() <= 2**-7 * want.abs() + 1e-4 * want.abs().max()).all()

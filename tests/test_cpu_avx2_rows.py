@@ -18,20 +18,6 @@ from superslm.quant.int4 import Int4Linear, cpu_block, pack_int4, unpack_int4
 pytestmark = pytest.mark.skipif(os.environ.get("SUPERSLM_CPU_KERNELS") == "0", reason="C++ kernels disabled")
 
 
-@pytest.fixture(scope="module")
-def ext():
-    ext = cpu_decode.extension()
-    if ext is None or not ext.avx2_available():
-        pytest.skip("the C++ kernels were built without AVX2 and FMA")
-    return ext
-
-
-@pytest.fixture
-def avx2_only(ext, vnni_off):
-    """The extension with AVX2 (the `ext` fixture's skip) and VNNI switched off for one test (conftest.py)."""
-    return vnni_off
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16)
 
@@ -48,43 +34,43 @@ def _wide_rows(rows: int, k: int, g: torch.Generator) -> torch.Tensor:
 
 @pytest.mark.parametrize("n,k,group", [(64, 128, 32), (960, 576, 32), (192, 512, 64), (128, 256, 128), (64, 512, 256),
                                        (3072, 576, 32), (128, 96, 32), (64, 1024, 256)])  # fmt: skip
-def test_int4_rows_equal_the_gemv(ext, n: int, k: int, group: int) -> None:
+def test_int4_rows_equal_the_gemv(avx2_ext, n: int, k: int, group: int) -> None:
     g = torch.Generator().manual_seed(n + k + group)
     m = Int4Linear.from_dense(torch.randn(n, k, generator=g), group=group)
     for rows in (2, 3, 4, 5, 16, 37):
         x = _wide_rows(rows, m.k_pad, g)
         x[1, :group] = 0  # an all-zero group: zero parts and sums, as the GEMV gives it
-        got = ext.int4_gemm_avx2(x, m.qweight, m.scales_zeros, group, 0)
+        got = avx2_ext.int4_gemm_avx2(x, m.qweight, m.scales_zeros, group, 0)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         for r in range(rows):
-            one = ext.int4_gemv_avx2(x[r : r + 1], m.qweight, m.scales_zeros, group, 0)
+            one = avx2_ext.int4_gemv_avx2(x[r : r + 1], m.qweight, m.scales_zeros, group, 0)
             assert torch.equal(_bits(got[r : r + 1]), _bits(one)), (rows, r)
         want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, m.qweight, group, m.scales_zeros)
         assert _within_bf16(got, want)
         # float32 rows are rounded to bf16 first, as torch's kernel sees them
-        assert torch.equal(_bits(ext.int4_gemm_avx2(x.float(), m.qweight, m.scales_zeros, group, 0)), _bits(got))
+        assert torch.equal(_bits(avx2_ext.int4_gemm_avx2(x.float(), m.qweight, m.scales_zeros, group, 0)), _bits(got))
 
 
 @pytest.mark.parametrize("block", [32, 64])
-def test_int4_rows_read_both_torch_layouts(ext, block: int) -> None:
+def test_int4_rows_read_both_torch_layouts(avx2_ext, block: int) -> None:
     g = torch.Generator().manual_seed(block)
     m = Int4Linear.from_dense(torch.randn(256, 192, generator=g), group=32)
     other = pack_int4(unpack_int4(m.qweight, cpu_block()), block)
     x = _wide_rows(5, 192, g)
-    here = ext.int4_gemm_avx2(x, m.qweight, m.scales_zeros, 32, 0)
-    assert torch.equal(_bits(ext.int4_gemm_avx2(x, other, m.scales_zeros, 32, block)), _bits(here))
+    here = avx2_ext.int4_gemm_avx2(x, m.qweight, m.scales_zeros, 32, 0)
+    assert torch.equal(_bits(avx2_ext.int4_gemm_avx2(x, other, m.scales_zeros, 32, block)), _bits(here))
     for r in range(5):
-        one = ext.int4_gemv_avx2(x[r : r + 1], other, m.scales_zeros, 32, block)
+        one = avx2_ext.int4_gemv_avx2(x[r : r + 1], other, m.scales_zeros, 32, block)
         assert torch.equal(_bits(here[r : r + 1]), _bits(one))
     x[2, 7] = float("nan")  # a row no GEMV takes, in a layout torch's kernel does not read: the caller's
-    assert (ext.int4_gemm_avx2(x, other, m.scales_zeros, 32, block) is None) == (block != cpu_block())
+    assert (avx2_ext.int4_gemm_avx2(x, other, m.scales_zeros, 32, block) is None) == (block != cpu_block())
     with pytest.raises(RuntimeError, match="blocks of 32 or 64"):
-        ext.int4_gemm_avx2(x, m.qweight, m.scales_zeros, 32, 16)
+        avx2_ext.int4_gemm_avx2(x, m.qweight, m.scales_zeros, 32, 16)
     with pytest.raises(RuntimeError, match="group"):
-        ext.int4_gemm_avx2(x, m.qweight, m.scales_zeros, 0, 0)
+        avx2_ext.int4_gemm_avx2(x, m.qweight, m.scales_zeros, 0, 0)
 
 
-def test_int4_rows_the_gemv_declines_take_torch_alone(ext) -> None:
+def test_int4_rows_the_gemv_declines_take_torch_alone(avx2_ext) -> None:
     g = torch.Generator().manual_seed(1)
     m = Int4Linear.from_dense(torch.randn(128, 256, generator=g), group=32)
     x = _wide_rows(6, 256, g)
@@ -92,9 +78,9 @@ def test_int4_rows_the_gemv_declines_take_torch_alone(ext) -> None:
     x[2, 9] = float("inf")
     x[4] = 0.01
     x[4, 40] = 1000.0  # one outlier over 64x its group's rms: small elements would lose their bits
-    got = ext.int4_gemm_avx2(x, m.qweight, m.scales_zeros, 32, 0)
+    got = avx2_ext.int4_gemm_avx2(x, m.qweight, m.scales_zeros, 32, 0)
     for r in range(6):
-        one = ext.int4_gemv_avx2(x[r : r + 1], m.qweight, m.scales_zeros, 32, 0)
+        one = avx2_ext.int4_gemv_avx2(x[r : r + 1], m.qweight, m.scales_zeros, 32, 0)
         if r in (1, 2, 4):
             assert one is None
             one = torch.ops.aten._weight_int4pack_mm_for_cpu(x[r : r + 1], m.qweight, 32, m.scales_zeros)
@@ -102,7 +88,7 @@ def test_int4_rows_the_gemv_declines_take_torch_alone(ext) -> None:
 
 
 @pytest.mark.parametrize("n,k,group", [(960, 576, 32), (192, 512, 64), (128, 96, 32), (64, 1024, 256), (192, 384, 128)])
-def test_int4_prompt_rows_equal_the_gemv(ext, n: int, k: int, group: int) -> None:
+def test_int4_prompt_rows_equal_the_gemv(avx2_ext, n: int, k: int, group: int) -> None:
     """A prompt chunk's rows (64, 65, 200: whole row pairs, an odd row, several k blocks): each row the one-row
     GEMV's bits, an all-zero group, a NaN, an inf and an outlier row among them (torch's kernel on that row
     alone); within bf16 rounding of torch's kernel, its twin."""
@@ -116,11 +102,11 @@ def test_int4_prompt_rows_equal_the_gemv(ext, n: int, k: int, group: int) -> Non
         x[7] = 0.01
         x[7, group // 2] = 1000.0  # over 64x its group's rms: the GEMV declines the row
         x[9] *= 3e4  # outliers the split takes: a row's sums stay in int32
-        got = ext.int4_gemm_avx2(x, m.qweight, m.scales_zeros, group, 0)
+        got = avx2_ext.int4_gemm_avx2(x, m.qweight, m.scales_zeros, group, 0)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, m.qweight.shape[0])
         torchs = torch.ops.aten._weight_int4pack_mm_for_cpu(x, m.qweight, group, m.scales_zeros)
         for r in range(rows):
-            one = ext.int4_gemv_avx2(x[r : r + 1], m.qweight, m.scales_zeros, group, 0)
+            one = avx2_ext.int4_gemv_avx2(x[r : r + 1], m.qweight, m.scales_zeros, group, 0)
             if r in (7, rows // 2, rows - 1):
                 assert one is None
                 one = torch.ops.aten._weight_int4pack_mm_for_cpu(x[r : r + 1], m.qweight, group, m.scales_zeros)
@@ -130,7 +116,7 @@ def test_int4_prompt_rows_equal_the_gemv(ext, n: int, k: int, group: int) -> Non
 
 
 @pytest.mark.parametrize("n,k", [(300, 64), (4099, 576), (1001, 640), (7, 128), (2, 1024)])
-def test_int8_rows_equal_the_gemv(ext, n: int, k: int) -> None:
+def test_int8_rows_equal_the_gemv(avx2_ext, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(n)
     m = Int8Linear.from_dense(torch.randn(n, k, generator=g))
     codes = m.codes.clone()
@@ -140,10 +126,10 @@ def test_int8_rows_equal_the_gemv(ext, n: int, k: int) -> None:
         x[0, :8] = torch.tensor([-3.0, 3.0, -3.0, -3.0, 1.0, 1.0, -1.0, 3.0])  # the largest parts on the extremes
         x[1] = 0  # no split: torch's kernel on the row alone
         x[2, 5] = float("nan")
-        got = ext.int8_gemm_avx2(x, codes, m.scale)
+        got = avx2_ext.int8_gemm_avx2(x, codes, m.scale)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         for r in range(rows):
-            one = ext.int8_gemv_avx2(x[r : r + 1], codes, m.scale)
+            one = avx2_ext.int8_gemv_avx2(x[r : r + 1], codes, m.scale)
             if r in (1, 2):
                 assert one is None
                 one = torch.ops.aten._weight_int8pack_mm(x[r : r + 1], codes, m.scale)
@@ -151,53 +137,53 @@ def test_int8_rows_equal_the_gemv(ext, n: int, k: int) -> None:
         ok = torch.arange(rows) != 2
         assert _within_bf16(got[ok], torch.ops.aten._weight_int8pack_mm(x, codes, m.scale)[ok])
     two = _wide_rows(2, k, g)  # one tile of two rows, no tail
-    got = ext.int8_gemm_avx2(two, codes, m.scale)
+    got = avx2_ext.int8_gemm_avx2(two, codes, m.scale)
     for r in range(2):
-        assert torch.equal(_bits(got[r : r + 1]), _bits(ext.int8_gemv_avx2(two[r : r + 1], codes, m.scale)))
+        assert torch.equal(_bits(got[r : r + 1]), _bits(avx2_ext.int8_gemv_avx2(two[r : r + 1], codes, m.scale)))
     with pytest.raises(RuntimeError, match="multiple of 64"):
-        ext.int8_gemm_avx2(x[:, :32], codes[:, :32].contiguous(), m.scale)
+        avx2_ext.int8_gemm_avx2(x[:, :32], codes[:, :32].contiguous(), m.scale)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_rows_linear_takes_the_row_kernels(avx2_only, fmt: str) -> None:
     """2..avx2_gemm_rows rows of the default mode: the row kernels (a rotated int8 module rotates in float first,
     as the plan does); one row the GEMV; deterministic mode and prompt chunks keep their paths."""
-    ext = avx2_only
+    avx2_ext = avx2_only
     g = torch.Generator().manual_seed(3)
     w = torch.randn(320, 256, generator=g)
     m = Int4Linear.from_dense(w, group=32) if fmt == "int4" else Int8Linear.from_dense(w)
-    assert ext.avx2_gemm_rows() < cpu_prompt.PROMPT_ROWS
-    for rows in (1, 2, 4, 16, ext.avx2_gemm_rows()):
+    assert avx2_ext.avx2_gemm_rows() < cpu_prompt.PROMPT_ROWS
+    for rows in (1, 2, 4, 16, avx2_ext.avx2_gemm_rows()):
         x = _wide_rows(rows, 256, g)
         got = cpu_decode.rows_linear(m, x)
         if fmt == "int4":
-            kernel = ext.int4_gemv_avx2 if rows == 1 else ext.int4_gemm_avx2
+            kernel = avx2_ext.int4_gemv_avx2 if rows == 1 else avx2_ext.int4_gemm_avx2
             want = kernel(x, m.qweight, m.scales_zeros, 32, 0)
         else:
-            want = (ext.int8_gemv_avx2 if rows == 1 else ext.int8_gemm_avx2)(x, m.codes, m.scale)
+            want = (avx2_ext.int8_gemv_avx2 if rows == 1 else avx2_ext.int8_gemm_avx2)(x, m.codes, m.scale)
         assert got is not None and torch.equal(_bits(got), _bits(want)), rows
         assert torch.equal(_bits(_linear(m, x, False)), _bits(got))
         assert _within_bf16(got, m(x))
         assert torch.equal(_bits(_linear(m, x, True)), _bits(m(x)))  # deterministic: torch's kernel
-    assert cpu_decode.rows_linear(m, _wide_rows(ext.avx2_gemm_rows() + 1, 256, g)) is None
+    assert cpu_decode.rows_linear(m, _wide_rows(avx2_ext.avx2_gemm_rows() + 1, 256, g)) is None
     if fmt == "int8":
         x = _wide_rows(3, 256, g)
-        assert torch.equal(_bits(cpu_decode.vnni_linear(m, x)), _bits(ext.int8_gemm_avx2(x, m.codes, m.scale)))
+        assert torch.equal(_bits(cpu_decode.vnni_linear(m, x)), _bits(avx2_ext.int8_gemm_avx2(x, m.codes, m.scale)))
         assert cpu_decode.vnni_linear(m, x, deterministic=True) is None
 
 
 def test_rows_linear_on_concatenated_parts(avx2_only) -> None:
     from superslm.quant.gguf_map import ConcatLinear
 
-    ext = avx2_only
+    avx2_ext = avx2_only
     g = torch.Generator().manual_seed(4)
     a = Int4Linear.from_dense(torch.randn(128, 256, generator=g), group=32)
     b = Int8Linear.from_dense(torch.randn(64, 256, generator=g))
     cat = ConcatLinear([a, b])
     x = _wide_rows(3, 256, g)
     got = cpu_decode.rows_linear(cat, x)
-    want = torch.cat([ext.int4_gemm_avx2(x, a.qweight, a.scales_zeros, 32, 0),
-                      ext.int8_gemm_avx2(x, b.codes, b.scale)], 1)  # fmt: skip
+    want = torch.cat([avx2_ext.int4_gemm_avx2(x, a.qweight, a.scales_zeros, 32, 0),
+                      avx2_ext.int8_gemm_avx2(x, b.codes, b.scale)], 1)  # fmt: skip
     assert got is not None and torch.equal(_bits(got), _bits(want))
 
 
@@ -211,7 +197,7 @@ def test_several_rows_in_the_plan(avx2_only, tmp_path, body: str) -> None:
     from tests.test_cpu_decode import _prefilled
     from tests.tiny_models import build_hf_model
 
-    ext = avx2_only
+    avx2_ext = avx2_only
     build_hf_model("llama", tmp_path)
     src = open_source(tmp_path)
     net = Transformer(src.arch, materialize(src, torch.bfloat16))
@@ -229,11 +215,11 @@ def test_several_rows_in_the_plan(avx2_only, tmp_path, body: str) -> None:
                                             len(net.layers), deterministic)  # fmt: skip
 
     fast, fast_det = run(False), run(True)
-    ext.set_avx2(False)
+    avx2_ext.set_avx2(False)
     try:
         slow, slow_det = run(False), run(True)
     finally:
-        ext.set_avx2(True)
+        avx2_ext.set_avx2(True)
     assert fast.shape[0] == 3
     scale = slow.float().abs().max().item()
     assert (fast.float() - slow.float()).abs().max().item() <= 2**-5 * scale
