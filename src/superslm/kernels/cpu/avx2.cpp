@@ -244,16 +244,14 @@ static std::vector<float> bf16_row(const at::Tensor& x) {
   return out;
 }
 
-// x [1, K] -> [1, N] bf16 for int4 weights packed in blocks of `block` rows (0: torch's layout here), as
-// gemv.cpp int4_gemv computes it (the same bits); undefined where it does not apply (no AVX2, an unknown
-// layout, x that cannot be split: a NaN, an inf, an outlier): the caller takes torch's kernel.
-at::Tensor int4_gemv_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group,
-                          int64_t block) {
-  superslm_vnni::check_int4(x, qweight, sz, group, "int4_gemv_avx2");
-  TORCH_CHECK(x.size(0) == 1, "int4_gemv_avx2: one row");
-  TORCH_CHECK(block == 0 || block == 32 || block == 64, "int4_gemv_avx2: blocks of 32 or 64 rows (0: torch's)");
-  const int64_t B = block ? block : torch_int4_block();
-  if (!avx2_available() || B < 32 || qweight.size(0) % B) return at::Tensor();
+namespace {
+
+// int4_gemv_avx2 (FIVE false, bits null) and int5_gemv_avx2 (Q5_0: the fifth-bit masks `bits`, blocks of 64 rows,
+// groups of 32): x split into its two int8 parts per group, then each 32-row chunk's sums, chunks taken in turn by
+// the threads; undefined where x cannot be split. B: rows per block of the layout.
+template <bool FIVE>
+at::Tensor gemv_kernel(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group, int64_t B,
+                       const uint64_t* bits) {
 #ifdef SUPERSLM_AVX2
   const int64_t K = x.size(1), N = qweight.size(0), G = K / group;
   // x rounded to bf16 first, as torch's kernel and the VNNI kernels see it
@@ -263,6 +261,7 @@ at::Tensor int4_gemv_avx2(const at::Tensor& x, const at::Tensor& qweight, const 
   if (!superslm_vnni::split_groups(xf.data(), K, group, hi.data(), lo.data(), gsum.data(), gsl.data()))
     return at::Tensor();
   const std::vector<__m256i> xh = quad_table(hi.data(), K), xl = quad_table(lo.data(), K);
+  [[maybe_unused]] const FifthBits fb[2] = {FifthBits(0), FifthBits(1)};
   at::Tensor out = at::empty({1, N}, x.options().dtype(at::kBFloat16));
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   const uint32_t* szp = reinterpret_cast<const uint32_t*>(sz.data_ptr<at::BFloat16>());
@@ -276,8 +275,12 @@ at::Tensor int4_gemv_avx2(const at::Tensor& x, const at::Tensor& qweight, const 
       const int64_t r0 = b * B + 16 * part, r1 = r0 + B / 2;
       const int64_t rows[4] = {r0, r0 + 8, r1, r1 + 8};
       __m256 y[4];
-      int4_chunk(wp + b * B * K / 2 + 16 * part, stride, szp, N, K, group, rows, xh.data(), xl.data(), gsum.data(),
-                 gsl.data(), y);
+      if constexpr (FIVE)
+        int4_chunk<true>(wp + b * B * K / 2 + 16 * part, stride, szp, N, K, group, rows, xh.data(), xl.data(),
+                         gsum.data(), gsl.data(), y, bits + b * K, &fb[part]);
+      else
+        int4_chunk(wp + b * B * K / 2 + 16 * part, stride, szp, N, K, group, rows, xh.data(), xl.data(), gsum.data(),
+                   gsl.data(), y);
       for (int a = 0; a < 4; ++a) {
         alignas(32) float v[8];
         _mm256_store_ps(v, y[a]);
@@ -289,6 +292,21 @@ at::Tensor int4_gemv_avx2(const at::Tensor& x, const at::Tensor& qweight, const 
 #else
   return at::Tensor();
 #endif
+}
+
+}  // namespace
+
+// x [1, K] -> [1, N] bf16 for int4 weights packed in blocks of `block` rows (0: torch's layout here), as
+// gemv.cpp int4_gemv computes it (the same bits); undefined where it does not apply (no AVX2, an unknown
+// layout, x that cannot be split: a NaN, an inf, an outlier): the caller takes torch's kernel.
+at::Tensor int4_gemv_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group,
+                          int64_t block) {
+  superslm_vnni::check_int4(x, qweight, sz, group, "int4_gemv_avx2");
+  TORCH_CHECK(x.size(0) == 1, "int4_gemv_avx2: one row");
+  TORCH_CHECK(block == 0 || block == 32 || block == 64, "int4_gemv_avx2: blocks of 32 or 64 rows (0: torch's)");
+  const int64_t B = block ? block : torch_int4_block();
+  if (!avx2_available() || B < 32 || qweight.size(0) % B) return at::Tensor();
+  return gemv_kernel<false>(x, qweight, sz, group, B, nullptr);
 }
 
 // x [1, K] (K % 64 == 0), codes int8 [N, K], scale bf16 [N] -> [1, N] bf16, as gemv.cpp int8_gemv (the
@@ -333,38 +351,7 @@ const uint64_t* int5_bits(const at::Tensor& bits, int64_t N, int64_t K);
 at::Tensor int5_gemv_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits) {
   superslm_vnni::check_int4(x, qweight, sz, 32, "int5_gemv_avx2");
   TORCH_CHECK(x.size(0) == 1, "int5_gemv_avx2: one row");
-  const int64_t K = x.size(1), N = qweight.size(0), G = K / 32;
-  const uint64_t* bp = int5_bits(bits, N, K);
+  const uint64_t* bp = int5_bits(bits, qweight.size(0), x.size(1));
   if (!avx2_available()) return at::Tensor();
-#ifdef SUPERSLM_AVX2
-  const std::vector<float> xf = bf16_row(x);
-  std::vector<int8_t> hi(K), lo(K);
-  std::vector<float> gsum(G), gsl(G);
-  if (!superslm_vnni::split_groups(xf.data(), K, 32, hi.data(), lo.data(), gsum.data(), gsl.data()))
-    return at::Tensor();
-  const std::vector<__m256i> xh = quad_table(hi.data(), K), xl = quad_table(lo.data(), K);
-  const FifthBits fb[2] = {FifthBits(0), FifthBits(1)};
-  at::Tensor out = at::empty({1, N}, x.options().dtype(at::kBFloat16));
-  const uint8_t* wp = qweight.data_ptr<uint8_t>();
-  const uint32_t* szp = reinterpret_cast<const uint32_t*>(sz.data_ptr<at::BFloat16>());
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, N / 32, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t ch = c0; ch < c1; ++ch) {
-      const int64_t b = ch / 2, part = ch % 2;  // bytes 16 part .. 16 part + 15 of each k of block b
-      const int64_t r0 = b * 64 + 16 * part, r1 = r0 + 32;
-      const int64_t rows[4] = {r0, r0 + 8, r1, r1 + 8};
-      __m256 y[4];
-      int4_chunk<true>(wp + b * 32 * K + 16 * part, 32, szp, N, K, 32, rows, xh.data(), xl.data(), gsum.data(),
-                       gsl.data(), y, bp + b * K, &fb[part]);
-      for (int a = 0; a < 4; ++a) {
-        alignas(32) float v[8];
-        _mm256_store_ps(v, y[a]);
-        for (int i = 0; i < 8; ++i) op[rows[a] + i] = static_cast<at::BFloat16>(v[i]);
-      }
-    }
-  });
-  return out;
-#else
-  return at::Tensor();
-#endif
+  return gemv_kernel<true>(x, qweight, sz, 32, 64, bp);
 }
