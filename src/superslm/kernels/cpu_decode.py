@@ -521,8 +521,12 @@ def watched(net: Any) -> bool:
     """Whether a forward hook watches one of the layers or the modules in them (two levels down, where a parts
     layer's linears sit), or every module (torch's global hooks): the plan runs whole layers in one call, past
     them, so such a step keeps the modules (the modules listed once with the plan, ~150 dict checks a step)."""
+    cached = getattr(net, "_decode_plan", None)
+    return any_hooked(cached[2] if cached is not None else _layer_modules(net))
+
+
+def any_hooked(modules: Sequence[torch.nn.Module]) -> bool:
+    """Whether a forward hook watches one of `modules` (or every module: torch's global hooks)."""
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
         return True
-    cached = getattr(net, "_decode_plan", None)
-    mods = cached[2] if cached is not None else _layer_modules(net)
-    return any([m._forward_hooks or m._forward_pre_hooks for m in mods])
+    return any([m._forward_hooks or m._forward_pre_hooks for m in modules])

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module
 
 from superslm import cext
 from superslm.kernels import cpu_decode
@@ -120,18 +119,11 @@ def run(x: torch.Tensor, parts: MoEParts, counts: torch.Tensor) -> torch.Tensor 
     if (x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2
             or not x.is_contiguous() or counts.device.type != "cpu" or counts.dtype != torch.long):
         return None
-    if backend(x.device) != "torch" or cext.torch_kernels_forced() or _hooked(parts.watch):
+    if backend(x.device) != "torch" or cext.torch_kernels_forced() or cpu_decode.any_hooked(parts.watch):
         return None
     if parts.step is None:
         parts.step = build_step(parts) or False
     return parts.step.run(x, counts) if parts.step else None
-
-
-def _hooked(modules: Sequence[nn.Module]) -> bool:
-    """Whether a forward hook watches one of `modules` (or every module: torch's global hooks)."""
-    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 def plan_args_of(module: nn.Module) -> tuple[list[torch.Tensor | None], list[int]] | None:
