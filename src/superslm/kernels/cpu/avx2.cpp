@@ -7,7 +7,7 @@
 // codes times each part, then the same float epilogue in the same order, so a row gets the same bits here
 // as from the VNNI kernels. AVX2 has no byte dot product: `maddubs` multiplies unsigned by signed bytes
 // into saturating int16 pairs, so the operands are chosen to stay below 2^15 (see each kernel).
-#include <torch/extension.h>
+#include "aten_ops.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -11,7 +11,7 @@
 // codes (0..15, as int16) times x16 in int32: the same integer 254 H + L per group. Prompt chunks of any
 // length take it too (kernels/cpu_prompt.py): it is tiled for them (int4_rows_chunk). int8: the epilogue takes
 // H and L apart (they round to float apart), so each is summed with `madd` of the codes and the part as int16.
-#include <torch/extension.h>
+#include "aten_ops.h"
 #include <ATen/Parallel.h>
 
 #include <functional>

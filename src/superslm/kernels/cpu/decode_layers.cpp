@@ -24,7 +24,11 @@
 
 // moe_step.cpp: a mixture-of-experts block's decode rows (its class MoEStep, registered into this module)
 void register_moe_step(pybind11::module& m);
-void register_prompt(pybind11::module& m);
+// prompt.cpp: int4 / int5 prompt rows decoded to float32 for a BLAS GEMM
+void int4_dequant_rows(const at::Tensor& qweight, const at::Tensor& sz, int64_t group, int64_t n0, int64_t n1,
+                       at::Tensor& w);
+void int5_dequant_rows(const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits, int64_t n0, int64_t n1,
+                       at::Tensor& w);
 
 namespace {
 
@@ -536,5 +540,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q6k_dequantize", &q6k_dequantize, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("delta_decode_step", &delta_decode_step, pybind11::call_guard<pybind11::gil_scoped_release>());
   register_moe_step(m);
-  register_prompt(m);
+  m.def("int4_dequant_rows", &int4_dequant_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int5_dequant_rows", &int5_dequant_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int5_gemm_float", &int5_gemm_float, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -10,7 +10,7 @@
 // Each multiply-add is an explicit std::fma: with -ffp-contract=fast GCC fuses a*b+c in a loop's vector body
 // but not always in its scalar peel or tail, so a value's rounding would move with trip counts and alignment.
 // The torch reference with the same arguments is kernels/delta_rule.py `decode_step_reference`.
-#include <torch/extension.h>
+#include "aten_ops.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

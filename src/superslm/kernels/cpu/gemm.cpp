@@ -5,7 +5,7 @@
 // at 16 decode rows it is compute-bound. Here a block of 64 output rows x one group of k is unpacked
 // to bytes once (into L1), then every activation row multiplies it with VNNI (64 byte products per
 // instruction, two int8 parts per row as in gemv.cpp), two rows at a time to reuse each code load.
-#include <torch/extension.h>
+#include "aten_ops.h"
 #include <ATen/Parallel.h>
 
 #include <cstring>

@@ -6,7 +6,7 @@
 // most max|x| / 64516, below the bf16 rounding x already carries (2^-9 of each element's magnitude
 // for the elements that matter). y[n] = scale[n] * (sh * sum c hi + sl * sum c lo), the integer sums exact.
 // VNNI takes unsigned activations: hi + 128 and lo + 128, corrected with 128 * sum_k c[n, k] (rowsum).
-#include <torch/extension.h>
+#include "aten_ops.h"
 #include <ATen/Parallel.h>
 
 #include <cstring>

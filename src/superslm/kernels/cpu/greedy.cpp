@@ -15,7 +15,7 @@
 // lower bound cannot be the argmax, so the candidates hold every token that can be a row's argmax, ties
 // included; the caller computes the exact logits of the candidates alone (the exact kernels give each
 // output from exact integer sums, so a gathered row has the bits it has in the full head).
-#include <torch/extension.h>
+#include "aten_ops.h"
 #include <ATen/Parallel.h>
 
 #include <cmath>

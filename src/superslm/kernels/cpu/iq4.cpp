@@ -15,7 +15,7 @@
 // moves a result: 0.6-1.1% of the outputs' rms, 0.7-1.2x the error of the int8 re-quantized weights this format
 // replaced (docs/quantization.md); two int8 parts of x would be bf16-exact but cost 1.4-1.55x the time here.
 // quant/iq4.py iq4_gemv is its twin, bit for bit.
-#include <torch/extension.h>
+#include "aten_ops.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

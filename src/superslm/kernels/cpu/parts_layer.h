@@ -4,7 +4,7 @@
 // layer's glue around delta_step.cpp's decode step (beta, the log decay g, fresh rows zeroed). Each rounds where
 // the layer's torch forward rounds; the plan's torch twin is kernels/cpu_hybrid.py `parts_layer_reference`.
 #pragma once
-#include <torch/extension.h>
+#include "aten_ops.h"
 
 #include <cmath>
 #include <cstring>

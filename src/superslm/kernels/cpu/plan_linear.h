@@ -1,7 +1,7 @@
 // One linear of the decode plan (decode_layers.cpp), as quant/base.py LinearFormat.forward and
 // transformer.DenseLinear compute it, and the LoRA delta after it; the weight kernels it calls.
 #pragma once
-#include <torch/extension.h>
+#include "aten_ops.h"
 
 #include <optional>
 #include <vector>

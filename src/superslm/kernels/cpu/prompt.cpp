@@ -1,7 +1,7 @@
 // Prompt rows of int4 linears on CPUs without VNNI: the weight decoded to float32, a block of rows at a time,
 // for a float32 GEMM (BLAS). On an AVX2-only EPYC torch's int4 kernel ran ~81 GFLOP/s at every row count,
 // MKL's sgemm ~160 at 512 rows (2 threads): a prompt chunk's linears in half the time.
-#include <torch/extension.h>
+#include "aten_ops.h"
 #include <ATen/Parallel.h>
 
 int64_t torch_int4_block();
@@ -199,10 +199,4 @@ at::Tensor int5_gemm_float(const at::Tensor& x, const at::Tensor& qweight, const
     out.narrow(1, n0, n1 - n0).copy_(at::mm(xf, w.narrow(0, 0, (n1 - n0) * K).view({K, n1 - n0})));
   }
   return out.to(at::kBFloat16);
-}
-
-void register_prompt(pybind11::module& m) {
-  m.def("int4_dequant_rows", &int4_dequant_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("int5_dequant_rows", &int5_dequant_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("int5_gemm_float", &int5_gemm_float, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -22,7 +22,7 @@
 // sequences) share each unpacked block: up to 4 at a time, each row's lanes exactly as alone, so a row gets the
 // same bits whatever rows came with it. quant/q6k.py q6k_gemv is its twin, bit for bit.
 // Prompts (many rows) take a float32 GEMM over blocks of decoded rows (q6k_gemm; q6k_matmul its twin).
-#include <torch/extension.h>
+#include "aten_ops.h"
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 

@@ -1,7 +1,7 @@
 // The scalar rounding and load helpers shared by rowops.h and rowops_avx2.h.
 #pragma once
 
-#include <torch/extension.h>
+#include "aten_ops.h"
 
 #include <algorithm>
 #include <cmath>

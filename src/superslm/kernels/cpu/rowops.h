@@ -4,7 +4,7 @@
 // never depend on the rows beside it (deterministic mode relies on that).
 #pragma once
 
-#include <torch/extension.h>
+#include "aten_ops.h"
 
 #include <cmath>
 #include <cstdint>

@@ -2,7 +2,7 @@
 // activation row, bf16 loads, and the row order of torch's packed int4 lanes.
 #pragma once
 
-#include <torch/extension.h>
+#include "aten_ops.h"
 
 #include <algorithm>
 #include <cmath>
