@@ -116,7 +116,9 @@ def test_busy_models_are_not_unloaded(folders) -> None:
 
 
 def test_idle_models_unload_on_their_own(folders) -> None:
-    with LiveServer(Router(specs(folders), idle_unload=0.6)) as s:
+    # 1.5 s: a one-token request to b takes well under it even on a loaded 2-core machine (at 0.6 s, load 11 let b
+    # idle out between two of them)
+    with LiveServer(Router(specs(folders), idle_unload=1.5)) as s:
         oai = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0, timeout=120)
         oai.completions.create(model="a", prompt="hi", max_tokens=2)
         oai.completions.create(model="b", prompt="hi", max_tokens=2)
