@@ -404,10 +404,11 @@ def test_iq4_linears_run_in_the_plan(folders) -> None:
                                "giq4", GGUFIQ4Linear)
 
 
-def test_iq4_decode_rows_are_each_rows_own(folders) -> None:
-    """The plan's IQ4 linears take the GEMV row by row in a default-mode decode step of a few rows (a float32
-    decode of the whole weight per call made 16 streams slower than one): each row of a 4-row step is, bit for bit,
-    the row the step of its sequence alone gives."""
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_iq4_decode_rows_are_each_rows_own(folders, deterministic: bool) -> None:
+    """The plan's IQ4 linears take the integer rows kernel in a decode step of a few rows, in the default mode and in
+    deterministic mode alike (a float32 decode of the whole weight per call made 16 streams slower than one): each
+    row of a 4-row step is, bit for bit, the row the step of its sequence alone gives, the same in both modes."""
     from superslm.formats.blocks import IQ4_NL
     from superslm.quant.gguf_map import iq4_runs, linear_from_gguf
     from tests.test_iq4 import quantize_iq4_nl
@@ -431,7 +432,7 @@ def test_iq4_decode_rows_are_each_rows_own(folders) -> None:
             tabs = [tables.get(k, tables[max(tables)]) for k in range(2)]
             key_slots, row_seq, lens = cpu_decode.row_key_slots(meta, h.device)
             return cpu_decode.decode_layers(net, h, meta.slot_mapping, key_slots, row_seq, lens, tabs, kv.k, kv.v, 0,
-                                            len(net.layers))
+                                            len(net.layers), deterministic)
 
     together = step(kv, meta, toks)  # each step writes its rows' keys to the same slots: the same values
     for i, n in enumerate(lengths):

@@ -137,6 +137,68 @@ def test_kernels_against_their_twin_and_the_weight(shape) -> None:
         ext.iq4_gemv(odd[1:2, :48], q[:, :24], s[:, :1], t)
 
 
+@pytest.mark.parametrize("shape", [(70, 96), (37, 1056), (130, 2048)])  # 3, 33 and 64 groups
+def test_rows_kernel_gives_each_row_its_gemv_bits(shape) -> None:
+    """Several rows share each unpacked block of codes (kernels/cpu/iq4.cpp rows_kernel), yet each row's output is
+    bit for bit its one-row GEMV's and the twin's, whatever the row count, its place among the rows, the rows
+    beside it (a NaN, an inf, an all-zero row or group, an outlier) and the threads that ran it."""
+    needs_kernels()
+    ext = cext.extension()
+    n, k = shape
+    m = GGUFIQ4Linear.from_gguf(iq4_blocks(IQ4_NL, n, k, seed=k), IQ4_NL, shape)
+    q, s, t = m.qweight, m.scales, m.table
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(45, k, generator=g).bfloat16()
+    x[:, :32] *= 50
+    x[3, 7] = float("nan")
+    x[4, 9] = float("inf")
+    x[5] = 0
+    x[6, 32:64] = 0
+    x[7, 1] = 3e4
+    alone = torch.cat([ext.iq4_gemv(x[r : r + 1], q, s, t) for r in range(len(x))])
+    assert torch.isnan(alone[3]).all()
+    assert torch.equal(alone[4:5].view(torch.int16), ext.iq4_gemm(x[4:5], q, s, t, False).view(torch.int16))
+    for r in (0, 4, 6, 7, len(x) - 1):
+        assert torch.equal(alone[r : r + 1].view(torch.int16), iq4_gemv(x[r : r + 1], q, s, t).view(torch.int16)), r
+    threads = torch.get_num_threads()
+    try:
+        for nt in sorted({1, threads}):
+            torch.set_num_threads(nt)
+            for lo, hi in ((0, 2), (0, 7), (1, 14), (8, 45), (0, 45)):
+                got = ext.iq4_gemv(x[lo:hi], q, s, t)
+                assert got.shape == (hi - lo, n) and got.dtype == torch.bfloat16
+                assert torch.equal(got.view(torch.int16), alone[lo:hi].view(torch.int16)), (nt, lo, hi)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(iq4_gemv(x[5:8], q, s, t).view(torch.int16), alone[5:8].view(torch.int16))
+    assert ext.iq4_gemv(x[:0], q, s, t).shape == (0, n)
+    # a table the sign trick cannot take (-128): every row the float32 product alone
+    bad = t.clone()
+    bad[0] = -128
+    got = ext.iq4_gemv(x[8:11], q, s, bad)
+    assert torch.equal(got, torch.cat([ext.iq4_gemm(x[r : r + 1], q, s, bad, False) for r in range(8, 11)]))
+    assert torch.equal(got, iq4_gemv(x[8:11], q, s, bad))
+
+
+def test_rows_kernel_in_the_module_and_deterministic_mode() -> None:
+    """The module takes the rows kernel up to `iq4_gemv_rows` rows (each row its GEMV's bits), the float32 GEMM past
+    them; deterministic mode (`forward_row_blocks`) the rows kernel at every row count, so a row's bits are the
+    same alone or among any number of rows."""
+    needs_kernels()
+    ext = cext.extension()
+    n, k = 64, 512
+    m = GGUFIQ4Linear.from_gguf(iq4_blocks(IQ4_XS, n, k, seed=5), IQ4_XS, (n, k))
+    limit = ext.iq4_gemv_rows(k, n)
+    x = torch.randn(limit + 3, k, generator=torch.Generator().manual_seed(5)).bfloat16()
+    alone = torch.cat([ext.iq4_gemv(x[r : r + 1], m.qweight, m.scales, m.table) for r in range(len(x))])
+    assert torch.equal(m(x[:5]), alone[:5])
+    assert torch.equal(m(x[:limit]), alone[:limit])
+    assert torch.equal(m(x), ext.iq4_gemm(x, m.qweight, m.scales, m.table, False))
+    assert m._tiles_rows(x)
+    for rows in (1, 15, 17, len(x)):
+        assert torch.equal(m.forward_row_blocks(x[:rows]), alone[:rows]), rows
+
+
 def test_gemv_twin_rounds_as_the_kernel() -> None:
     """The twin's int8 x is llama.cpp's Q8_0 rounding (ties to even, |q| <= 127), and its fma rounds once."""
     x = torch.tensor([[127.0, -63.5, 0.5, 1.5, -2.5] + [0.0] * 27 + [0.0] * 32])
@@ -188,8 +250,10 @@ def test_module_maps_runs_saves_and_falls_back(block: type, monkeypatch: pytest.
         # x w rounded to bf16 (one row: x's int8 rounding too, gemv_tol), the bias added in float, rounded again
         r, p = ref[: len(rows)], xw[: len(rows)]
         floats = 1.01 * k * 2.0**-24 * (rows.double().abs() @ w.double().abs().t())
-        slack = gemv_tol(rows, w, p[0]) if len(rows) == 1 else floats
-        assert ((y.double() - r).abs() <= U * (p.abs() + r.abs()) + (1 + U) * slack).all()
+        # the rows kernel: each row the GEMV's (x's int8 rounding)
+        for i in range(len(rows)):
+            slack = gemv_tol(rows[i : i + 1], w, p[i]) + floats[i]
+            assert ((y[i].double() - r[i]).abs() <= U * (p[i].abs() + r[i].abs()) + (1 + U) * slack).all()
     # .to(bf16) on a model keeps the scales exact
     m.to(torch.bfloat16)
     assert m.scales.dtype == torch.float32 and torch.equal(m.dequantize(), w)

@@ -340,19 +340,15 @@ def one_row_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | N
     return rows_linear(module, x) if x.dim() == 2 and x.shape[0] == 1 else None
 
 
-#: IQ4 rows of the default mode up to which the GEMV runs row by row (kernels/cpu/plan_linear.h IQ4_GEMV_ROWS): its
-#: float32 GEMM decodes the whole weight every call
-IQ4_GEMV_ROWS = 32
-
-
 def rows_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """module(x) for decode rows of the default mode through the kernels that the C++ plan runs them on (int4, int5
     and int8 formats, as their `plan_args` hand them over; a ConcatLinear part by part), or None where they do not
     apply (another format or shape, hooks on the module or its rotation, neither VNNI nor AVX2, several rows
     where the plan takes torch's kernel): layers the plan does not run (delta rules, experts) read their weights
     at the plan's speed. One row: the GEMVs; without VNNI, 2 to `avx2_gemm_rows` rows: the AVX2 row kernels
-    (kernels/cpu/avx2_rows.cpp), each row the AVX2 GEMV's bits; IQ4 up to `IQ4_GEMV_ROWS` rows: its GEMV row by
-    row. Not for deterministic mode, where every row count must share one kernel's bits."""
+    (kernels/cpu/avx2_rows.cpp), each row the AVX2 GEMV's bits; IQ4 up to its `iq4_gemv_rows`: its integer rows
+    kernel (each row the one-row GEMV's bits). Not for deterministic mode, where every row count must share one
+    kernel's bits."""
     rows = x.shape[0] if x.dim() == 2 else 0
     if rows == 0 or x.device.type != "cpu" or backend(x.device) != "torch":
         return None  # the Triton kernels were asked for (SUPERSLM_KERNELS=triton: the interpreter's tests)
@@ -365,11 +361,9 @@ def rows_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None
         return None
     (weight, scales, *_), (kind, group, out, _, k_pad) = got
     if kind == 6:  # IQ4 (quant/iq4.py): its GEMV needs AVX2 only, and plan_args said it runs here
-        if rows > IQ4_GEMV_ROWS:
+        if rows > ext.iq4_gemv_rows(x.shape[1], weight.shape[0]):
             return None
-        table, xb = got[0][5], x.to(torch.bfloat16)
-        ys = [ext.iq4_gemv(xb[r : r + 1], weight, scales, table) for r in range(rows)]  # row by row, as the plan
-        return _with_bias(module, ys[0] if rows == 1 else torch.cat(ys), x)
+        return _with_bias(module, ext.iq4_gemv(x.to(torch.bfloat16), weight, scales, got[0][5]), x)
     if kind == 7:  # Q6_K (quant/q6k.py): its integer GEMV needs AVX2 only and takes up to 64 rows, each its own bits
         return _with_bias(module, ext.q6k_gemv(x.to(torch.bfloat16), weight), x) if rows <= 64 else None
     if kind == 2:

@@ -105,13 +105,17 @@ def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def iq4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """The torch twin of the extension's iq4_gemv, bit for bit: one row x [1, K] as int8 per group of 32
-    (`quantize_groups`), per row and group the exact integer products summed in 4 lanes, two groups a step side
-    by side in 8 lanes, each lane acc = fma(lane sum, scale * dx, acc) over the steps in order, the 8 lanes added
-    pairwise as the kernel does, rounded to bf16 -> [1, N]. A row with a NaN or an inf (or a table with -128, which
-    the kernel's sign trick cannot negate) takes `iq4_matmul`, as the kernel does."""
-    if x.dim() != 2 or x.shape[0] != 1:
-        raise InvalidArgument(f"iq4_gemv: one row, got {tuple(x.shape)}")
+    """The torch twin of the extension's iq4_gemv, bit for bit: x [M, K] -> [M, N], each row alone (the kernel's rows
+    never depend on the others: one row through its GEMV, several through its rows kernel, the same bits) as
+    int8 per group of 32 (`quantize_groups`), per output row and group the exact integer products summed in 4
+    lanes, two groups a step side by side in 8 lanes, each lane acc = fma(lane sum, scale * dx, acc) over the steps
+    in order, the 8 lanes added pairwise as the kernel does, rounded to bf16. A row with a NaN or an inf (or a table
+    with -128, which the kernel's sign trick cannot negate) takes `iq4_matmul` alone, as the kernel does."""
+    if x.dim() != 2:
+        raise InvalidArgument(f"iq4_gemv: rows [M, K], got {tuple(x.shape)}")
+    if x.shape[0] != 1:
+        rows = [iq4_gemv(x[r : r + 1], qweight, scales, table) for r in range(x.shape[0])]
+        return torch.cat(rows) if rows else torch.empty(0, qweight.shape[0], dtype=torch.bfloat16)
     if not torch.isfinite(x.to(torch.bfloat16)).all() or (table == -128).any():
         return iq4_matmul(x, qweight, scales, table)
     q, dx = quantize_groups(x)
@@ -206,9 +210,19 @@ class GGUFIQ4Linear(LinearFormat):
             if dense is None or dense.dtype != x.dtype or dense.device != x.device:
                 dense = self._dense = self.dequantize_stored().to(device=x.device, dtype=x.dtype)
             return F.linear(x, dense)
-        if x.shape[0] == 1:
+        # the integer kernel up to the rows where the float32 GEMM over decoded blocks overtakes it (measured per
+        # shape: kernels/cpu/iq4.cpp iq4_gemv_rows)
+        if x.shape[0] <= ext.iq4_gemv_rows(x.shape[1], self.qweight.shape[0]):
             return ext.iq4_gemv(x, self.qweight, self.scales, self.table)
         return ext.iq4_gemm(x, self.qweight, self.scales, self.table, False)
+
+    def _tiles_rows(self, x: torch.Tensor) -> bool:
+        # deterministic mode: the integer kernel at every row count (a row's bits never depend on the other rows),
+        # as the C++ plan runs it
+        return iq4_kernels() is not None and x.device.type == "cpu" and self.qweight.device.type == "cpu"
+
+    def _matmul_tiled(self, h: torch.Tensor, tile_rows: int) -> torch.Tensor:
+        return iq4_kernels().iq4_gemv(h, self.qweight, self.scales, self.table)
 
     def dequantize_stored(self) -> torch.Tensor:
         return iq4_dequantize(self.qweight.cpu(), self.scales.cpu(), self.table.cpu())

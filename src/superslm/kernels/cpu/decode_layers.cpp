@@ -534,6 +534,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("iq4_gemv", &iq4_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("iq4_gemm", &iq4_gemm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("iq4_dequantize", &iq4_dequantize, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("iq4_gemv_rows", &iq4_gemv_rows);
   m.def("q6k_available", &q6k_available);
   m.def("q6k_gemv", &q6k_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q6k_gemm", &q6k_gemm, pybind11::call_guard<pybind11::gil_scoped_release>());

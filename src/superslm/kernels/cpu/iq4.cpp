@@ -14,14 +14,21 @@
 // sharing each load of q), the lanes reduced at the end. x's rounding (at most dx / 2 an element) is what
 // moves a result: 0.6-1.1% of the outputs' rms, 0.7-1.2x the error of the int8 re-quantized weights this format
 // replaced (docs/quantization.md); two int8 parts of x would be bf16-exact but cost 1.4-1.55x the time here.
-// quant/iq4.py iq4_gemv is its twin, bit for bit.
+// Several rows of x (decode steps of many sequences, prompt chunks up to iq4_gemv_rows) take rows_kernel: the codes
+// of an output row unpacked once per pair of groups for 6 rows of x at a time (each x row quantized once a call, as
+// the GEMV quantizes it), each row's lanes and float steps exactly the GEMV's, so a row gets the bits it gets
+// alone, whatever the rows beside it and the threads (deterministic mode takes it at every row count); where R
+// GEMVs read and unpack the weight R times. quant/iq4.py iq4_gemv is its twin (one row or many), bit for bit.
 #include "aten_ops.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+#include "dynamic_for.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -172,6 +179,103 @@ void gemv_rows(const uint8_t* q, const float* s, const __m256i tbl, const uint8_
   }
   for (int r = 0; r < nr; ++r) out[r] = static_cast<at::BFloat16>(res[r]);
 }
+
+// Several rows of x against one output row: rows_dot<MR> runs MR rows of x over the pairs of groups [p0, p1) of
+// one code row `w` (scales `sc`), the code bytes unpacked to table values once a pair for all MR rows. A row's x
+// (xr[r]) is 160 bytes a pair: quantize_groups' |q| (64 bytes) and q (64), then its dx spread as gemv_rows' scale
+// vector [dx_g x4 | dx_g+1 x4] (32). Each row's 8 float lanes in acc (carried between spans of pairs) take
+// gemv_rows' steps exactly: the same integer lanes, scale * dx rounded once (here a vector product, there a
+// scalar one: the same float), one fma a pair in the same order. So a row's bits are the one-row GEMV's, whatever
+// MR, the span or the thread that ran it.
+constexpr int64_t XR = 160;  // bytes of a row's x a pair of groups
+
+template <int MR>
+inline void rows_dot(const uint8_t* w, const float* sc, int64_t G, int64_t p0, int64_t p1, const __m256i tbl,
+                     const uint8_t* const* xr, __m256* acc) {
+  const __m256i nib = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  __m256 a[MR];
+  for (int r = 0; r < MR; ++r) a[r] = acc[r];
+  const int64_t pe = std::min(p1, G / 2);  // whole pairs; an odd G's last group after the loop
+  auto step = [&](const __m256i v, const __m256 sv, int64_t p) {
+    const __m256i w1 = _mm256_shuffle_epi8(tbl, _mm256_and_si256(v, nib));
+    const __m256i w2 = _mm256_shuffle_epi8(tbl, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+    for (int r = 0; r < MR; ++r) {
+      const uint8_t* x = xr[r] + p * XR;
+      const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i a2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64));
+      const __m256i x2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 96));
+      const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(w1, x1)), ones),
+                                         _mm256_madd_epi16(_mm256_maddubs_epi16(a2, _mm256_sign_epi8(w2, x2)), ones));
+      const __m256 d = _mm256_mul_ps(sv, _mm256_loadu_ps(reinterpret_cast<const float*>(x + 128)));
+      a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, a[r]);
+    }
+  };
+  for (int64_t p = p0; p < pe; ++p)
+    step(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32)),
+         _mm256_set_m128(_mm_set1_ps(sc[2 * p + 1]), _mm_set1_ps(sc[2 * p])), p);
+  if (pe < p1)  // an odd G's last group alone: 16 bytes, its twin's scale 0 (gemv_rows' pad)
+    step(_mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + pe * 32))),
+         _mm256_set_m128(_mm_setzero_ps(), _mm_set1_ps(sc[2 * pe])), pe);
+  for (int r = 0; r < MR; ++r) acc[r] = a[r];
+}
+
+// rows_dot<mr> for 1 <= mr <= MR
+template <int MR>
+inline void rows_dot_n(int mr, const uint8_t* w, const float* sc, int64_t G, int64_t p0, int64_t p1, const __m256i tbl,
+                       const uint8_t* const* xr, __m256* acc) {
+  if constexpr (MR > 1)
+    if (mr < MR) return rows_dot_n<MR - 1>(mr, w, sc, G, p0, p1, tbl, xr, acc);
+  rows_dot<MR>(w, sc, G, p0, p1, tbl, xr, acc);
+}
+
+// gemv_rows' reduction of a row's 8 lanes
+inline float lanes_sum(__m256 acc) {
+  __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  v = _mm_add_ss(v, _mm_movehdup_ps(v));
+  return _mm_cvtss_f32(v);
+}
+
+// rows of x sharing each unpacked pair of groups: 6 accumulators, the 2 unpacked vectors, the scales, the table
+// and 2 constants leave 4 of the 16 ymm registers for a row's temporaries (GCC keeps all in registers; 6 ran
+// 5-15% faster than 4 on an AVX2-only EPYC, 2 slower still)
+constexpr int ROWS_MR = 6;
+// A span of pairs of ROWS_MR rows' x stays in L1 while a task's output rows pass over it, with the task's codes
+// and scales for it (40 bytes a pair and output row)
+constexpr int64_t ROWS_SPAN_BYTES = 24 << 10;
+constexpr int64_t ROWS_TASK = 16;  // output rows a task (their accumulators: ROWS_TASK * R * 32 bytes)
+
+// the ng rows of x at xr (XR bytes a pair, P pairs a row) times the weight -> out [*, N] at rows rs; chunks of
+// ROWS_TASK output rows taken in turn by the threads
+template <int MR>
+void rows_kernel(const uint8_t* q, const float* s, const __m256i tbl, const uint8_t* xr, int64_t K, int64_t N,
+                 const std::vector<int64_t>& rs, at::BFloat16* out) {
+  const int64_t G = K / 32, P = (G + 1) / 2, ng = static_cast<int64_t>(rs.size());
+  const int64_t most = std::max<int64_t>(1, ROWS_SPAN_BYTES / (MR * XR + ROWS_TASK * 40));
+  const int64_t span = (P + (P + most - 1) / most - 1) / ((P + most - 1) / most);  // P in equal spans
+  // dynamic_for runs the whole range at once on one thread: tasks of ROWS_TASK rows within it all the same
+  superslm_dyn::dynamic_for(N, ROWS_TASK, [&](int64_t c0, int64_t c1) {
+    std::vector<__m256> acc(ROWS_TASK * ng);
+    for (int64_t n0 = c0; n0 < c1; n0 += ROWS_TASK) {
+      const int64_t n1 = std::min(c1, n0 + ROWS_TASK);
+      std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
+      for (int64_t p0 = 0; p0 < P; p0 += span) {
+        const int64_t p1 = std::min(P, p0 + span);
+        for (int64_t i = 0; i < ng; i += MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(MR, ng - i));
+          const uint8_t* x[MR];
+          for (int r = 0; r < mr; ++r) x[r] = xr + (i + r) * P * XR;
+          for (int64_t n = n0; n < n1; ++n)
+            rows_dot_n<MR>(mr, q + n * (K / 2), s + n * G, G, p0, p1, tbl, x, acc.data() + (n - n0) * ng + i);
+        }
+      }
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t i = 0; i < ng; ++i)
+          out[rs[i] * N + n] = static_cast<at::BFloat16>(lanes_sum(acc[(n - n0) * ng + i]));
+    }
+  });
+}
 #endif
 
 }  // namespace
@@ -219,38 +323,79 @@ at::Tensor iq4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Te
   return out.to(at::kBFloat16);
 }
 
-// x [1, K] -> [1, N] bf16 (see the top of the file); where x holds a NaN or an inf (or the table a -128), or the
-// SIMD kernel is not built, iq4_gemm's float32 product instead
+// Rows of x up to which iq4_gemv (the integer rows kernel) is the default mode's choice for a weight [N, K], past
+// them iq4_gemm (decoded blocks, an sgemm): measured per shape (docs/quantization.md)
+int64_t iq4_gemv_rows(int64_t K, int64_t N) {
+  (void)K;
+  (void)N;
+  return 64;
+}
+
+// x [R, K] -> [R, N] bf16 (see the top of the file): one row through gemv_rows, several through rows_kernel, each
+// row the bits it gets alone; a row holding a NaN or an inf takes iq4_gemm's float32 product alone, and so does
+// every row where the table holds a -128 or the SIMD kernel is not built
 at::Tensor iq4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table) {
   check_iq4(x, qweight, scales, table, "iq4_gemv");
-  TORCH_CHECK(x.size(0) == 1, "iq4_gemv: one row");
-#ifdef SUPERSLM_IQ4_AVX2
-  const int64_t K = x.size(1), N = qweight.size(0), G = K / 32;
-  const at::Tensor xb = x.to(at::kBFloat16).contiguous();
-  const int64_t Kp = (G + 1) / 2 * 64;  // x's bytes for an even number of groups
-  std::vector<int8_t> xq(Kp, 0);
-  std::vector<uint8_t> aq(Kp, 0);
-  std::vector<float> dx(G);
+  const int64_t R = x.size(0), K = x.size(1), N = qweight.size(0), G = K / 32;
+  auto alone = [&](int64_t r) { return iq4_gemm(x.narrow(0, r, 1), qweight, scales, table, false); };
+  at::Tensor out = at::empty({R, N}, x.options().dtype(at::kBFloat16));
   const int8_t* tp = table.data_ptr<int8_t>();
   // a table value of -128 would overflow the sign trick (-(-128)); ggml's table is -127 .. 113
-  if (std::find(tp, tp + 16, int8_t(-128)) != tp + 16 ||
-      !quantize_groups(xb.data_ptr<at::BFloat16>(), K, xq.data(), aq.data(), dx.data()))
-    return iq4_gemm(x, qweight, scales, table, false);
-  at::Tensor out = at::empty({1, N}, x.options().dtype(at::kBFloat16));
+  bool simd = std::find(tp, tp + 16, int8_t(-128)) == tp + 16;
+#ifndef SUPERSLM_IQ4_AVX2
+  simd = false;
+#endif
+  if (!simd || R == 0) {
+    for (int64_t r = 0; r < R; ++r) out.narrow(0, r, 1).copy_(alone(r));
+    return out;
+  }
+#ifdef SUPERSLM_IQ4_AVX2
+  const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+  const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
+  const int64_t P = (G + 1) / 2, Kp = P * 64;  // x's bytes a row for an even number of groups
+  std::vector<int8_t> xq(R * Kp, 0);
+  std::vector<uint8_t> aq(R * Kp, 0);
+  std::vector<float> dx(R * 2 * P, 0.f);
+  std::vector<uint8_t> ok(R);
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {  // a prompt's rows: each quantized once a call
+    for (int64_t r = r0; r < r1; ++r)
+      ok[r] = quantize_groups(xp + r * K, K, xq.data() + r * Kp, aq.data() + r * Kp, dx.data() + r * 2 * P);
+  });
+  std::vector<int64_t> good;
+  for (int64_t r = 0; r < R; ++r)
+    if (ok[r]) good.push_back(r);
   const uint8_t* q = qweight.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tp)));
-  // ~128 KiB of codes per task, whole tiles
-  const int64_t grain = std::max<int64_t>(TILE, ((int64_t(1) << 18) / K) / TILE * TILE);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    std::vector<float> sd(TILE * (G + 1));
-    for (int64_t n = n0; n < n1; n += TILE)
-      gemv_rows(q, s, tbl, aq.data(), xq.data(), dx.data(), K, n, static_cast<int>(std::min<int64_t>(TILE, n1 - n)),
-                sd.data(), op + n);
-  });
+  if (R == 1 && !good.empty()) {
+    // ~128 KiB of codes per task, whole tiles
+    const int64_t grain = std::max<int64_t>(TILE, ((int64_t(1) << 18) / K) / TILE * TILE);
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      std::vector<float> sd(TILE * (G + 1));
+      for (int64_t n = n0; n < n1; n += TILE)
+        gemv_rows(q, s, tbl, aq.data(), xq.data(), dx.data(), K, n, static_cast<int>(std::min<int64_t>(TILE, n1 - n)),
+                  sd.data(), op + n);
+    });
+  } else if (!good.empty()) {
+    // the good rows' x side by side, a pair of groups 160 bytes: |q|, q, then dx as [dx_g x4 | dx_g+1 x4]
+    const int64_t ng = static_cast<int64_t>(good.size());
+    std::vector<uint8_t> xr(ng * P * XR);
+    at::parallel_for(0, ng, 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i)
+        for (int64_t p = 0; p < P; ++p) {
+          const int64_t r = good[i];
+          uint8_t* o = xr.data() + (i * P + p) * XR;
+          std::memcpy(o, aq.data() + r * Kp + p * 64, 64);
+          std::memcpy(o + 64, xq.data() + r * Kp + p * 64, 64);
+          float* d = reinterpret_cast<float*>(o + 128);
+          for (int j = 0; j < 8; ++j) d[j] = dx[r * 2 * P + 2 * p + j / 4];
+        }
+    });
+    rows_kernel<ROWS_MR>(q, s, tbl, xr.data(), K, N, good, op);
+  }
+  for (int64_t r = 0; r < R; ++r)
+    if (!ok[r]) out.narrow(0, r, 1).copy_(alone(r));
   return out;
-#else
-  return iq4_gemm(x, qweight, scales, table, false);
 #endif
 }

@@ -47,6 +47,7 @@ at::Tensor iq4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Te
 at::Tensor iq4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table,
                     bool rows16);
 at::Tensor iq4_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table);
+int64_t iq4_gemv_rows(int64_t K, int64_t N);
 // q6k.cpp
 bool q6k_available();
 at::Tensor q6k_gemv(const at::Tensor& x, const at::Tensor& blocks);
@@ -89,10 +90,6 @@ enum LinKind : int64_t { DENSE_MODULE = 0, INT4 = 1, INT8 = 2, DENSE_FORMAT = 3,
 
 // rows of x up to which a Q6K linear takes its integer GEMV (quant/q6k.py GEMV_ROWS), the float32 GEMM past them
 constexpr int64_t Q6K_GEMV_ROWS = 64;
-// IQ4 decode rows of the default mode up to this many take the GEMV row by row (each row the bits it gets alone):
-// iq4_gemm decodes the whole weight to float32 every call, which made 16 streams of a 1.5B IQ4_XS file 2.8x slower
-// than 16 GEMVs (7.7 tok/s against 21.7 for one stream)
-constexpr int64_t IQ4_GEMV_ROWS = 32;
 
 // MKL picks its kernel, and a dot product's term order, by the matrix shape: on an Intel Xeon a row of a
 // 64-row GEMM got other bits than in a 16-row one. One shape for every call: 16 rows (x has a multiple).
@@ -209,15 +206,10 @@ struct Lin {
       else y = h.size(0) == 1 ? int5_gemv(h, a, b, extra) : int5_gemm(h, a, b, extra);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == IQ4) {
-      // the GEMV for the rows of a default-mode decode step (row by row); deterministic steps take the 16-row
-      // float32 GEMM at every row count (the GEMV's bits are not the GEMM's), as the module's forward_row_blocks does
-      if (h.size(0) <= IQ4_GEMV_ROWS && !deterministic) {
-        std::vector<at::Tensor> rows;
-        for (int64_t r = 0; r < h.size(0); ++r) rows.push_back(iq4_gemv(h.narrow(0, r, 1), a, b, extra));
-        y = rows.size() == 1 ? rows[0] : at::cat(rows, 0);
-      } else {
-        y = iq4_gemm(h, a, b, extra, deterministic);
-      }
+      // the integer kernel (each row the bits it gets alone, whatever the other rows) up to iq4_gemv_rows, and in
+      // deterministic steps at every row count; past them the float32 GEMM over decoded blocks
+      y = deterministic || h.size(0) <= iq4_gemv_rows(h.size(1), a.size(0)) ? iq4_gemv(h, a, b, extra)
+                                                                        : iq4_gemm(h, a, b, extra, false);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == Q6K) {
       // the integer GEMV for decode rows of the default mode (each row's bits those it gets alone); deterministic
