@@ -324,11 +324,15 @@ at::Tensor iq4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Te
 }
 
 // Rows of x up to which iq4_gemv (the integer rows kernel) is the default mode's choice for a weight [N, K], past
-// them iq4_gemm (decoded blocks, an sgemm): measured per shape (docs/quantization.md)
+// them iq4_gemm (decoded blocks, an sgemm). Measured on an AVX2-only EPYC (Zen 3, one thread, A/B in one process,
+// 2026-12-07, a loaded machine) at Qwen2.5-1.5B's and Llama-3.2-1B's shapes [K -> N] = [896 -> 896], [1536 -> 1536],
+// [1536 -> 8960], [8960 -> 1536], [2048 -> 8192], [8192 -> 2048]: iq4_gemm's time over the kernel's 2.0-4.4x at 16
+// rows, 1.0-2.1x at 64, 0.98-1.30x at 128, 0.87-1.03x at 192, 0.82-1.09x at 256: the same crossover, 128-192
+// rows, at every shape, so one limit for all (docs/quantization.md)
 int64_t iq4_gemv_rows(int64_t K, int64_t N) {
   (void)K;
   (void)N;
-  return 64;
+  return 128;
 }
 
 // x [R, K] -> [R, N] bf16 (see the top of the file): one row through gemv_rows, several through rows_kernel, each
