@@ -9,9 +9,10 @@ Here: the file's code bytes (qweight uint8 [N, K / 2], per group 16 bytes, byte 
 scales float32 [N, K / 32]: 5 bits a weight, the same as Q4_K's packed int4 with its bf16 (scale, zero) pairs.
 
 The C++ kernels (kernels/cpu/iq4.cpp) run one row through an AVX2 GEMV with llama.cpp's arithmetic (x as int8 per
-32 values, the table lookup a byte shuffle, integer products; `iq4_gemv` is its torch twin, bit for bit) and prompts
-through a float32 GEMM over blocks of decoded rows (`iq4_matmul` its twin). Without the extension the module
-multiplies with a dense float copy of the weight, built at first use.
+32 values, the table lookup a byte shuffle, integer products), 2 to 128 rows (and every row count in deterministic
+mode) through an integer rows kernel that gives each row the GEMV's bits (`iq4_gemv` is the torch twin of both, bit
+for bit), and longer prompt chunks through a float32 GEMM over blocks of decoded rows (`iq4_matmul` its twin).
+Without the extension the module multiplies with a dense float copy of the weight, built at first use.
 """
 
 from __future__ import annotations
