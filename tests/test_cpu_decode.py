@@ -460,6 +460,23 @@ def test_q6k_linears_run_in_the_plan(tmp_path) -> None:
                                GGUFQ6KLinear)
 
 
+def test_q80_linears_run_in_the_plan(folders) -> None:
+    """GGUF Q8_0 weights run as they are (quant/q80.py) inside the C++ plan (four decode rows: the GEMV's rows
+    sharing each load of the codes), equal to the reference; near the int8 re-quantization they replace; a decode
+    row of a layer the plan does not run takes their GEMV (one_row_linear)."""
+    from gguf import GGMLQuantizationType, quants
+
+    from superslm.formats.blocks import Q8_0
+    from superslm.quant.gguf_map import q80_runs
+    from superslm.quant.q80 import GGUFQ80Linear
+
+    if not q80_runs():
+        pytest.skip("no Q8_0 kernels: Q8_0 runs as int8")
+    _stored_blocks_in_the_plan(open_source(folders["llama"]), ("qkv", "o", "gate_up", "down"),
+                               lambda w: quants.quantize(w, GGMLQuantizationType.Q8_0).reshape(-1), Q8_0, "gq80",
+                               GGUFQ80Linear)
+
+
 def _stored_blocks_in_the_plan(src: object, names: tuple[str, ...], quantize: object, block: object, fmt: str,
                                cls: type) -> None:
     """The llama model `src` with its linears `names` quantized to GGUF `block` (by `quantize`) and run as they are

@@ -59,6 +59,18 @@ def test_q6k_gemv_split_has_the_one_thread_bits(threads, n: int, k: int) -> None
         assert y.shape == (rows, n)
 
 
+@pytest.mark.skipif(EXT is None or not EXT.q80_available(), reason="the Q8_0 GEMV is not built here")
+@pytest.mark.parametrize("n,k", [(40001, 256), (3000, 1024), (7, 640)])
+def test_q80_gemv_split_has_the_one_thread_bits(threads, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    d = torch.full((n, k // 32), 1e-3, dtype=torch.float16)
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        y = _same_on_one_and_two(threads, lambda x=x: EXT.q80_gemv(x, codes, d))
+        assert y.shape == (rows, n)
+
+
 @pytest.mark.skipif(EXT is None or not EXT.avx2_available(), reason="the AVX2 GEMV is not built here")
 @pytest.mark.parametrize("n,k", [(8192, 256), (2048, 1024), (64, 512)])
 def test_int4_gemv_split_has_the_one_thread_bits(threads, n: int, k: int) -> None:

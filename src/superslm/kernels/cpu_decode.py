@@ -366,6 +366,8 @@ def rows_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None
         return _with_bias(module, ext.iq4_gemv(x.to(torch.bfloat16), weight, scales, got[0][5]), x)
     if kind == 7:  # Q6_K (quant/q6k.py): its integer GEMV needs AVX2 only and takes up to 64 rows, each its own bits
         return _with_bias(module, ext.q6k_gemv(x.to(torch.bfloat16), weight), x) if rows <= 64 else None
+    if kind == 8:  # Q8_0 (quant/q80.py): its integer GEMV needs AVX2 only and takes up to 64 rows, each its own bits
+        return _with_bias(module, ext.q80_gemv(x.to(torch.bfloat16), weight, scales), x) if rows <= 64 else None
     if kind == 2:
         return vnni_linear(module, x) if rows == 1 or not ext.vnni_available() else None
     if kind == 5:  # Q5_0 (quant/int5.py): the VNNI kernels, else the AVX2 ones (the same bits); plan_args said which

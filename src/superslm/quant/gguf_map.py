@@ -3,7 +3,8 @@
 Q4_0, Q4_1 and Q4_K run as they are ("gguf": their 32-value groups are the packed kernel's groups), and
 Q5_0 too ("gguf5", quant/int5.py) where the C++ VNNI or AVX2 kernels run (else int8, as below), and IQ4_NL / IQ4_XS
 ("giq4", quant/iq4.py: a float32 scale times a table value per code) where the C++ IQ4 GEMV runs (AVX2), and
-Q6_K ("gq6k", quant/q6k.py: the file's blocks byte for byte) where the C++ Q6_K GEMV runs (AVX2).
+Q6_K ("gq6k", quant/q6k.py: the file's blocks byte for byte) where the C++ Q6_K GEMV runs (AVX2), and Q8_0
+("gq80", quant/q80.py: the file's codes and d) where the C++ Q8_0 GEMV runs (AVX2) and the VNNI kernels do not.
 Every other quantized type is dequantized and re-quantized to int8 per output channel: measured on
 Gemma-3-270M's tensors (relative Frobenius error of W x against the block's own values, Gaussian x),
 int8 adds 0.8% (Q5_0, Q8_0) to 1.0% (Q6_K, where its kernels do not run), where int4 g32 would add 8%
@@ -21,18 +22,19 @@ import torch
 
 from superslm import cext
 from superslm.errors import InvalidArgument, TokenOutOfRange
-from superslm.formats.blocks import IQ4_NL, IQ4_XS, Q5_0, Q6_K, BlockType, Int4BlockType
+from superslm.formats.blocks import IQ4_NL, IQ4_XS, Q5_0, Q6_K, Q8_0, BlockType, Int4BlockType
 from superslm.quant.base import LinearFormat, dequantize_gguf, format_class, load_linear, register_format
 from superslm.quant.int4 import GGUFInt4Linear
 from superslm.quant.int5 import GGUFInt5Linear, int5_kernels
 from superslm.quant.iq4 import GGUFIQ4Linear, iq4_kernels
 from superslm.quant.q6k import GGUFQ6KLinear, q6k_kernels
+from superslm.quant.q80 import GGUFQ80Linear, q80_kernels
 
 #: block type name -> (format name, from_dense options); the int4 block types run natively
 NEAREST: dict[str, tuple[str, dict[str, Any]]] = {
     "Q4_0": ("gguf", {}), "Q4_1": ("gguf", {}), "Q4_K": ("gguf", {}),
     "Q5_0": ("gguf5", {}), "Q5_1": ("int8", {}), "Q5_K": ("int8", {}), "Q6_K": ("gq6k", {}),
-    "Q8_0": ("int8", {}), "Q8_K": ("int8", {}), "Q2_K": ("int8", {}), "Q3_K": ("int8", {}),
+    "Q8_0": ("gq80", {}), "Q8_K": ("int8", {}), "Q2_K": ("int8", {}), "Q3_K": ("int8", {}),
     "IQ4_NL": ("giq4", {}), "IQ4_XS": ("giq4", {}), "IQ3_S": ("int8", {}), "IQ3_XXS": ("int8", {}),
     "IQ2_S": ("int8", {}), "IQ2_XS": ("int8", {}), "IQ2_XXS": ("int8", {}),
     "F32": ("bf16", {}), "F16": ("bf16", {}), "BF16": ("bf16", {}), "F64": ("bf16", {}),
@@ -66,6 +68,11 @@ def nearest_format(block_type: type[BlockType], mapping: Mapping[str, tuple[str,
             raise InvalidArgument(f"GGUF {block_type.name} is not Q6_K; it cannot run as 'gq6k'")
         if not q6k_runs():
             return "int8", {}
+    if got[0] == "gq80":
+        if block_type is not Q8_0:
+            raise InvalidArgument(f"GGUF {block_type.name} is not Q8_0; it cannot run as 'gq80'")
+        if not q80_runs():
+            return "int8", {}
     return got
 
 
@@ -83,6 +90,13 @@ def iq4_runs() -> bool:
 def q6k_runs() -> bool:
     """Whether Q6_K can run as it is here: the C++ Q6_K GEMV built, and not SUPERSLM_KERNELS=torch."""
     return q6k_kernels() is not None
+
+
+def q80_runs() -> bool:
+    """Whether Q8_0 runs as it is here: the C++ Q8_0 GEMV built, not SUPERSLM_KERNELS=torch, and no VNNI kernels
+    (with them an int8 head and body take the VNNI int8 GEMV, one instruction per 64 products, and a tied Q8_0
+    head certifies greedy tokens with half the products, cpu_decode.greedy_head; gq80 is the AVX2 machines')."""
+    return q80_kernels() is not None and cext.vnni() is None
 
 
 def _int8_by_rows(part: GGUFPart, bias: torch.Tensor | None, note: str,
@@ -237,6 +251,8 @@ def linear_from_gguf(
             return GGUFIQ4Linear.from_gguf_parts(parts, bias)
         if fmt == "gq6k":
             return GGUFQ6KLinear.from_gguf_parts(parts, bias)
+        if fmt == "gq80":
+            return GGUFQ80Linear.from_gguf_parts(parts, bias)
         names = "+".join(dict.fromkeys(p[1].name for p in parts))
         if fmt == "int8" and not options and len(parts) == 1 and parts[0][3] is None:
             return _int8_by_rows(parts[0], bias, f"from {names}", release)

@@ -539,6 +539,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q6k_gemv", &q6k_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q6k_gemm", &q6k_gemm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q6k_dequantize", &q6k_dequantize, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("q80_available", &q80_available);
+  m.def("q80_gemv", &q80_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("q80_gemm", &q80_gemm, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("q80_dequantize", &q80_dequantize, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("delta_decode_step", &delta_decode_step, pybind11::call_guard<pybind11::gil_scoped_release>());
   register_moe_step(m);
   m.def("int4_dequant_rows", &int4_dequant_rows, pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -53,6 +53,11 @@ bool q6k_available();
 at::Tensor q6k_gemv(const at::Tensor& x, const at::Tensor& blocks);
 at::Tensor q6k_gemm(const at::Tensor& x, const at::Tensor& blocks, bool rows16);
 at::Tensor q6k_dequantize(const at::Tensor& blocks);
+// q80.cpp
+bool q80_available();
+at::Tensor q80_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d);
+at::Tensor q80_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, bool rows16);
+at::Tensor q80_dequantize(const at::Tensor& codes, const at::Tensor& d);
 
 namespace superslm_plan {
 
@@ -86,10 +91,13 @@ inline at::Tensor rotate_input(const at::Tensor& x, const at::Tensor& signs_f, i
 // INT5: GGUF Q5_0 as it is (quant/int5.py): int4 nibbles, `extra` their fifth bits
 // IQ4: GGUF IQ4_NL / IQ4_XS as they are (quant/iq4.py): codes, float scales, `extra` the 16-value table
 // Q6K: GGUF Q6_K as it is (quant/q6k.py): `a` the file's blocks
-enum LinKind : int64_t { DENSE_MODULE = 0, INT4 = 1, INT8 = 2, DENSE_FORMAT = 3, CONCAT = 4, INT5 = 5, IQ4 = 6, Q6K = 7 };
+// Q80: GGUF Q8_0 as it is (quant/q80.py): `a` the codes, `b` their f16 d per 32
+enum LinKind : int64_t { DENSE_MODULE = 0, INT4 = 1, INT8 = 2, DENSE_FORMAT = 3, CONCAT = 4, INT5 = 5, IQ4 = 6, Q6K = 7, Q80 = 8 };
 
 // rows of x up to which a Q6K linear takes its integer GEMV (quant/q6k.py GEMV_ROWS), the float32 GEMM past them
 constexpr int64_t Q6K_GEMV_ROWS = 64;
+// likewise for a Q80 linear (quant/q80.py GEMV_ROWS)
+constexpr int64_t Q80_GEMV_ROWS = 64;
 
 // MKL picks its kernel, and a dot product's term order, by the matrix shape: on an Intel Xeon a row of a
 // 64-row GEMM got other bits than in a 16-row one. One shape for every call: 16 rows (x has a multiple).
@@ -143,7 +151,8 @@ struct Lin {
                   "DecodePlan: a rotation that does not fit the linear's input");
       l.signs_f = l.signs.to(at::kFloat).contiguous();
     }
-    TORCH_CHECK(l.kind >= DENSE_MODULE && l.kind <= Q6K, "DecodePlan: unknown linear kind ", l.kind);
+    TORCH_CHECK(l.kind >= DENSE_MODULE && l.kind <= Q80, "DecodePlan: unknown linear kind ", l.kind);
+    TORCH_CHECK(l.kind != Q80 || l.b.defined(), "DecodePlan: a q80 linear without its d");
     TORCH_CHECK(l.kind != INT5 || (l.extra.defined() && l.b.defined()), "DecodePlan: an int5 linear without its bits");
     TORCH_CHECK(l.kind != IQ4 || (l.extra.defined() && l.b.defined()), "DecodePlan: an iq4 linear without its table");
     TORCH_CHECK(l.kind == CONCAT || l.a.defined(), "DecodePlan: a linear without its weight");
@@ -215,6 +224,10 @@ struct Lin {
       // the integer GEMV for decode rows of the default mode (each row's bits those it gets alone); deterministic
       // steps take the 16-row float32 GEMM at every row count, as the module's forward_row_blocks does
       y = h.size(0) <= Q6K_GEMV_ROWS && !deterministic ? q6k_gemv(h, a) : q6k_gemm(h, a, deterministic);
+      if (y.size(1) != out) y = y.narrow(1, 0, out);
+    } else if (kind == Q80) {
+      // as Q6K: the integer GEMV for default-mode decode rows, the 16-row float32 GEMM in deterministic steps
+      y = h.size(0) <= Q80_GEMV_ROWS && !deterministic ? q80_gemv(h, a, b) : q80_gemm(h, a, b, deterministic);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == INT8) {
       // as int4: the VNNI kernels for one row, for every row count in deterministic steps, else from gemm_rows

@@ -2,7 +2,7 @@
 // activation side of the kernels that take llama.cpp's one-part int8 arithmetic: iq4.cpp (IQ4_NL / IQ4_XS) and
 // q80.cpp (Q8_0). quant/iq4.py quantize_groups is its twin.
 #pragma once
-#include <torch/extension.h>
+#include "aten_ops.h"
 
 #include <cstdint>
 #include <limits>
