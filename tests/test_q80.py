@@ -37,12 +37,15 @@ def needs_kernels() -> None:
         pytest.skip("no C++ Q8_0 kernels here")
 
 
-def test_the_weight_is_the_files_bit_for_bit() -> None:
+def test_the_weight_is_the_files_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     n, k = 70, 320
     raw = q80_blocks(n, k, seed=1)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
     ref = quants.dequantize(raw.reshape(n, -1), GGMLQuantizationType.Q8_0).reshape(n, k)
-    m = GGUFQ80Linear.from_gguf(raw, Q8_0, (n, k), row_perm=perm)
+    monkeypatch.setattr("superslm.quant.q80.ROWS", 16)  # rows copied in blocks, the file's pages released between
+    released = []
+    m = GGUFQ80Linear.from_gguf_parts([(raw, Q8_0, (n, k), perm)], release=lambda: released.append(1))
+    assert len(released) == 5
     assert "Q8_0" in m.describe() and m.nbytes() == n * k + n * k // 16  # the file's 34 bytes a block
     got = m.dequantize().numpy()
     np.testing.assert_array_equal(got.view(np.uint32), np.ascontiguousarray(ref[perm.numpy()]).view(np.uint32))
@@ -50,7 +53,7 @@ def test_the_weight_is_the_files_bit_for_bit() -> None:
     w = np.random.default_rng(2).standard_normal((n, k)).astype(np.float32)
     q = quants.quantize(w, GGMLQuantizationType.Q8_0)
     codes, d = q80_params(q.reshape(-1), Q8_0, (n, k))
-    mine = q80_dequantize(torch.from_numpy(codes), torch.from_numpy(d)).numpy()
+    mine = q80_dequantize(codes, d).numpy()
     np.testing.assert_array_equal(mine, quants.dequantize(q, GGMLQuantizationType.Q8_0).reshape(n, k))
     ext = cext.extension()
     if ext is not None and ext.q80_available():

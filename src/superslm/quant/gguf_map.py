@@ -252,7 +252,7 @@ def linear_from_gguf(
         if fmt == "gq6k":
             return GGUFQ6KLinear.from_gguf_parts(parts, bias)
         if fmt == "gq80":
-            return GGUFQ80Linear.from_gguf_parts(parts, bias)
+            return GGUFQ80Linear.from_gguf_parts(parts, bias, release)
         names = "+".join(dict.fromkeys(p[1].name for p in parts))
         if fmt == "int8" and not options and len(parts) == 1 and parts[0][3] is None:
             return _int8_by_rows(parts[0], bias, f"from {names}", release)

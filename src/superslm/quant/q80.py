@@ -17,7 +17,7 @@ weight, built at first use.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -32,28 +32,39 @@ from superslm.quant.iq4 import _fma32, quantize_groups
 
 #: bytes of a Q8_0 block (an f16 d, 32 int8 codes)
 BLOCK_BYTES = 34
+#: rows of a weight copied from the file between two `release` calls (q80_params)
+ROWS = 8192
 #: the most rows of x the integer GEMV takes (decode steps of many sequences); more rows (prompts) take the float32
 #: GEMM (measured: docs/quantization.md)
 GEMV_ROWS = 64
 
 
 def q80_params(raw: np.ndarray, block_type: type[BlockType], shape: Sequence[int],
-               row_perm: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
+               row_perm: torch.Tensor | None = None, release: Callable[[], None] | None = None,
+               out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8_0 bytes of a weight [out, in] -> (codes int8 [out, in], d float16 [out, in / 32]), rows in `row_perm`
-    order if given."""
+    order if given. Written `ROWS` rows at a time into `out` (or new tensors), `release` called after each block of
+    rows (the loader drops the file's pages read so far): a 262k-row head is never held twice beside the file."""
     n, k = (int(d) for d in shape)
     if block_type is not Q8_0:
         raise InvalidArgument(f"the q80 format runs Q8_0 blocks, not {block_type.name}")
     if block_type.n_elements(raw) != n * k or k % 32:
         raise InvalidArgument(f"Q8_0: {raw.size} bytes do not hold a [{n}, {k}] weight")
-    blocks = np.ascontiguousarray(raw).reshape(n, k // 32, BLOCK_BYTES)  # [out, groups, 34]
+    perm = None
     if row_perm is not None:
         perm = torch.as_tensor(row_perm, dtype=torch.long).numpy()
         if perm.shape != (n,) or not np.array_equal(np.sort(perm), np.arange(n)):
             raise InvalidArgument(f"row_perm must be a permutation of {n} rows")
-        blocks = blocks[perm]
-    codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
-    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16).reshape(n, k // 32)
+    codes, d = out if out is not None else (torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // 32,
+                                                                                                dtype=torch.float16))
+    rows = raw.reshape(n, k // 32, BLOCK_BYTES)  # [out, groups, 34]
+    for r in range(0, n, ROWS):
+        blocks = rows[r : r + ROWS] if perm is None else rows[perm[r : r + ROWS]]
+        m = blocks.shape[0]
+        codes[r : r + m] = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(m, k))
+        d[r : r + m] = torch.from_numpy(np.ascontiguousarray(blocks[..., :2]).view(np.float16).reshape(m, k // 32))
+        if release is not None:
+            release()
     return codes, d
 
 
@@ -129,14 +140,18 @@ class GGUFQ80Linear(LinearFormat):
 
     @classmethod
     def from_gguf_parts(cls, parts: Sequence[tuple[np.ndarray, type[BlockType], Sequence[int], Any]],
-                        bias: torch.Tensor | None = None) -> GGUFQ80Linear:
-        """Q8_0 tensors (raw, block_type, shape, row_perm) fused along out (qkv, gate_up)."""
-        got = [q80_params(*p) for p in parts]
-        if len({g[0].shape[1] for g in got}) != 1:
+                        bias: torch.Tensor | None = None, release: Callable[[], None] | None = None) -> GGUFQ80Linear:
+        """Q8_0 tensors (raw, block_type, shape, row_perm) fused along out (qkv, gate_up), each part's rows written
+        in place (`q80_params`; `release` as there)."""
+        if not parts or len({int(p[2][1]) for p in parts}) != 1:
             raise InvalidArgument("gq80: fused parts must share their input dimension")
-        codes = torch.from_numpy(np.concatenate([g[0] for g in got]))
-        d = torch.from_numpy(np.concatenate([g[1] for g in got]))
-        n, k = codes.shape
+        k, n = int(parts[0][2][1]), sum(int(p[2][0]) for p in parts)
+        codes, d = torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // 32, dtype=torch.float16)
+        r = 0
+        for raw, block_type, shape, perm in parts:
+            m = int(shape[0])
+            q80_params(raw, block_type, shape, perm, release, (codes[r : r + m], d[r : r + m]))
+            r += m
         return cls(codes, d, k, n, as_bias(bias, n), "from Q8_0, codes exact")
 
     @classmethod
