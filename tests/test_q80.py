@@ -140,13 +140,16 @@ def test_module_maps_runs_saves_and_falls_back(monkeypatch: pytest.MonkeyPatch) 
     raw_q = q80_blocks(n, k, seed=1)
     raw_k = q80_blocks(32, k, seed=2)
     bias = torch.randn(n + 32)
+    gq80 = {"Q8_0": ("gq80", {})}
+    assert nearest_format(Q8_0) == ("int8", {})  # the default: int8 per channel (faster at one row here)
+    assert isinstance(linear_from_gguf([(raw_q, Q8_0, (n, k), None)]), Int8Linear)
     if not q80_runs():
-        assert isinstance(linear_from_gguf([(raw_q, Q8_0, (n, k), None)]), Int8Linear)
+        assert isinstance(linear_from_gguf([(raw_q, Q8_0, (n, k), None)], mapping=gq80), Int8Linear)
         return
-    assert nearest_format(Q8_0) == ("gq80", {})
+    assert nearest_format(Q8_0, gq80) == ("gq80", {})
     with pytest.raises(InvalidArgument):
         nearest_format(Q6_K, {"Q6_K": ("gq80", {})})
-    m = linear_from_gguf([(raw_q, Q8_0, (n, k), None), (raw_k, Q8_0, (32, k), None)], bias)
+    m = linear_from_gguf([(raw_q, Q8_0, (n, k), None), (raw_k, Q8_0, (32, k), None)], bias, gq80)
     assert isinstance(m, GGUFQ80Linear) and m.out_features == n + 32
     w = m.dequantize()
     x = torch.randn(GEMV_ROWS + 4, k).bfloat16()

@@ -49,7 +49,7 @@ from superslm.quant import (
     rotate_weight,
     unrotate_weight,
 )
-from superslm.quant.gguf_map import int5_runs, iq4_runs, q6k_runs, q80_runs
+from superslm.quant.gguf_map import int5_runs, iq4_runs, q6k_runs
 from superslm.quant.int4 import cpu_block, pack_int4, to_cpu_layout, to_stored_layout, unpack_int4
 from superslm.quant.int5 import GGUFInt5Linear, pack_bits, unpack_bits
 
@@ -280,7 +280,7 @@ def test_gguf_fused_parts_and_nearest_formats() -> None:
     # the IQ types (and Q5_0, Q6_K, Q8_0, IQ4_NL, IQ4_XS without the C++ kernels): re-quantized to int8 per
     # channel, and said so
     iq = (IQ3_S, IQ3_XXS, IQ2_S, IQ2_XXS, IQ2_XS) + (() if iq4_runs() else (IQ4_NL, IQ4_XS))
-    iq += (() if q6k_runs() else (Q6_K,)) + (() if q80_runs() else (Q8_0,))
+    iq += (() if q6k_runs() else (Q6_K,)) + (Q8_0,)  # Q8_0: int8 unless mapped to gq80
     for block in iq if int5_runs() else (Q5_0, *iq):
         raw = gguf_bytes(block, rng.standard_normal((32, 256)).astype(np.float32))
         m = linear_from_gguf([(raw, block, (32, 256), None)])

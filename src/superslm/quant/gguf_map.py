@@ -3,9 +3,11 @@
 Q4_0, Q4_1 and Q4_K run as they are ("gguf": their 32-value groups are the packed kernel's groups), and
 Q5_0 too ("gguf5", quant/int5.py) where the C++ VNNI or AVX2 kernels run (else int8, as below), and IQ4_NL / IQ4_XS
 ("giq4", quant/iq4.py: a float32 scale times a table value per code) where the C++ IQ4 GEMV runs (AVX2), and
-Q6_K ("gq6k", quant/q6k.py: the file's blocks byte for byte) where the C++ Q6_K GEMV runs (AVX2), and Q8_0
-("gq80", quant/q80.py: the file's codes and d) where the C++ Q8_0 GEMV runs (AVX2) and the VNNI kernels do not.
-Every other quantized type is dequantized and re-quantized to int8 per output channel: measured on
+Q6_K ("gq6k", quant/q6k.py: the file's blocks byte for byte) where the C++ Q6_K GEMV runs (AVX2).
+Q8_0 stays int8 per channel by default: as it is ("gq80", quant/q80.py, by `mapping={"Q8_0": ("gq80", {})}` where
+the C++ Q8_0 GEMV runs and the VNNI kernels do not) it loads in half the time and ~30 MB lighter, but Gemma-3-270M's
+tied Q8_0 head decoded at 0.92-0.95x the int8 path's speed (SmolLM2's 0.98-1.00x; benchmarks/q80_decode.py --decode,
+quiet AVX2 EPYC). Every other quantized type is dequantized and re-quantized to int8 per output channel: measured on
 Gemma-3-270M's tensors (relative Frobenius error of W x against the block's own values, Gaussian x),
 int8 adds 0.8% (Q5_0, Q8_0) to 1.0% (Q6_K, where its kernels do not run), where int4 g32 would add 8%
 (docs/quantization.md).
@@ -34,7 +36,7 @@ from superslm.quant.q80 import GGUFQ80Linear, q80_kernels
 NEAREST: dict[str, tuple[str, dict[str, Any]]] = {
     "Q4_0": ("gguf", {}), "Q4_1": ("gguf", {}), "Q4_K": ("gguf", {}),
     "Q5_0": ("gguf5", {}), "Q5_1": ("int8", {}), "Q5_K": ("int8", {}), "Q6_K": ("gq6k", {}),
-    "Q8_0": ("gq80", {}), "Q8_K": ("int8", {}), "Q2_K": ("int8", {}), "Q3_K": ("int8", {}),
+    "Q8_0": ("int8", {}), "Q8_K": ("int8", {}), "Q2_K": ("int8", {}), "Q3_K": ("int8", {}),
     "IQ4_NL": ("giq4", {}), "IQ4_XS": ("giq4", {}), "IQ3_S": ("int8", {}), "IQ3_XXS": ("int8", {}),
     "IQ2_S": ("int8", {}), "IQ2_XS": ("int8", {}), "IQ2_XXS": ("int8", {}),
     "F32": ("bf16", {}), "F16": ("bf16", {}), "BF16": ("bf16", {}), "F64": ("bf16", {}),
