@@ -75,13 +75,51 @@ def fixed_order_dot(original: Callable) -> Callable:
     return create_dot
 
 
+def one_patch_a_launch(interpreter: ModuleType, mp: pytest.MonkeyPatch) -> None:
+    """The interpreter's `_patch_lang` (triton.language's builtins swapped for interpreted ones) once a launch.
+
+    The interpreter patches the language modules a kernel sees when it launches the kernel (and restores them after
+    its grid), and again, identically and never restored, at every call of a jit helper inside every program: in an
+    engine test ~22% of the time went to those repeats (inspect.getmembers over triton.language at each call). Inside
+    a launch, a helper whose language modules the launch already patched skips the repeat; everything else is the
+    interpreter's own code."""
+    import inspect
+
+    import triton.language as tl
+
+    real_patch, real_call = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    state: dict[str, set[int] | None] = {"patched": None}  # ids of the modules the running launch patched
+
+    def patch_lang(fn):  # noqa: ANN001, ANN202 - triton's
+        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        patched = state["patched"]
+        if patched is not None and langs and langs <= patched:
+            return interpreter._LangPatchScope()  # nothing to restore
+        scope = real_patch(fn)
+        if patched is not None:
+            patched |= langs
+        return scope
+
+    def launch(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        outer, state["patched"] = state["patched"], set()
+        try:
+            return real_call(self, *args, **kwargs)
+        finally:
+            state["patched"] = outer
+
+    mp.setattr(interpreter, "_patch_lang", patch_lang)
+    mp.setattr(interpreter.GridExecutor, "__call__", launch)
+
+
 def interpret() -> Iterator[None]:
-    """TRITON_INTERPRET=1 and the fixed-order tl.dot for the duration of a test module on a CPU (the body of
-    the conftest fixture)."""
+    """TRITON_INTERPRET=1, the fixed-order tl.dot and one language patch a launch for the duration of a test module
+    on a CPU (the body of the conftest fixture)."""
     with pytest.MonkeyPatch.context() as mp:
         if not ON_GPU:
+            from triton.runtime import interpreter
             from triton.runtime.interpreter import InterpreterBuilder
 
             mp.setenv("TRITON_INTERPRET", "1")
             mp.setattr(InterpreterBuilder, "create_dot", fixed_order_dot(InterpreterBuilder.create_dot))
+            one_patch_a_launch(interpreter, mp)
         yield
