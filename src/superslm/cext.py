@@ -101,7 +101,7 @@ def extension() -> Any:
         except ImportError:
             pass
 
-        # the first use on a machine compiles (145 s on 2 cores of an AMD EPYC): say so rather than look hung;
+        # the first use on a machine compiles (100 s on 2 cores of an AMD EPYC): say so rather than look hung;
         # a second process waits on the first one's lock (torch's FileBaton) and says that instead
         build_dir.mkdir(parents=True, exist_ok=True)
         clear_stale_lock(build_dir)
