@@ -151,6 +151,30 @@ def test_activation_rounding() -> None:
     assert bsm[0, :5].tolist() == [(127 - 64 + 2 - 2) * 16, 3 * 16, 120 - 16, 0, 123 * 13] and bsm.shape == (1, 32)
 
 
+def test_deterministic_concat_gives_its_q6k_part_the_plans_tiles() -> None:
+    """A fused linear of Q4_K and Q6_K parts (Qwen3.5's qkv) in deterministic mode: each part by its own rule, the
+    Q6_K part's rows those of the C++ plan's deterministic q6k_gemm (16-row tiles), not its GEMV's, whatever the
+    row count."""
+    if not q6k_runs():
+        pytest.skip("no Q6_K kernels: Q6_K runs as int8")
+    from superslm.quant.gguf_map import ConcatLinear
+    from tests.test_quant import gguf_bytes
+
+    k = 512
+    q4 = gguf_bytes(Q4_K, np.zeros((64, k), np.float32))  # random valid Q4_K blocks (gguf-py cannot quantize it)
+    m = linear_from_gguf([(q4, Q4_K, (64, k), None), (q6k_blocks(32, k, seed=4), Q6_K, (32, k), None)])
+    assert isinstance(m, ConcatLinear) and isinstance(m.parts[1], GGUFQ6KLinear)
+    x = torch.randn(37, k).bfloat16()
+    det = m.forward_row_blocks(x)
+    want6 = cext.extension().q6k_gemm(x, m.parts[1].blocks, True)
+    assert torch.equal(det[:, 64:].view(torch.int16), want6.view(torch.int16))
+    assert not torch.equal(det[:, 64:], m.parts[1](x))  # the GEMV's bits differ: the rule matters
+    assert torch.equal(det[:, :64], m.parts[0].forward_row_blocks(x) if not m.parts[0].row_invariant
+                       else m.parts[0](x))
+    for rows in (1, 3, 16, 20):
+        assert torch.equal(m.forward_row_blocks(x[:rows]), det[:rows]), rows
+
+
 def test_module_maps_runs_saves_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     n, k = 96, 512
     raw_q = q6k_blocks(n, k, seed=1)

@@ -204,6 +204,14 @@ class ConcatLinear(LinearFormat):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
+    def forward_row_blocks(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Deterministic mode part by part, each by its own format's rule (whole where its rows are invariant, else
+        its `forward_row_blocks`: a Q6_K part's 16-row tiles), so each part's bits are those the C++ plan gives it;
+        16-row blocks of the whole concat took a Q6_K part's GEMV instead."""
+        outs = [(p(x) if dtype is None else p.forward_rotated(x, dtype)) if p.row_invariant
+                else p.forward_row_blocks(x, dtype) for p in self.parts]
+        return torch.cat(outs, dim=-1)
+
     def dequantize_stored(self) -> torch.Tensor:
         return torch.cat([p.dequantize() for p in self.parts])
 
