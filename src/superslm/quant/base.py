@@ -132,6 +132,15 @@ class LinearFormat(nn.Module):
         """The stored weight as float32 [out, k_pad]: rotated basis, padding included."""
         raise NotImplementedError
 
+    def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x times a dense copy of the stored weight in x's dtype and device, built once (each weight rounded to
+        that dtype): what a format whose kernels do not run here (a folder converted on another machine, another
+        device) computes with."""
+        dense = getattr(self, "_dense", None)
+        if dense is None or dense.dtype != x.dtype or dense.device != x.device:
+            dense = self._dense = self.dequantize_stored().to(device=x.device, dtype=x.dtype)
+        return F.linear(x, dense)
+
     def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The format's own tensors and metadata (the base adds shape, bias and rotation)."""
         raise NotImplementedError

@@ -19,7 +19,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from superslm import cext
 from superslm.errors import InvalidArgument
@@ -206,12 +205,8 @@ class GGUFInt5Linear(LinearFormat):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         ext = int5_kernels()  # VNNI, else AVX2 (int5_gemv and int5_gemm pick them: the same bits)
         if ext is None or x.device.type != "cpu":
-            # no 5-bit kernel here (a folder converted on another CPU, or another device): a dense copy in
-            # x's dtype, built once; each weight rounded to that dtype
-            dense = getattr(self, "_dense", None)
-            if dense is None or dense.dtype != x.dtype or dense.device != x.device:
-                dense = self._dense = self.dequantize_stored().to(device=x.device, dtype=x.dtype)
-            y = F.linear(x, dense)
+            # no kernels here (a folder converted on another machine, another device)
+            y = self._dense_matmul(x)
         elif x.shape[0] == 1:
             y = ext.int5_gemv(x, self.qweight, self.scales_zeros, self.bits)
         else:

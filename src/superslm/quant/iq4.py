@@ -205,12 +205,8 @@ class GGUFIQ4Linear(LinearFormat):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         ext = iq4_kernels()
         if ext is None or x.device.type != "cpu" or self.qweight.device.type != "cpu":
-            # no kernels here (a folder converted on another machine, another device): a dense copy in x's
-            # dtype, built once
-            dense = getattr(self, "_dense", None)
-            if dense is None or dense.dtype != x.dtype or dense.device != x.device:
-                dense = self._dense = self.dequantize_stored().to(device=x.device, dtype=x.dtype)
-            return F.linear(x, dense)
+            # no kernels here (a folder converted on another machine, another device)
+            return self._dense_matmul(x)
         # the integer kernel up to the rows where the float32 GEMM over decoded blocks overtakes it (measured per
         # shape: kernels/cpu/iq4.cpp iq4_gemv_rows)
         if x.shape[0] <= ext.iq4_gemv_rows(x.shape[1], self.qweight.shape[0]):

@@ -22,7 +22,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from superslm import cext
 from superslm.errors import InvalidArgument
@@ -183,12 +182,8 @@ class GGUFQ80Linear(LinearFormat):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         ext = self._on_cpu(x)
         if ext is None:
-            # no kernels here (a folder converted on another machine, another device): a dense copy in x's
-            # dtype, built once
-            dense = getattr(self, "_dense", None)
-            if dense is None or dense.dtype != x.dtype or dense.device != x.device:
-                dense = self._dense = self.dequantize_stored().to(device=x.device, dtype=x.dtype)
-            return F.linear(x, dense)
+            # no kernels here (a folder converted on another machine, another device)
+            return self._dense_matmul(x)
         if x.shape[0] <= GEMV_ROWS:
             return ext.q80_gemv(x, self.codes, self.d)
         return ext.q80_gemm(x, self.codes, self.d, False)
