@@ -130,9 +130,9 @@ def accuracy(rows: int) -> None:
                 for key, e in err.items()), flush=True)
 
 
-def decode_tps(path: Path, rounds: int, tokens: int, streams: int) -> None:
-    """Greedy decode tokens per second (`streams` sequences of `tokens` each after a 32-token prompt), Q6_K as gq6k
-    and as int8, alternating (as superslm.bench drives the engine)."""
+def decode_tps(path: Path, rounds: int, tokens: int, streams: int, block: str = "Q6_K", fmt: str = "gq6k") -> None:
+    """Greedy decode tokens per second (`streams` sequences of `tokens` each after a 32-token prompt), `block`
+    tensors as `fmt` and as int8, alternating (as superslm.bench drives the engine)."""
     import superslm
     from superslm import Request, Sampling
     from superslm.quant.gguf_map import NEAREST
@@ -151,19 +151,19 @@ def decode_tps(path: Path, rounds: int, tokens: int, streams: int) -> None:
             n += sum(len(p.tokens) for p in engine.advance())
         return n / (time.perf_counter() - t0)
 
-    kept = NEAREST["Q6_K"]
+    kept = NEAREST[block]
     models = {}
-    for fmt in ("gq6k", "int8"):
-        NEAREST["Q6_K"] = (fmt, {})
-        models[fmt] = superslm.load(path, device="cpu")
-    NEAREST["Q6_K"] = kept
-    for fmt, m in models.items():
-        print(fmt, m.info()["linears"], flush=True)
+    for f in (fmt, "int8"):
+        NEAREST[block] = (f, {})
+        models[f] = superslm.load(path, device="cpu")
+    NEAREST[block] = kept
+    for f, m in models.items():
+        print(f, m.info()["linears"], flush=True)
         timed(m)  # warm
     for r in range(rounds):
-        got = {fmt: timed(m) for fmt, m in models.items()}
-        print(f"round {r}, {streams} streams: " + ", ".join(f"{fmt} {v:.2f} tok/s" for fmt, v in got.items())
-              + f"; gq6k / int8 {got['gq6k'] / got['int8']:.3f}x", flush=True)
+        got = {f: timed(m) for f, m in models.items()}
+        print(f"round {r}, {streams} streams: " + ", ".join(f"{f} {v:.2f} tok/s" for f, v in got.items())
+              + f"; {fmt} / int8 {got[fmt] / got['int8']:.3f}x", flush=True)
 
 
 def main() -> None:

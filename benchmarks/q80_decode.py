@@ -12,19 +12,20 @@ them at several rows. GB/s are of each format's own bytes (Q8_0 8.5 bits a weigh
 `--accuracy`: the GEMV's error (x as int8 per 32, llama.cpp's Q8_0) against the int8 path's (the weight
 re-quantized per channel, x bf16-exact in two int8 parts) and against float32 x, from the float64 product with the
 file's weights, over activations shaped like a decoder's (benchmarks.iq4_decode.activations).
-`--decode FILE`: greedy decode tokens per second of the file as it loads now (Q8_0 as gq80) and with Q8_0 mapped
-to int8 as before, alternating, `--rounds` times.
+`--decode FILE`: greedy decode tokens per second of the file with Q8_0 as gq80 and as int8 (the default),
+alternating, `--rounds` times (benchmarks.q6k_decode.decode_tps).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from benchmarks.q6k_decode import _best, decode_tps
 
 #: [out, in]: Gemma-3-270M's tied head, its gate / up and down projections
 SHAPES = {"head": (262144, 640), "gate 270M": (2048, 640), "down 270M": (640, 2048)}
@@ -37,13 +38,6 @@ def random_q80(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     raw[:, 2:] = rng.integers(-127, 128, (m, 32), dtype=np.int8).view(np.uint8)
     raw[:, :2] = (np.abs(rng.standard_normal((m, 1))) * 1e-3).astype(np.float16).view(np.uint8)
     return raw.reshape(-1)
-
-
-def _best(fn, calls: int) -> float:  # noqa: ANN001
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls
 
 
 def gemv_bench(rounds: int, rows_list: tuple[int, ...]) -> None:
@@ -115,42 +109,6 @@ def accuracy(rows: int) -> None:
                 for key, e in err.items()), flush=True)
 
 
-def decode_tps(path: Path, rounds: int, tokens: int, streams: int) -> None:
-    """Greedy decode tokens per second (`streams` sequences of `tokens` each after a 32-token prompt), Q8_0 as gq80
-    and as int8, alternating (as superslm.bench drives the engine)."""
-    import superslm
-    from superslm import Request, Sampling
-    from superslm.quant.gguf_map import NEAREST
-
-    greedy = Sampling(ignore_eos=True)
-
-    def timed(model) -> float:  # noqa: ANN001
-        engine = model.engine(slots=streams, context=32 + tokens + 8, rows=512, prefix_caching=False)
-        ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8,
-                                     add_special_tokens=False)[:32]
-        for i in range(streams):
-            engine.add(Request(ids[i:] + ids[:i], tokens, greedy))
-        engine.advance()  # the prompts
-        t0, n = time.perf_counter(), 0
-        while engine.busy():
-            n += sum(len(p.tokens) for p in engine.advance())
-        return n / (time.perf_counter() - t0)
-
-    kept = NEAREST["Q8_0"]
-    models = {}
-    for fmt in ("gq80", "int8"):
-        NEAREST["Q8_0"] = (fmt, {})
-        models[fmt] = superslm.load(path, device="cpu")
-    NEAREST["Q8_0"] = kept
-    for fmt, m in models.items():
-        print(fmt, m.info()["linears"], flush=True)
-        timed(m)  # warm
-    for r in range(rounds):
-        got = {fmt: timed(m) for fmt, m in models.items()}
-        print(f"round {r}, {streams} streams: " + ", ".join(f"{fmt} {v:.2f} tok/s" for fmt, v in got.items())
-              + f"; gq80 / int8 {got['gq80'] / got['int8']:.3f}x", flush=True)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gemv", action="store_true")
@@ -168,7 +126,7 @@ def main() -> None:
     if ns.accuracy:
         accuracy(16)
     if ns.decode:
-        decode_tps(ns.decode, ns.rounds, ns.tokens, ns.streams)
+        decode_tps(ns.decode.expanduser(), ns.rounds, ns.tokens, ns.streams, "Q8_0", "gq80")
 
 
 if __name__ == "__main__":
