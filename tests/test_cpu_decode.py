@@ -428,8 +428,7 @@ def test_iq4_decode_rows_are_each_rows_own(folders, deterministic: bool) -> None
     def step(kv: KVCache, meta: AttnMetadata, toks: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             h = net.embed(toks)
-            tables = net._rope_tables(meta.positions)
-            tabs = [tables.get(k, tables[max(tables)]) for k in range(2)]
+            tabs = net.rope_table_list(meta.positions)
             key_slots, row_seq, lens = cpu_decode.row_key_slots(meta, h.device)
             return cpu_decode.decode_layers(net, h, meta.slot_mapping, key_slots, row_seq, lens, tabs, kv.k, kv.v, 0,
                                             len(net.layers), deterministic)
