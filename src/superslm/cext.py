@@ -29,7 +29,7 @@ _SOURCES = [_DIR / n for n in ("decode_layers.cpp", "gemv.cpp", "gemm.cpp", "gre
                                "moe_step.cpp", "iq4.cpp", "prompt.cpp", "q6k.cpp", "avx2_rows.cpp",
                                "q80.cpp")]
 _HEADERS = [_DIR / n for n in ("vnni.h", "rowops.h", "rowbase.h", "rowops_avx2.h", "plan_linear.h", "int5_avx2.h",
-                               "parts_layer.h", "dynamic_for.h", "aten_ops.h", "q8_groups.h")]
+                               "parts_layer.h", "dynamic_for.h", "aten_ops.h", "q8_groups.h", "decoded_gemm.h")]
 _ext: Any = None
 _ext_tried = False
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]

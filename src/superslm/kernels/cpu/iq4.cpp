@@ -20,6 +20,7 @@
 // alone, whatever the rows beside it and the threads (deterministic mode takes it at every row count); where R
 // GEMVs read and unpack the weight R times. quant/iq4.py iq4_gemv is its twin (one row or many), bit for bit.
 #include "aten_ops.h"
+#include "decoded_gemm.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -75,12 +76,6 @@ void decode_rows(const uint8_t* q, const float* s, const int8_t* table, int64_t 
       }
     }
   }
-}
-
-// rows of the decoded weight per BLAS call: ~2 MiB of float32, a multiple of 16
-int64_t chunk_rows(int64_t K, int64_t N) {
-  const int64_t rows = std::max<int64_t>(16, ((int64_t(1) << 21) / (4 * K)) & ~int64_t(15));
-  return std::min(rows, N);
 }
 
 #ifdef SUPERSLM_IQ4_AVX2
@@ -258,28 +253,12 @@ at::Tensor iq4_dequantize(const at::Tensor& qweight, const at::Tensor& scales, c
 at::Tensor iq4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table,
                     bool rows16) {
   check_iq4(x, qweight, scales, table, "iq4_gemm");
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  at::Tensor xf = x.to(at::kBFloat16).to(at::kFloat).contiguous();
-  if (rows16 && M % 16) xf = at::constant_pad_nd(xf, {0, 0, 0, 16 - M % 16});
-  at::Tensor out = at::empty({xf.size(0), N}, x.options().dtype(at::kFloat));
-  const int64_t C = chunk_rows(K, N);
-  at::Tensor w = at::empty({C, K}, xf.options());
+  const int64_t K = x.size(1);
   const uint8_t* q = qweight.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const int8_t* t = table.data_ptr<int8_t>();
-  for (int64_t n0 = 0; n0 < N; n0 += C) {
-    const int64_t c = std::min(C, N - n0);
-    float* wp = w.data_ptr<float>();
-    at::parallel_for(0, c, 16, [&](int64_t a, int64_t b) { decode_rows(q, s, t, K, n0 + a, n0 + b, wp + a * K); });
-    const at::Tensor wc = w.narrow(0, 0, c);
-    if (rows16) {
-      for (int64_t r = 0; r < xf.size(0); r += 16) out.narrow(0, r, 16).narrow(1, n0, c).copy_(at::mm(xf.narrow(0, r, 16), wc.t()));
-    } else {
-      out.narrow(1, n0, c).copy_(at::mm(xf, wc.t()));
-    }
-  }
-  if (out.size(0) != M) out = out.narrow(0, 0, M);
-  return out.to(at::kBFloat16);
+  return superslm_decoded::decoded_gemm(x, qweight.size(0), rows16,
+                                        [&](int64_t n0, int64_t n1, float* w) { decode_rows(q, s, t, K, n0, n1, w); });
 }
 
 // Rows of x up to which iq4_gemv (the integer rows kernel) is the default mode's choice for a weight [N, K], past

@@ -23,6 +23,7 @@
 // same bits whatever rows came with it. quant/q6k.py q6k_gemv is its twin, bit for bit.
 // Prompts (many rows) take a float32 GEMM over blocks of decoded rows (q6k_gemm; q6k_matmul its twin).
 #include "aten_ops.h"
+#include "decoded_gemm.h"
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -115,12 +116,6 @@ void decode_rows(const uint8_t* blocks, int64_t K, int64_t n0, int64_t n1, float
 #endif
     }
   }
-}
-
-// rows of the decoded weight per BLAS call: ~2 MiB of float32, a multiple of 16
-int64_t chunk_rows(int64_t K, int64_t N) {
-  const int64_t rows = std::max<int64_t>(16, ((int64_t(1) << 21) / (4 * K)) & ~int64_t(15));
-  return std::min(rows, N);
 }
 
 #ifdef SUPERSLM_Q6K_AVX2
@@ -277,27 +272,10 @@ at::Tensor q6k_dequantize(const at::Tensor& blocks) {
 // rows), so a row's bits do not depend on how many rows came with it (deterministic mode; kernels/row_blocks.py).
 at::Tensor q6k_gemm(const at::Tensor& x, const at::Tensor& blocks, bool rows16) {
   check_q6k(x, blocks, "q6k_gemm");
-  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
-  at::Tensor xf = x.to(at::kBFloat16).to(at::kFloat).contiguous();
-  if (rows16 && M % 16) xf = at::constant_pad_nd(xf, {0, 0, 0, 16 - M % 16});
-  at::Tensor out = at::empty({xf.size(0), N}, x.options().dtype(at::kFloat));
-  const int64_t C = chunk_rows(K, N);
-  at::Tensor w = at::empty({C, K}, xf.options());
+  const int64_t K = x.size(1);
   const uint8_t* q = blocks.data_ptr<uint8_t>();
-  for (int64_t n0 = 0; n0 < N; n0 += C) {
-    const int64_t c = std::min(C, N - n0);
-    float* wp = w.data_ptr<float>();
-    at::parallel_for(0, c, 16, [&](int64_t a, int64_t b) { decode_rows(q, K, n0 + a, n0 + b, wp + a * K); });
-    const at::Tensor wc = w.narrow(0, 0, c);
-    if (rows16) {
-      for (int64_t r = 0; r < xf.size(0); r += 16)
-        out.narrow(0, r, 16).narrow(1, n0, c).copy_(at::mm(xf.narrow(0, r, 16), wc.t()));
-    } else {
-      out.narrow(1, n0, c).copy_(at::mm(xf, wc.t()));
-    }
-  }
-  if (out.size(0) != M) out = out.narrow(0, 0, M);
-  return out.to(at::kBFloat16);
+  return superslm_decoded::decoded_gemm(x, blocks.size(0), rows16,
+                                        [&](int64_t n0, int64_t n1, float* w) { decode_rows(q, K, n0, n1, w); });
 }
 
 // x [M, K] -> [M, N] bf16 through the integer kernel (see the top of the file), each row's bits those it gets

@@ -18,6 +18,7 @@
 // its twin, bit for bit. Prompts (more rows) take a float32 GEMM over blocks of decoded rows (q80_gemm; q80_matmul
 // its twin).
 #include "aten_ops.h"
+#include "decoded_gemm.h"
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -74,12 +75,6 @@ void decode_rows(const int8_t* codes, const at::Half* d, int64_t K, int64_t n0, 
 #endif
     }
   }
-}
-
-// rows of the decoded weight per BLAS call: ~2 MiB of float32, a multiple of 16
-int64_t chunk_rows(int64_t K, int64_t N) {
-  const int64_t rows = std::max<int64_t>(16, ((int64_t(1) << 21) / (4 * K)) & ~int64_t(15));
-  return std::min(rows, N);
 }
 
 #ifdef SUPERSLM_Q80_AVX2
@@ -199,28 +194,11 @@ at::Tensor q80_dequantize(const at::Tensor& codes, const at::Tensor& d) {
 // rows), so a row's bits do not depend on how many rows came with it (deterministic mode; kernels/row_blocks.py).
 at::Tensor q80_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, bool rows16) {
   check_q80(x, codes, d, "q80_gemm");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  at::Tensor xf = x.to(at::kBFloat16).to(at::kFloat).contiguous();
-  if (rows16 && M % 16) xf = at::constant_pad_nd(xf, {0, 0, 0, 16 - M % 16});
-  at::Tensor out = at::empty({xf.size(0), N}, x.options().dtype(at::kFloat));
-  const int64_t C = chunk_rows(K, N);
-  at::Tensor w = at::empty({C, K}, xf.options());
+  const int64_t K = x.size(1);
   const int8_t* c = codes.data_ptr<int8_t>();
   const at::Half* dp = d.data_ptr<at::Half>();
-  for (int64_t n0 = 0; n0 < N; n0 += C) {
-    const int64_t cn = std::min(C, N - n0);
-    float* wp = w.data_ptr<float>();
-    at::parallel_for(0, cn, 16, [&](int64_t a, int64_t b) { decode_rows(c, dp, K, n0 + a, n0 + b, wp + a * K); });
-    const at::Tensor wc = w.narrow(0, 0, cn);
-    if (rows16) {
-      for (int64_t r = 0; r < xf.size(0); r += 16)
-        out.narrow(0, r, 16).narrow(1, n0, cn).copy_(at::mm(xf.narrow(0, r, 16), wc.t()));
-    } else {
-      out.narrow(1, n0, cn).copy_(at::mm(xf, wc.t()));
-    }
-  }
-  if (out.size(0) != M) out = out.narrow(0, 0, M);
-  return out.to(at::kBFloat16);
+  return superslm_decoded::decoded_gemm(x, codes.size(0), rows16,
+                                        [&](int64_t n0, int64_t n1, float* w) { decode_rows(c, dp, K, n0, n1, w); });
 }
 
 // x [M, K] -> [M, N] bf16 through the integer kernel (see the top of the file), each row's bits those it gets
