@@ -12,7 +12,7 @@ take their generic torch path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -440,26 +440,52 @@ def _avx2_int8(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
 
 #: a union of candidates larger than this costs more to rescore than it saved: the caller takes the full head
 GREEDY_MAX_CANDIDATES = 4096
-#: rows from which the one-part approximation pays (below, the head is read at memory speed either way)
+#: rows from which the one-part approximation pays (below, the head is read at memory speed either way: on the
+#: AVX2 kernels too, Gemma-3's head [262144, 640] at one row took as long either way, 4 rows 1.04-1.11x, 16 rows
+#: 1.31-1.38x faster; 2-core EPYC, benchmarks in docs/benchmarks.md)
 GREEDY_MIN_ROWS = 4
 #: the widest head input kernels/cpu/greedy.cpp takes (its per-row channel tables)
 GREEDY_MAX_K = 1024
 
 
-def greedy_head(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """int64 [M]: argmax over the vocabulary of `vnni_linear(module, x)`'s logits (first index on ties), or
-    None where that path does not apply or the bound was too loose (the caller computes the full logits).
-
-    A one-part int8 pass bounds every logit (kernels/cpu/greedy.cpp); only the candidates that can be a
-    row's argmax get their exact logits, from the same kernels as the full head: the same tokens for half
-    the products. A head whose candidates keep overflowing (a model whose activations quantize coarsely)
-    stops trying once more than half of its calls (8 at least) fell back."""
-    if x.shape[0] < GREEDY_MIN_ROWS or x.device.type != "cpu" or getattr(module, "bias", None) is not None:
+def _greedy_kernels(module: torch.nn.Module, rows: int, deterministic: bool
+                    ) -> tuple[Any, torch.Tensor, Callable[..., torch.Tensor]] | None:
+    """(extension, the codes' row sums, the exact kernel: (x, codes, scale, rowsum) -> bf16 logits) for the
+    certified greedy head, or None: from `GREEDY_MIN_ROWS` rows, the VNNI kernels; else the AVX2 ones in the
+    default mode up to `avx2_gemm_rows` rows, where `logits` runs the head on them (each output the GEMV's bits;
+    deterministic mode and more rows take torch's kernel, whose roundings the certificate does not speak for)."""
+    if rows < GREEDY_MIN_ROWS:
         return None
     got = _vnni_int8(module)
+    if got is not None:
+        ext, rowsum = got
+        return ext, rowsum, ext.int8_gemm
+    ext = cext.extension()
+    if deterministic or ext is None or cext.torch_kernels_forced() or not ext.avx2_available():
+        return None
+    if rows > ext.avx2_gemm_rows() or not _int8_fits(module):
+        return None
+    rowsum = getattr(module, "_rowsum", None)
+    if rowsum is None or rowsum.shape[0] != module.codes.shape[0]:
+        rowsum = module._rowsum = ext.int8_rowsum(module.codes)
+    return ext, rowsum, lambda x, codes, scale, _rowsum: ext.int8_gemm_avx2(x, codes, scale)
+
+
+def greedy_head(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor | None:
+    """int64 [M]: argmax over the vocabulary of the head's logits as `vnni_linear` gives them (first index on
+    ties), or None where that path does not apply or the bound was too loose (the caller computes the full
+    logits).
+
+    A one-part int8 pass bounds every logit (kernels/cpu/greedy.cpp, AVX-512 VNNI or AVX2); only the candidates
+    that can be a row's argmax get their exact logits, from the same kernels as the full head: the same tokens
+    for half the products. A head whose candidates keep overflowing (a model whose activations quantize coarsely)
+    stops trying once more than half of its calls (8 at least) fell back."""
+    if x.shape[0] == 0 or x.device.type != "cpu" or getattr(module, "bias", None) is not None:
+        return None
+    got = _greedy_kernels(module, x.shape[0], deterministic)
     if got is None or module.k_pad > GREEDY_MAX_K:
         return None
-    ext, rowsum = got
+    ext, rowsum, exact = got
     stats = module.__dict__.setdefault("_greedy_stats", [0, 0])  # [calls, fallbacks]
     if stats[0] >= 8 and stats[1] * 2 > stats[0]:
         return None
@@ -472,8 +498,8 @@ def greedy_head(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None
     if not ok or union.numel() == 0:  # none: every bound NaN (a NaN scale), the full head says what it says
         stats[1] += 1
         return None
-    y = ext.int8_gemm(x, module.codes.index_select(0, union).contiguous(), module.scale.index_select(0, union),
-                      rowsum.index_select(0, union))
+    y = exact(x, module.codes.index_select(0, union).contiguous(), module.scale.index_select(0, union),
+              rowsum.index_select(0, union))
     return union[y.float().argmax(dim=1)]
 
 

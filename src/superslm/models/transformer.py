@@ -508,10 +508,11 @@ class Transformer(nn.Module):
 
     def greedy_tokens(self, h: torch.Tensor, deterministic: bool = False) -> torch.Tensor | None:
         """Residual rows [n, dim] -> each row's argmax token (int64 [n], first index on ties) where the head
-        can certify it without all the logits (an int8 head at 4+ rows: cpu_decode.greedy_head), else None.
-        The tokens are those of the VNNI kernels' logits: `logits` itself for one row and in deterministic
-        mode; at several rows the default mode's `logits` may run torch's kernel (CPUs with AVX512-BF16,
-        `gemm_rows`), whose roundings may break a tie within one bf16 ulp the other way."""
+        can certify it without all the logits (an int8 head: cpu_decode.greedy_head), else None.
+        The tokens are those of the int8 kernels' logits (from 4 rows): on the VNNI kernels `logits` itself in
+        deterministic mode, while the default mode's `logits` may run torch's kernel (CPUs with AVX512-BF16,
+        `gemm_rows`), whose roundings may break a tie within one bf16 ulp the other way; on the AVX2 kernels
+        (default mode, up to `avx2_gemm_rows` rows) `logits` itself."""
         if not self.has_head:
             return None
-        return cpu_decode.greedy_head(self.head, self._head_input(h, deterministic)[: h.shape[0]])
+        return cpu_decode.greedy_head(self.head, self._head_input(h, deterministic)[: h.shape[0]], deterministic)

@@ -15,6 +15,12 @@
 // lower bound cannot be the argmax, so the candidates hold every token that can be a row's argmax, ties
 // included; the caller computes the exact logits of the candidates alone (the exact kernels give each
 // output from exact integer sums, so a gathered row has the bits it has in the full head).
+//
+// Two passes compute the approximate logits: AVX-512 VNNI tiles of 4 outputs x 4 rows (the part as unsigned
+// bytes, hi + 128, and 128 * rowsum taken off), and on AVX2 without VNNI 8 outputs a row, the byte products
+// through maddubs with the codes' magnitudes and the part carrying their signs (|c| <= 128, |hi| <= 127: a pair
+// at most 32,512, never saturating). The AVX2 exact kernels multiply each code by both parts in int16
+// (avx2.cpp, avx2_rows.cpp), so here too one part is half their products.
 #include "aten_ops.h"
 #include <ATen/Parallel.h>
 
@@ -28,7 +34,50 @@
 
 #include "vnni.h"
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define SUPERSLM_GREEDY_AVX2 1
+#endif
+
 bool vnni_available();
+bool avx2_available();
+
+#ifdef SUPERSLM_GREEDY_AVX2
+namespace {
+
+// lane o: the int32 sum of the 8 lanes of acc[o]
+inline __m256i reduce8(const __m256i acc[8]) {
+  const __m256i t0 = _mm256_hadd_epi32(acc[0], acc[1]), t1 = _mm256_hadd_epi32(acc[2], acc[3]);
+  const __m256i t2 = _mm256_hadd_epi32(acc[4], acc[5]), t3 = _mm256_hadd_epi32(acc[6], acc[7]);
+  // u0: [acc 0..3's sums of lanes 0-3 | of lanes 4-7], u1 the same for acc 4..7
+  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// code rows ahead of the ones multiplied that `dot8` asks the cache for: a streamed head is bound by one
+// core's misses in flight (avx2.cpp's exact GEMV does the same)
+constexpr int64_t PF_ROWS = 16;
+
+// the exact int32 sums over k of hs[k] * w[o][k] for 8 code rows w[o] (K % 32 == 0, each K apart): lane o;
+// `prefetch`: the rows PF_ROWS ahead too
+inline __m256i dot8(const int8_t* const w[8], const int8_t* hs, int64_t K, bool prefetch) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[8];
+  for (int o = 0; o < 8; ++o) acc[o] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hs + k));
+    if (prefetch && (k & 63) == 0)
+      for (int o = 0; o < 8; ++o) _mm_prefetch(reinterpret_cast<const char*>(w[o] + PF_ROWS * K + k), _MM_HINT_T0);
+    for (int o = 0; o < 8; ++o) {
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[o] + k));
+      const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c));
+      acc[o] = _mm256_add_epi32(acc[o], _mm256_madd_epi16(p, ones));
+    }
+  }
+  return reduce8(acc);
+}
+
+}  // namespace
+#endif
 
 // w2 float32 [N] for codes int8 [N, K] and scale bf16 [N]: ||codes_n||_2 * scale_n from the exact integer sum of
 // squares, rounded up by 2^-20 (the bound must not be an ulp short); no temporaries beside the output
@@ -70,8 +119,9 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
   TORCH_CHECK(K % 64 == 0 && K <= 1024, "int8_greedy_candidates: K must be a multiple of 64, at most 1024");
   TORCH_CHECK(N < (int64_t{1} << 31) && M < (int64_t{1} << 31), "int8_greedy_candidates: too many rows");
   const at::Tensor none = at::empty({0}, at::kLong);
-  if (!vnni_available() || M == 0 || N == 0) return {none, false};
-#ifdef SUPERSLM_VNNI
+  const bool vnni = vnni_available();
+  if (M == 0 || N == 0 || !(vnni || avx2_available())) return {none, false};
+#if defined(SUPERSLM_VNNI) || defined(SUPERSLM_GREEDY_AVX2)
   at::Tensor xf = x.to(at::kBFloat16).to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   // outlier channels (each row's 4 largest |x|, shared by all rows, at most 16) are multiplied exactly in
@@ -87,7 +137,8 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
       if (std::find(outl.begin(), outl.end(), idx[t]) == outl.end() && outl.size() < 16) outl.push_back(idx[t]);
   }
   const int64_t T = static_cast<int64_t>(outl.size());
-  std::vector<uint8_t> hi(M * K);
+  std::vector<uint8_t> hi(M * K);   // the part as the VNNI pass reads it: hs + 128
+  std::vector<int8_t> hsr(M * K);   // as the AVX2 pass reads it: hs
   std::vector<int8_t> hs(K), ls(K);
   std::vector<float> rest(K), sh(M), err(M), xo(M), xt(M * T);  // xt [M, T]: the outliers' values
   for (int64_t m = 0; m < M; ++m) {
@@ -108,6 +159,7 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
       const double r = static_cast<double>(rest[k]) - static_cast<double>(sh[m]) * hs[k];
       rr += r * r;
       hi[m * K + k] = static_cast<uint8_t>(hs[k] + 128);
+      hsr[m * K + k] = hs[k];
     }
     err[m] = static_cast<float>((std::sqrt(rr) + 0.5 * sl * std::sqrt(static_cast<double>(K))) * 1.001);
     // the float sum over the outlier channels, |x_o c| <= 128 |x_o| each: its rounding (2^-24 relative a
@@ -133,6 +185,8 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
   // computes the whole head), so a hopeless call costs neither memory nor the time of its list
   const size_t max_kept = static_cast<size_t>(std::max<int64_t>(limit, 1)) * 16 + 4096;
   std::atomic<bool> gave_up{false};
+  if (vnni) {
+#ifdef SUPERSLM_VNNI
   // one pass: approximate logits, 4 outputs x 4 rows per tile (one part: half the exact kernels' products);
   // the epilogue in vectors, lane 4j + i = output i of row j (reduce16's order)
   const __m512i row_of = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -208,6 +262,61 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
     lowers.push_back(std::move(lowv));
     kepts.push_back(std::move(kept));
   });
+#endif
+  } else {
+#ifdef SUPERSLM_GREEDY_AVX2
+  // one pass: per 8 outputs, each row's approximate logits in one vector (lane i: output n + i), the bound
+  // as the VNNI pass forms it
+  const __m256 c1 = _mm256_set1_ps(1.001f), c2 = _mm256_set1_ps(0.00390625f);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const int64_t grain = std::max<int64_t>(1, 65536 / (8 * K));
+  (void)rp;  // the VNNI pass's offset
+  at::parallel_for(0, (N + 7) / 8, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> lowv(M, -std::numeric_limits<float>::infinity());
+    std::vector<Kept> kept;
+    float* low = lowv.data();
+    for (int64_t n = t0 * 8; n < std::min(N, t1 * 8) && !gave_up.load(std::memory_order_relaxed); n += 8) {
+      const int64_t nn = std::min<int64_t>(8, N - n);
+      const int8_t* w[8];
+      alignas(32) float s8[8], w8[8];  // per output: scale, w2 (a short tile repeats its last)
+      for (int i = 0; i < 8; ++i) {
+        const int64_t r = n + std::min<int64_t>(i, nn - 1);
+        w[i] = cp + r * K;
+        s8[i] = static_cast<float>(sp[r]);
+        w8[i] = wp[r];
+      }
+      const __m256 sv = _mm256_load_ps(s8), wv2 = _mm256_load_ps(w8);
+      __m256 cw[16];  // per outlier channel: lane i = codes[n + i][channel]
+      for (int64_t t = 0; t < T; ++t) {
+        alignas(32) float c8[8];
+        for (int i = 0; i < 8; ++i) c8[i] = static_cast<float>(w[i][outl[t]]);
+        cw[t] = _mm256_load_ps(c8);
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        __m256 outv = _mm256_setzero_ps();  // lane i: sum over outlier channels of x[m] * codes[n + i]
+        for (int64_t t = 0; t < T; ++t) outv = _mm256_fmadd_ps(_mm256_set1_ps(xt[m * T + t]), cw[t], outv);
+        // |sum hs c| <= 127 * 128 * K < 2^24 for K <= 1032: exact in float32
+        const bool pf = m == 0 && nn == 8 && n + 8 + PF_ROWS <= t1 * 8 && n + 8 + PF_ROWS <= N;
+        const __m256 sum = _mm256_cvtepi32_ps(dot8(w, hsr.data() + m * K, K, pf));
+        const __m256 a = _mm256_mul_ps(sv, _mm256_fmadd_ps(_mm256_set1_ps(sh[m]), sum, outv));
+        const __m256 e = _mm256_mul_ps(_mm256_set1_ps(err[m]), wv2);
+        const __m256 b = _mm256_add_ps(_mm256_fmadd_ps(c1, e, _mm256_mul_ps(c2, _mm256_add_ps(_mm256_and_ps(a, absmask), e))),
+                                       _mm256_mul_ps(sv, _mm256_set1_ps(xo[m])));
+        alignas(32) float lo8[8], up8[8];
+        _mm256_store_ps(lo8, _mm256_sub_ps(a, b));
+        _mm256_store_ps(up8, _mm256_add_ps(a, b));
+        for (int i = 0; i < nn; ++i) low[m] = std::max(low[m], lo8[i]);
+        for (int i = 0; i < nn; ++i)
+          if (up8[i] >= low[m]) kept.push_back({static_cast<int32_t>(m), static_cast<int32_t>(n + i), up8[i]});
+        if (kept.size() > max_kept) gave_up = true;
+      }
+    }
+    std::lock_guard<std::mutex> lock(merge);
+    lowers.push_back(std::move(lowv));
+    kepts.push_back(std::move(kept));
+  });
+#endif
+  }
   if (gave_up) return {none, false};
   // every token whose upper bound reaches its row's best lower bound (over all tasks), marked so the
   // union comes out sorted
