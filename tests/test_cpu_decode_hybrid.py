@@ -219,8 +219,15 @@ def test_plan_follows_module_swaps(folders) -> None:
     net = _net(folders["qwen3_5_moe"], torch.bfloat16)
     first = cpu_decode.plan_for(net)
     assert first is not None and cpu_decode.plan_for(net) is first
+    # one expert's linear replaced, three levels below the layer: the plan is rebuilt
+    import copy
+
+    moe = next(layer.mlp for layer in net.layers if hasattr(layer.mlp, "experts_mlp"))
+    moe.experts_mlp[1].down = copy.deepcopy(moe.experts_mlp[1].down)
+    second = cpu_decode.plan_for(net)
+    assert second is not None and second is not first and cpu_decode.plan_for(net) is second
     quantize_linears(net, body="int8", head=None)
-    assert cpu_decode.plan_for(net) is not first
+    assert cpu_decode.plan_for(net) is not second
 
 
 def _greedy_runs(model: superslm.Model, ps: list[list[int]], n: int) -> dict[bool, tuple[list, list]]:
