@@ -15,6 +15,7 @@ own tiling and reduction order, which is what the invariance tests check.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from collections.abc import Callable, Iterator
@@ -90,8 +91,12 @@ def one_patch_a_launch(interpreter: ModuleType, mp: pytest.MonkeyPatch) -> None:
     real_patch, real_call = interpreter._patch_lang, interpreter.GridExecutor.__call__
     state: dict[str, set[int] | None] = {"patched": None}  # ids of the modules the running launch patched
 
+    seen: dict[object, set[int]] = {}  # a jit function's language modules (its globals'), found once
+
     def patch_lang(fn):  # noqa: ANN001, ANN202 - triton's
-        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        langs = seen.get(fn)
+        if langs is None:
+            langs = seen[fn] = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
         patched = state["patched"]
         if patched is not None and langs and langs <= patched:
             return interpreter._LangPatchScope()  # nothing to restore
@@ -111,9 +116,44 @@ def one_patch_a_launch(interpreter: ModuleType, mp: pytest.MonkeyPatch) -> None:
     mp.setattr(interpreter.GridExecutor, "__call__", launch)
 
 
+def no_discarded_overflow_checks(interpreter: ModuleType, mp: pytest.MonkeyPatch) -> None:
+    """The interpreter's builder without `sanitize_overflow` where its `debug` is off (always, unless set by hand).
+
+    With sanitize_overflow on, every integer add, sub and mul (offsets, masks, bit tricks) also computes the
+    operation in int64 and its two bound comparisons for a `device_assert` that, with debug off, discards them
+    before anything is checked: ~30% of an engine test's time under the interpreter went to that dead work. With
+    debug on the checks assert, so they stay."""
+    builder = interpreter.interpreter_builder
+    if not builder.options.debug and builder.options.sanitize_overflow:
+        mp.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=False))
+
+
+def np_dtypes_looked_up_once(interpreter: ModuleType, mp: pytest.MonkeyPatch) -> None:
+    """The interpreter's `_get_np_dtype` (a Triton type's numpy storage dtype) remembered by scalar type.
+
+    The interpreter builds its whole table of dtypes at each call, for every operand of every operation of every
+    program (~7% of an engine test's time). A block type's answer is its element type's, so the answer of each
+    scalar type, asked of the interpreter's own function once, is the answer for every later call."""
+    import triton.language as tl
+
+    real = interpreter._get_np_dtype
+    known: dict[object, np.dtype] = {}
+
+    def get_np_dtype(tt_dtype):  # noqa: ANN001, ANN202 - triton's
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(scalar, tl.pointer_type):  # unhashable: the interpreter's own answer
+            return real(scalar)
+        got = known.get(scalar)
+        if got is None:
+            got = known[scalar] = real(scalar)
+        return got
+
+    mp.setattr(interpreter, "_get_np_dtype", get_np_dtype)
+
+
 def interpret() -> Iterator[None]:
-    """TRITON_INTERPRET=1, the fixed-order tl.dot and one language patch a launch for the duration of a test module
-    on a CPU (the body of the conftest fixture)."""
+    """TRITON_INTERPRET=1, the fixed-order tl.dot, one language patch a launch, no discarded overflow checks and the
+    numpy dtypes looked up once, for the duration of a test module on a CPU (the body of the conftest fixture)."""
     with pytest.MonkeyPatch.context() as mp:
         if not ON_GPU:
             from triton.runtime import interpreter
@@ -122,4 +162,6 @@ def interpret() -> Iterator[None]:
             mp.setenv("TRITON_INTERPRET", "1")
             mp.setattr(InterpreterBuilder, "create_dot", fixed_order_dot(InterpreterBuilder.create_dot))
             one_patch_a_launch(interpreter, mp)
+            no_discarded_overflow_checks(interpreter, mp)
+            np_dtypes_looked_up_once(interpreter, mp)
         yield
