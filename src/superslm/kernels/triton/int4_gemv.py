@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from superslm.errors import InvalidArgument
-from superslm.kernels.triton._util import interpreted, round_to
+from superslm.kernels.triton._util import interpreted, next_pow2, round_to
 
 
 @triton.jit
@@ -122,11 +122,15 @@ def _int4_gemv_kernel(
 def gemv_config(n: int, k: int, group: int, interp: bool) -> dict[str, int] | None:
     """Tiles of `_int4_gemv_kernel` (None where a group's bytes are not a power of two: the GEMM kernel
     runs): 4 output rows a program up to 4096 rows, 8 above; 256 bytes of each row a step, 512 where a row
-    holds 1 KiB or more (its loop's steps run one after another: fewer, larger loads hide more latency)."""
+    holds 1 KiB or more (its loop's steps run one after another: fewer, larger loads hide more latency).
+    Under the interpreter, which runs every program in Python at a cost per operation that hardly depends on
+    the tile: 2 programs a row where 8 to 128 output rows each make that (the second often partial), so a row
+    still spans programs; an output row's sums do not depend on the rows beside it (the same bits at any
+    block_n)."""
     half = group // 2
     if half & (half - 1) or half > 512:
         return None
-    block_n = 8 if interp else (4 if n <= 4096 else 8)
+    block_n = min(128, max(8, next_pow2(-(-n // 2)))) if interp else (4 if n <= 4096 else 8)
     step = 512 if k // 2 >= 1024 else 256
     return {"block_n": block_n, "groups": max(1, step // half), "half_g": half, "num_warps": 4}
 
