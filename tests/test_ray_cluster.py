@@ -37,10 +37,14 @@ def head() -> Any:
     port = _free_port()
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's unix socket paths live under it
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    # no drain on SIGTERM: the group's SIGTERM ends the GCS at once, so the head's drain request (a
+    # Kubernetes-style grace period for Serve replicas) would wait out its whole 30 s timeout for a GCS that is
+    # gone; the test has deleted its application by then, and 0 is Ray's own "immediate teardown" setting
+    head_env = dict(env, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
     proc = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
          "--include-dashboard=false", "--object-store-memory=200000000", f"--temp-dir={temp}"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+        env=head_env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
         yield f"127.0.0.1:{port}", env
