@@ -20,22 +20,39 @@ PROMPTS = [
 ]
 
 
-def transformers_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+def transformers_greedy(
+    path: Path, prompts: list[list[int]], n: int, monkeypatch: pytest.MonkeyPatch
+) -> list[list[int]]:
+    import gguf
     from transformers import AutoModelForCausalLM
 
+    # transformers reads the file twice (its config, then its tensors), each time with a new gguf.GGUFReader that
+    # parses every metadata field again (Gemma 3's 262k-token vocabulary: ~20 s each); one reader serves both
+    readers: dict[tuple, gguf.GGUFReader] = {}
+    real = gguf.GGUFReader
+
+    def reader(*args: object, **kwargs: object) -> gguf.GGUFReader:
+        key = (*map(str, args), *sorted(kwargs.items()))
+        if key not in readers:
+            readers[key] = real(*args, **kwargs)
+        return readers[key]
+
+    monkeypatch.setattr(gguf, "GGUFReader", reader)
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    monkeypatch.setattr(gguf, "GGUFReader", real)
+    assert len(readers) == 1  # both reads went through the one reader
     hf.eval()
     return [hf_greedy(hf, p, n) for p in prompts]
 
 
 @pytest.mark.parametrize("name", ["smollm2_gguf", "gemma3_gguf"])
-def test_greedy_tokens_equal_transformers(name: str, request) -> None:
+def test_greedy_tokens_equal_transformers(name: str, request, monkeypatch: pytest.MonkeyPatch) -> None:
     path: Path = request.getfixturevalue(name)
     model = superslm.load(path, device="cpu", dtype="float32")
     prompts = [model.tokenizer.encode(p) for p in PROMPTS]
     engine = model.engine(slots=5, context=256)
     ours = [c.tokens for c in engine.generate([Request(p, 32, Sampling(ignore_eos=True)) for p in prompts])]
-    theirs = transformers_greedy(path, prompts, 32)
+    theirs = transformers_greedy(path, prompts, 32, monkeypatch)
     assert ours == theirs
 
 
