@@ -24,7 +24,7 @@ from superslm.models.transformer import _linear  # noqa: E402
 from superslm.quant import Int4Linear, Int8Linear, quantize_linears  # noqa: E402
 from tests.test_deterministic import _paged, run  # noqa: E402
 from tests.test_engine import prompts  # noqa: E402
-from tests.tiny_models import build_hf_model  # noqa: E402
+from tests.tiny_models import CONFIGS, build_hf_model  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype,groups", [(torch.float32, 3), (torch.bfloat16, 3), (torch.float32, 1)])
@@ -237,8 +237,12 @@ def test_engine_tokens_and_logprobs_are_bit_identical(tmp_path, monkeypatch: pyt
     head, unrotated as a GGUF file's blocks load, so every linear is a Triton GEMV at few rows and a GEMM at
     more; few short prompts: the interpreter runs every program in Python."""
     monkeypatch.setenv(dispatch.ENV, "triton")
-    build_hf_model("gemma3", tmp_path)
+    # two layers, one of each kind (a sliding window, then full attention): every layer runs the same kernels
+    cls, kw = CONFIGS["gemma3"]
+    build_hf_model("gemma3", tmp_path, spec=(cls, dict(kw, num_hidden_layers=2,
+                                                        layer_types=["sliding_attention", "full_attention"])))
     model = superslm.load(tmp_path, device=DEV, dtype="bf16", quant=None)
+    assert [layer.window for layer in model.net.layers] == [6, None]
     quantize_linears(model.net, "int4", "int8", group=32, rotate=False)
     assert model.net.has_head and isinstance(model.net.head, Int8Linear)
     ps = prompts(3, seed=23, lo=4, hi=12)
