@@ -21,13 +21,15 @@ from superslm import Request, Sampling  # noqa: E402
 from superslm.engine import overlap as overlap_mod  # noqa: E402
 from superslm.errors import InvalidArgument  # noqa: E402
 from superslm.kernels import dispatch  # noqa: E402
-from tests.tiny_models import build_hf_model, hf_greedy  # noqa: E402
+from tests.tiny_models import CONFIGS, build_hf_model, hf_greedy  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[superslm.Model, object]:
     folder = tmp_path_factory.mktemp("tiny-qwen3-overlap")
-    hf = build_hf_model("qwen3", folder)
+    # two layers: what a step launched ahead does with its rows, KV and pages does not depend on the depth
+    cls, kw = CONFIGS["qwen3"]
+    hf = build_hf_model("qwen3", folder, spec=(cls, dict(kw, num_hidden_layers=2)))
     return superslm.load(folder, device="cuda" if ON_GPU else "cpu", dtype="fp32"), hf
 
 
