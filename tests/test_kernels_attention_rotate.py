@@ -79,9 +79,9 @@ def test_a_rotated_model_merges_into_o_rotation(tmp_path, monkeypatch: pytest.Mo
     import superslm
     from superslm import Request, Sampling
     from superslm.quant.int4 import Int4Linear
-    from tests.tiny_models import build_hf_model
+    from tests.tiny_models import build_hf_model, two_layers
 
-    build_hf_model("qwen2", tmp_path)
+    build_hf_model("qwen2", tmp_path, spec=two_layers("qwen2"))
     model = superslm.load(tmp_path, device=DEV, dtype="bf16", quant="int4")
     if DEV.type == "cpu":
         for layer in model.net.layers:

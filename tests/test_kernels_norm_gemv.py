@@ -148,9 +148,9 @@ def test_a_dense_model_runs_its_norms_inside_the_gemvs(family, dtype, graphs, tm
     logprobs are the unfused path's up to the sums' order, the tokens equal."""
     import superslm
     from superslm import Request, Sampling
-    from tests.tiny_models import build_hf_model
+    from tests.tiny_models import build_hf_model, two_layers
 
-    build_hf_model(family, tmp_path)
+    build_hf_model(family, tmp_path, spec=two_layers(family))
     model = superslm.load(tmp_path, device=DEV, dtype=dtype)
     monkeypatch.setenv(dispatch.ENV, "triton")
     calls: dict[str, int] = {}

@@ -133,9 +133,9 @@ def test_a_model_prepares_inside_its_decode_attention(family, dtype, graphs, tmp
     those of prepare_qkv's kernel followed by the attention (to float32 rounding)."""
     import superslm
     from superslm import Request, Sampling
-    from tests.tiny_models import build_hf_model
+    from tests.tiny_models import build_hf_model, two_layers
 
-    build_hf_model(family, tmp_path)
+    build_hf_model(family, tmp_path, spec=two_layers(family))
     model = superslm.load(tmp_path, device=DEV, dtype=dtype)
     monkeypatch.setenv(dispatch.ENV, "triton")
     monkeypatch.setenv(dispatch.GEMV_ROWS_ENV, "0")  # the o projection apart: its GEMV would take the attention
@@ -214,9 +214,9 @@ def test_a_model_merges_its_key_splits_in_the_o_projection(tmp_path, monkeypatch
     the same tokens and logprobs (up to the sums' order) as the attention's merge and torch's matmul."""
     import superslm
     from superslm import Request, Sampling
-    from tests.tiny_models import build_hf_model
+    from tests.tiny_models import build_hf_model, two_layers
 
-    build_hf_model("qwen2", tmp_path)
+    build_hf_model("qwen2", tmp_path, spec=two_layers("qwen2"))
     model = superslm.load(tmp_path, device=DEV, dtype="fp32")
     monkeypatch.setenv(dispatch.ENV, "triton")
     monkeypatch.setattr(pa, "_num_splits", lambda *a: 2)

@@ -139,9 +139,9 @@ def test_a_rotated_model_rotates_inside_its_norms(family, quant, dtype, tmp_path
     from superslm.models import transformer
     from superslm.quant.base import LinearFormat
     from superslm.quant.int4 import Int4Linear
-    from tests.tiny_models import build_hf_model
+    from tests.tiny_models import build_hf_model, two_layers
 
-    build_hf_model(family, tmp_path)
+    build_hf_model(family, tmp_path, spec=two_layers(family))
     model = superslm.load(tmp_path, device=DEV, dtype=dtype, quant=quant)
     linears = [m for layer in model.net.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     assert all(isinstance(m, LinearFormat) and m.rotation is not None for m in linears)

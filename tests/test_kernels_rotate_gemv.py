@@ -165,9 +165,9 @@ def test_a_rotated_int4_model_runs_its_inputs_inside_the_gemvs(family, dtype, tm
     import superslm
     from superslm import Request, Sampling
     from superslm.quant.int4 import Int4Linear
-    from tests.tiny_models import build_hf_model
+    from tests.tiny_models import build_hf_model, two_layers
 
-    build_hf_model(family, tmp_path)
+    build_hf_model(family, tmp_path, spec=two_layers(family))
     model = superslm.load(tmp_path, device=DEV, dtype=dtype, quant="int4")
     if not ON_GPU:
         for layer in model.net.layers:

@@ -121,6 +121,21 @@ TEXT = (
 )
 
 
+def two_layers(family: str) -> tuple[str, dict[str, Any]]:
+    """CONFIGS[family] with 2 layers (Gemma 3: one sliding-window layer, then one full-attention layer), for
+    build_hf_model's `spec`: a model-level kernel test whose property holds layer by layer (each layer runs the
+    same kernels, a residual still crosses a layer boundary) needs no more, and under the Triton interpreter
+    every layer costs seconds."""
+    cls, kwargs = CONFIGS[family]
+    kwargs = dict(kwargs, num_hidden_layers=2)
+    if "layer_types" in kwargs:
+        kinds = list(dict.fromkeys(kwargs["layer_types"]))  # each kind once, in the order the family has them
+        if len(kinds) != 2:
+            raise ValueError(f"{family}: two layers cannot hold its layer kinds {kinds}")
+        kwargs["layer_types"] = kinds
+    return cls, kwargs
+
+
 def write_tokenizer(folder: Path, vocab: int) -> None:
     """A byte-level BPE tokenizer of exactly `vocab` tokens (<s>=0, </s>=1) trained on TEXT."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
