@@ -151,6 +151,34 @@ def np_dtypes_looked_up_once(interpreter: ModuleType, mp: pytest.MonkeyPatch) ->
     mp.setattr(interpreter, "_get_np_dtype", get_np_dtype)
 
 
+def bf16_casts_by_shifts(interpreter: ModuleType, mp: pytest.MonkeyPatch) -> None:
+    """The interpreter's `_convert_float` for bfloat16 -> float32 and float32 -> bfloat16 without a rounding mode
+    (what `.to()` runs: an exact widening, a truncation) done as the bit shifts they are, where no input is
+    subnormal; anything else (subnormal inputs, other types, rounding modes) goes to the interpreter's function.
+
+    The interpreter takes every float apart into sign, exponent and significand in a dozen numpy passes (~5% of a
+    bf16 engine test's time). For inputs that are not subnormal its result is exactly the shifted bits (checked
+    over every bfloat16 and over float32 bit patterns, NaN and infinities included, by tests/test_triton_interpret.py);
+    for subnormal inputs it is not, so those keep the interpreter's own arithmetic."""
+    import triton.language as tl
+
+    real = interpreter._convert_float
+
+    def convert_float(input, input_dtype, output_dtype, rounding_mode):  # noqa: ANN001, ANN202, A002 - triton's
+        if rounding_mode is None and input.dtype.itemsize in (2, 4):
+            if input_dtype == tl.bfloat16 and output_dtype == tl.float32:
+                u = np.ascontiguousarray(input).view(np.uint16)
+                if not (((u & 0x7F80) == 0) & ((u & 0x007F) != 0)).any():
+                    return u.astype(np.uint32) << np.uint32(16)
+            elif input_dtype == tl.float32 and output_dtype == tl.bfloat16:
+                u = np.ascontiguousarray(input).view(np.uint32)
+                if not (((u & 0x7F800000) == 0) & ((u & 0x007FFFFF) != 0)).any():
+                    return (u >> np.uint32(16)).astype(np.uint16)
+        return real(input, input_dtype, output_dtype, rounding_mode)
+
+    mp.setattr(interpreter, "_convert_float", convert_float)
+
+
 def interpret() -> Iterator[None]:
     """TRITON_INTERPRET=1, the fixed-order tl.dot, one language patch a launch, no discarded overflow checks and the
     numpy dtypes looked up once, for the duration of a test module on a CPU (the body of the conftest fixture)."""
@@ -164,4 +192,5 @@ def interpret() -> Iterator[None]:
             one_patch_a_launch(interpreter, mp)
             no_discarded_overflow_checks(interpreter, mp)
             np_dtypes_looked_up_once(interpreter, mp)
+            bf16_casts_by_shifts(interpreter, mp)
         yield
