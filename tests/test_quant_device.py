@@ -116,7 +116,7 @@ def test_int4_model_on_the_kernels(tmp_path, monkeypatch: pytest.MonkeyPatch) ->
     assert engine.graphs is not None and engine.graphs._made
     plain = model.engine(slots=2, context=32, page_size=4, graphs=False)
     assert plain.generate([Request(prompt, 6, Sampling(ignore_eos=True))])[0].tokens == with_graphs
-    if not ON_GPU:  # the same model on the CPU's packed kernels
+    if not ON_GPU:  # the dispatcher's kernels (stored nibbles) against the CPU's packed kernels' logits above
         got = SingleSequence(model.net).step([5, 17, 42])
         assert got.shape == (3, 300) and (got - want_cpu).norm() / want_cpu.norm() < 2e-2
 
