@@ -137,8 +137,8 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
       if (std::find(outl.begin(), outl.end(), idx[t]) == outl.end() && outl.size() < 16) outl.push_back(idx[t]);
   }
   const int64_t T = static_cast<int64_t>(outl.size());
-  std::vector<uint8_t> hi(M * K);   // the part as the VNNI pass reads it: hs + 128
-  std::vector<int8_t> hsr(M * K);   // as the AVX2 pass reads it: hs
+  std::vector<uint8_t> hi(vnni ? M * K : 0);   // the part as the VNNI pass reads it: hs + 128
+  std::vector<int8_t> hsr(vnni ? 0 : M * K);   // as the AVX2 pass reads it: hs
   std::vector<int8_t> hs(K), ls(K);
   std::vector<float> rest(K), sh(M), err(M), xo(M), xt(M * T);  // xt [M, T]: the outliers' values
   for (int64_t m = 0; m < M; ++m) {
@@ -158,8 +158,10 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
     for (int64_t k = 0; k < K; ++k) {
       const double r = static_cast<double>(rest[k]) - static_cast<double>(sh[m]) * hs[k];
       rr += r * r;
-      hi[m * K + k] = static_cast<uint8_t>(hs[k] + 128);
-      hsr[m * K + k] = hs[k];
+      if (vnni)
+        hi[m * K + k] = static_cast<uint8_t>(hs[k] + 128);
+      else
+        hsr[m * K + k] = hs[k];
     }
     err[m] = static_cast<float>((std::sqrt(rr) + 0.5 * sl * std::sqrt(static_cast<double>(K))) * 1.001);
     // the float sum over the outlier channels, |x_o c| <= 128 |x_o| each: its rounding (2^-24 relative a
@@ -178,13 +180,29 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
     int32_t m, n;
     float up;
   };
-  std::vector<std::vector<float>> lowers;
-  std::vector<std::vector<Kept>> kepts;
-  std::mutex merge;
   // a loose bound keeps most of the vocabulary: past this many entries a task gives up (the caller then
   // computes the whole head), so a hopeless call costs neither memory nor the time of its list
   const size_t max_kept = static_cast<size_t>(std::max<int64_t>(limit, 1)) * 16 + 4096;
   std::atomic<bool> gave_up{false};
+  // one task of either pass: each row's best lower bound so far, and what it kept
+  struct Task {
+    std::vector<float> low;
+    std::vector<Kept> kept;
+    // row m's bounds lo[i], up[i] of tokens n + i, i < nn: the best lower bound first, then every token whose
+    // upper bound reaches it
+    void take(int64_t m, int64_t n, const float* lo, const float* up, int64_t nn) {
+      for (int64_t i = 0; i < nn; ++i) low[m] = std::max(low[m], lo[i]);
+      for (int64_t i = 0; i < nn; ++i)
+        if (up[i] >= low[m]) kept.push_back({static_cast<int32_t>(m), static_cast<int32_t>(n + i), up[i]});
+    }
+  };
+  std::vector<Task> done;
+  std::mutex merge;
+  auto start = [&] { return Task{std::vector<float>(M, -std::numeric_limits<float>::infinity()), {}}; };
+  auto finish = [&](Task& task) {
+    std::lock_guard<std::mutex> lock(merge);
+    done.push_back(std::move(task));
+  };
   if (vnni) {
 #ifdef SUPERSLM_VNNI
   // one pass: approximate logits, 4 outputs x 4 rows per tile (one part: half the exact kernels' products);
@@ -196,9 +214,7 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
   };
   const int64_t grain = std::max<int64_t>(1, 65536 / (4 * K));
   at::parallel_for(0, (N + 3) / 4, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> lowv(M, -std::numeric_limits<float>::infinity());
-    std::vector<Kept> kept;
-    float* low = lowv.data();
+    Task task = start();
     for (int64_t n = t0 * 4; n < std::min(N, t1 * 4) && !gave_up.load(std::memory_order_relaxed); n += 4) {
       const int64_t nn = std::min<int64_t>(4, N - n);
       const int8_t* w[4];
@@ -249,18 +265,11 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
         alignas(64) float lo16[16], up16[16];
         _mm512_store_ps(lo16, _mm512_sub_ps(a, b));
         _mm512_store_ps(up16, _mm512_add_ps(a, b));
-        for (int j = 0; j < mm; ++j)
-          for (int i = 0; i < nn; ++i) low[m + j] = std::max(low[m + j], lo16[4 * j + i]);
-        for (int j = 0; j < mm; ++j)
-          for (int i = 0; i < nn; ++i)
-            if (up16[4 * j + i] >= low[m + j])
-              kept.push_back({static_cast<int32_t>(m + j), static_cast<int32_t>(n + i), up16[4 * j + i]});
-        if (kept.size() > max_kept) gave_up = true;
+        for (int j = 0; j < mm; ++j) task.take(m + j, n, lo16 + 4 * j, up16 + 4 * j, nn);
+        if (task.kept.size() > max_kept) gave_up = true;
       }
     }
-    std::lock_guard<std::mutex> lock(merge);
-    lowers.push_back(std::move(lowv));
-    kepts.push_back(std::move(kept));
+    finish(task);
   });
 #endif
   } else {
@@ -272,9 +281,7 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
   const int64_t grain = std::max<int64_t>(1, 65536 / (8 * K));
   (void)rp;  // the VNNI pass's offset
   at::parallel_for(0, (N + 7) / 8, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> lowv(M, -std::numeric_limits<float>::infinity());
-    std::vector<Kept> kept;
-    float* low = lowv.data();
+    Task task = start();
     for (int64_t n = t0 * 8; n < std::min(N, t1 * 8) && !gave_up.load(std::memory_order_relaxed); n += 8) {
       const int64_t nn = std::min<int64_t>(8, N - n);
       const int8_t* w[8];
@@ -305,15 +312,11 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
         alignas(32) float lo8[8], up8[8];
         _mm256_store_ps(lo8, _mm256_sub_ps(a, b));
         _mm256_store_ps(up8, _mm256_add_ps(a, b));
-        for (int i = 0; i < nn; ++i) low[m] = std::max(low[m], lo8[i]);
-        for (int i = 0; i < nn; ++i)
-          if (up8[i] >= low[m]) kept.push_back({static_cast<int32_t>(m), static_cast<int32_t>(n + i), up8[i]});
-        if (kept.size() > max_kept) gave_up = true;
+        task.take(m, n, lo8, up8, nn);
+        if (task.kept.size() > max_kept) gave_up = true;
       }
     }
-    std::lock_guard<std::mutex> lock(merge);
-    lowers.push_back(std::move(lowv));
-    kepts.push_back(std::move(kept));
+    finish(task);
   });
 #endif
   }
@@ -321,11 +324,11 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
   // every token whose upper bound reaches its row's best lower bound (over all tasks), marked so the
   // union comes out sorted
   std::vector<float> best(M, -std::numeric_limits<float>::infinity());
-  for (const auto& l : lowers)
-    for (int64_t m = 0; m < M; ++m) best[m] = std::max(best[m], l[m]);
+  for (const Task& t : done)
+    for (int64_t m = 0; m < M; ++m) best[m] = std::max(best[m], t.low[m]);
   std::vector<uint8_t> mark(N, 0);
-  for (const auto& kept : kepts)
-    for (const Kept& k : kept)
+  for (const Task& t : done)
+    for (const Kept& k : t.kept)
       if (k.up >= best[k.m]) mark[k.n] = 1;
   int64_t count = 0;
   for (int64_t n = 0; n < N; ++n) count += mark[n];
