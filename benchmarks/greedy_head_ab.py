@@ -12,10 +12,35 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import superslm
 from superslm import Request, Sampling
 from superslm.kernels import cpu_decode
+
+
+def alternate(engine: superslm.Engine, ids: list[int], streams: int, tokens: int, rounds: int,
+              modes: dict[str, Callable[[], None]]) -> dict[str, list[float]]:
+    """Per mode (its setter called before each of its runs), `rounds` aggregate decode tok/s of `streams` greedy
+    streams of `tokens` tokens (the prompts' step excluded), the modes in turn; the last mode's setter stays."""
+    greedy = Sampling(ignore_eos=True)
+    engine.generate([Request(ids[:16], 4, greedy)])  # warm-up
+
+    def run() -> float:
+        for i in range(streams):
+            engine.add(Request(ids[i : i + 24], tokens, greedy))
+        engine.advance()  # the prompts
+        t, n = time.perf_counter(), 0
+        while engine.busy():
+            n += sum(len(p.tokens) for p in engine.advance())
+        return n / (time.perf_counter() - t)
+
+    res: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(rounds):
+        for name, setter in modes.items():
+            setter()
+            res[name].append(run())
+    return res
 
 
 def head_alone(model: superslm.Model, ids: list[int], rows: int, rounds: int) -> None:
@@ -72,29 +97,14 @@ def main() -> None:
     superslm.set_threads(ns.threads)
     model = superslm.load(ns.model, device="cpu")
     ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20, add_special_tokens=False)
-    greedy = Sampling(ignore_eos=True)
     if ns.head_rows:
         head_alone(model, ids, ns.head_rows, ns.rounds)
         return
     engine = model.engine(slots=ns.streams, context=256, rows=512, prefix_caching=False)
-    engine.generate([Request(ids[:16], 4, greedy)])  # warm-up
-
-    def run() -> float:
-        for i in range(ns.streams):
-            engine.add(Request(ids[i : i + 24], ns.tokens, greedy))
-        engine.advance()  # the prompts
-        t, n = time.perf_counter(), 0
-        while engine.busy():
-            n += sum(len(p.tokens) for p in engine.advance())
-        return n / (time.perf_counter() - t)
-
     default = cpu_decode.GREEDY_MIN_ROWS
-    res: dict[str, list[float]] = {"off": [], "on": []}
-    for _ in range(ns.rounds):
-        for mode in ("off", "on"):
-            cpu_decode.GREEDY_MIN_ROWS = 10**9 if mode == "off" else default
-            res[mode].append(run())
-    cpu_decode.GREEDY_MIN_ROWS = default
+    res = alternate(engine, ids, ns.streams, ns.tokens, ns.rounds, {
+        "off": lambda: setattr(cpu_decode, "GREEDY_MIN_ROWS", 10**9),
+        "on": lambda: setattr(cpu_decode, "GREEDY_MIN_ROWS", default)})
     ratio = statistics.median(res["on"]) / statistics.median(res["off"])
     print({k: [round(v, 1) for v in vs] for k, vs in res.items()}, f"on/off (medians) {ratio:.2f}x",
           "head [calls, fallbacks]", getattr(model.net.head, "_greedy_stats", None))

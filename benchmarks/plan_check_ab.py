@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import superslm
-from superslm import Request, Sampling
+from benchmarks.greedy_head_ab import alternate
 from superslm.kernels import cpu_decode
 
 
@@ -25,33 +24,18 @@ def main() -> None:
     superslm.set_threads(2)
     model = superslm.load(ns.model, device="cpu")
     ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20, add_special_tokens=False)
-    greedy = Sampling(ignore_eos=True)
     engine = model.engine(slots=ns.streams, context=256, prefix_caching=False)
-    engine.generate([Request(ids[:16], 4, greedy)])
     counted = cpu_decode.plan_for
 
     def every_call(net: object) -> object:
         cpu_decode._registrations += 1  # as if a module had been registered: the full key check
         return counted(net)
 
-    def run() -> float:
-        for i in range(ns.streams):
-            engine.add(Request(ids[i : i + 24], ns.tokens, greedy))
-        engine.advance()  # the prompts
-        t, n = time.perf_counter(), 0
-        while engine.busy():
-            n += sum(len(p.tokens) for p in engine.advance())
-        return n / (time.perf_counter() - t)
-
-    res: dict[str, list[float]] = {"every call": [], "counted": []}
-    for _ in range(ns.rounds):
-        for name, fn in (("every call", every_call), ("counted", counted)):
-            cpu_decode.plan_for = fn
-            res[name].append(run())
-    cpu_decode.plan_for = counted
+    res = alternate(engine, ids, ns.streams, ns.tokens, ns.rounds, {
+        "every call": lambda: setattr(cpu_decode, "plan_for", every_call),
+        "counted": lambda: setattr(cpu_decode, "plan_for", counted)})
     ratio = statistics.median(res["counted"]) / statistics.median(res["every call"])
     print({k: [round(v, 1) for v in vs] for k, vs in res.items()}, f"counted / every call (medians) {ratio:.3f}x")
-
 
 if __name__ == "__main__":
     main()
