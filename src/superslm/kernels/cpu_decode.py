@@ -311,10 +311,15 @@ def _vnni_int8(module: torch.nn.Module) -> tuple[Any, torch.Tensor] | None:
     ext = cext.vnni()
     if ext is None or not _int8_fits(module):
         return None
+    return ext, _rowsum(ext, module)
+
+
+def _rowsum(ext: Any, module: torch.nn.Module) -> torch.Tensor:
+    """The int8 codes' row sums (int32 [N]), cached on the module until its codes change shape."""
     rowsum = getattr(module, "_rowsum", None)
     if rowsum is None or rowsum.shape[0] != module.codes.shape[0]:
         rowsum = module._rowsum = ext.int8_rowsum(module.codes)
-    return ext, rowsum
+    return rowsum
 
 
 def _vnni_input(ext: Any, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -482,10 +487,7 @@ def _greedy_kernels(module: torch.nn.Module, rows: int, deterministic: bool
         return None
     if rows > ext.avx2_gemm_rows() or not _int8_fits(module):
         return None
-    rowsum = getattr(module, "_rowsum", None)
-    if rowsum is None or rowsum.shape[0] != module.codes.shape[0]:
-        rowsum = module._rowsum = ext.int8_rowsum(module.codes)
-    return ext, rowsum, lambda x, codes, scale, _rowsum: ext.int8_gemm_avx2(x, codes, scale)
+    return ext, _rowsum(ext, module), lambda x, codes, scale, _sums: ext.int8_gemm_avx2(x, codes, scale)
 
 
 def greedy_head(module: torch.nn.Module, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor | None:
