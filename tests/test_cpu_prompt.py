@@ -15,6 +15,7 @@ from superslm.quant import quantize_linears
 from superslm.quant.dense import Int8Linear
 from superslm.quant.gguf_map import ConcatLinear
 from superslm.quant.int4 import Int4Linear
+from superslm.quant.split_rows import int8_prompt_reference
 
 pytestmark = pytest.mark.skipif(os.environ.get("SUPERSLM_CPU_KERNELS") == "0", reason="C++ kernels disabled")
 
@@ -65,15 +66,18 @@ def _modules(n: int, k: int) -> dict[str, torch.nn.Module]:
         "int4-bias": Int4Linear.from_dense(w, bias, group=32),
         "int4-rotated": Int4Linear.from_dense(w, None, group=32, rotate=0),
         "int8": Int8Linear.from_dense(w, None),
+        "int8-bias": Int8Linear.from_dense(w, bias),
         "concat": ConcatLinear([Int8Linear.from_dense(w[: n // 2], None),
                                 Int4Linear.from_dense(w[n // 2 :], None, group=32)]),
     }
 
 
-@pytest.mark.parametrize("int4_rows", [True, False])
-@pytest.mark.parametrize("name", ["int4", "int4-bias", "int4-rotated", "int8", "concat"])
-def test_prompt_rows_as_accurate_as_torchs_kernels(ext, monkeypatch, name: str, int4_rows: bool) -> None:
-    monkeypatch.setattr(cpu_prompt, "INT4_ROWS", int4_rows)  # int4: the AVX2 row kernel, or decoded blocks
+@pytest.mark.parametrize("int_rows", [True, False])
+@pytest.mark.parametrize("name", ["int4", "int4-bias", "int4-rotated", "int8", "int8-bias", "concat"])
+def test_prompt_rows_as_accurate_as_torchs_kernels(ext, monkeypatch, name: str, int_rows: bool) -> None:
+    # the AVX2 integer row kernels (int4: the GEMV's bits; int8: the two-part kernel), or decoded blocks
+    monkeypatch.setattr(cpu_prompt, "INT4_ROWS", int_rows)
+    monkeypatch.setattr(cpu_prompt, "INT8_ROWS", int_rows)
     n, k, m = 320, 512, cpu_prompt.PROMPT_ROWS + 3
     lin = _modules(n, k)[name]
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
@@ -103,6 +107,50 @@ def test_int4_prompt_rows_equal_decode_rows(ext, name: str) -> None:
         assert one is not None and torch.equal(got[r : r + 1].view(torch.int16), one.view(torch.int16)), r
     assert torch.equal(layers._linear(lin, x, False).view(torch.int16), got.view(torch.int16))
     assert torch.equal(layers._linear(lin, x, True).view(torch.int16), lin(x).view(torch.int16))
+
+
+@pytest.mark.parametrize("n,k", [(70, 96), (37, 1056), (320, 512)])
+def test_int8_prompt_kernel_equals_its_twin(ext, n: int, k: int) -> None:
+    """int8 prompt rows on CPUs without VNNI (kernels/cpu/avx2_rows.cpp int8_prompt_avx2): bit for bit its twin
+    (quant/split_rows.py), a row's bits the same whatever the rows beside it and the threads, the rows it cannot
+    split (a NaN, an inf, an outlier) through torch's kernel; the module's prompt path takes it past
+    `avx2_gemm_rows` rows."""
+    g = torch.Generator().manual_seed(n)
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = (torch.rand(n, generator=g) * 0.01).to(torch.bfloat16)
+    x = torch.randn(70, k, generator=g).to(torch.bfloat16)
+    x[:, :32] *= 50
+    x[3, 7] = float("nan")
+    x[4, 9] = float("inf")
+    x[5] = 0
+    x[6, 32:64] = 0
+    x[7, 1] = 3e4
+    got = ext.int8_prompt_avx2(x, codes, scale)
+    assert got.shape == (70, n) and got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), int8_prompt_reference(x, codes, scale).view(torch.int16))
+    declined = [3, 4, 7]
+    torchs = torch._weight_int8pack_mm(x[declined], codes, scale)
+    assert torch.equal(got[declined].view(torch.int16), torchs.view(torch.int16))
+    good = [r for r in range(70) if r not in declined]
+    exact = x[good].double() @ (codes.double() * scale.double()[:, None]).t()
+    assert _rel(got[good], exact) < 3e-3
+    threads = torch.get_num_threads()
+    try:
+        for nt in sorted({1, threads}):
+            torch.set_num_threads(nt)
+            for lo, hi in ((0, 1), (2, 9), (8, 70)):
+                again = ext.int8_prompt_avx2(x[lo:hi], codes, scale)
+                assert torch.equal(again.view(torch.int16), got[lo:hi].view(torch.int16)), (nt, lo, hi)
+    finally:
+        torch.set_num_threads(threads)
+    assert ext.int8_prompt_avx2(x[:, :80], codes[:, :80].contiguous(), scale) is None  # K % 32 != 0
+    with pytest.raises(RuntimeError, match="bf16 scale"):
+        ext.int8_prompt_avx2(x, codes, scale.float())
+    if k % 64 == 0:
+        lin = Int8Linear.from_dense(codes.float() * scale.float()[:, None], None)
+        y = cpu_prompt.prompt_linear(lin, x)
+        want = ext.int8_prompt_avx2(x, lin.codes, lin.scale)
+        assert y is not None and torch.equal(y.view(torch.int16), want.view(torch.int16))
 
 
 def test_a_concatenation_whose_part_the_path_does_not_take(ext) -> None:

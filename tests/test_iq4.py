@@ -14,7 +14,16 @@ from superslm.formats.blocks import _IQ4_VALUES, IQ4_NL, IQ4_XS, Q4_K
 from superslm.quant import load_linear
 from superslm.quant.dense import Int8Linear
 from superslm.quant.gguf_map import iq4_runs, linear_from_gguf
-from superslm.quant.iq4 import TABLE, GGUFIQ4Linear, _fma32, iq4_dequantize, iq4_gemv, iq4_matmul, quantize_groups
+from superslm.quant.iq4 import (
+    TABLE,
+    GGUFIQ4Linear,
+    _fma32,
+    iq4_dequantize,
+    iq4_gemv,
+    iq4_matmul,
+    iq4_split_reference,
+    quantize_groups,
+)
 
 U = 2.0**-8
 
@@ -180,12 +189,53 @@ def test_rows_kernel_gives_each_row_its_gemv_bits(shape) -> None:
     assert torch.equal(got, iq4_gemv(x[8:11], q, s, bad))
 
 
-def test_rows_kernel_in_the_module_and_deterministic_mode() -> None:
-    """The module takes the rows kernel up to `iq4_gemv_rows` rows (each row its GEMV's bits), the float32 GEMM past
-    them; deterministic mode (`forward_row_blocks`) the rows kernel at every row count, so a row's bits are the
-    same alone or among any number of rows."""
-    needs_kernels()
-    ext = cext.extension()
+@pytest.mark.parametrize("shape", [(70, 96), (37, 1056), (130, 2048)])  # 3, 33 and 64 groups; N % 32 != 0
+def test_prompt_kernel_against_its_twin_and_the_weight(avx2_only, shape) -> None:
+    """Prompt chunks on CPUs without VNNI (kernels/cpu/avx2_rows.cpp iq4_gemm_avx2): x split per group into two
+    int8 parts, exact int32 sums of the table values. Bit for bit its twin; within the split's rounding (half a
+    step of max|x| / (127 * 254) an element) and float32 sums of the exact product; a row's bits the same whatever
+    the rows beside it and the threads; rows it cannot split (a NaN, an inf, an outlier) through iq4_gemm."""
+    ext = avx2_only
+    n, k = shape
+    m = GGUFIQ4Linear.from_gguf(iq4_blocks(IQ4_NL, n, k, seed=k + 1), IQ4_NL, shape)
+    q, s, t = m.qweight, m.scales, m.table
+    w = iq4_dequantize(q, s, t)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(n + 1)).bfloat16()
+    x[:, :32] *= 50  # a group far larger than the others: each group gets its own parts
+    x[3, 7] = float("nan")
+    x[4, 9] = float("inf")
+    x[5] = 0
+    x[6, 32:64] = 0
+    x[7, 1] = 3e4  # an outlier: the split declines the row
+    got = ext.iq4_gemm_avx2(x, q, s, t)
+    assert got.shape == (40, n) and got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), iq4_split_reference(x, q, s, t).view(torch.int16))
+    declined = [3, 4, 7]
+    assert torch.equal(got[declined].view(torch.int16), ext.iq4_gemm(x[declined], q, s, t, False).view(torch.int16))
+    good = [r for r in range(40) if r not in declined]
+    ref = x[good].double() @ w.double().t()
+    split = group_bound(x[good], w) / (127 * 254 * 2)
+    floats = 1.01 * (k // 32 + 2) * 2.0**-24 * (x[good].double().abs() @ w.double().abs().t() + split)
+    assert ((got[good].double() - ref).abs() <= U * ref.abs() + (1 + U) * (split + floats)).all()
+    threads = torch.get_num_threads()
+    try:
+        for nt in sorted({1, threads}):
+            torch.set_num_threads(nt)
+            for lo, hi in ((0, 1), (2, 9), (8, 40)):
+                again = ext.iq4_gemm_avx2(x[lo:hi], q, s, t)
+                assert torch.equal(again.view(torch.int16), got[lo:hi].view(torch.int16)), (nt, lo, hi)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="scales float32"):
+        ext.iq4_gemm_avx2(x, q, s.bfloat16(), t)
+
+
+def test_rows_kernel_in_the_module_and_deterministic_mode(avx2_only) -> None:
+    """The module takes the rows kernel up to `iq4_gemv_rows` rows (each row its GEMV's bits), past them the
+    prompt kernel (`iq4_linear`'s choice: the two-part AVX2 kernel on CPUs without VNNI, as here); deterministic
+    mode (`forward_row_blocks`) the rows kernel at every row count, so a row's bits are the same alone or among any
+    number of rows."""
+    ext = avx2_only
     n, k = 64, 512
     m = GGUFIQ4Linear.from_gguf(iq4_blocks(IQ4_XS, n, k, seed=5), IQ4_XS, (n, k))
     limit = ext.iq4_gemv_rows(k, n)
@@ -193,7 +243,9 @@ def test_rows_kernel_in_the_module_and_deterministic_mode() -> None:
     alone = torch.cat([ext.iq4_gemv(x[r : r + 1], m.qweight, m.scales, m.table) for r in range(len(x))])
     assert torch.equal(m(x[:5]), alone[:5])
     assert torch.equal(m(x[:limit]), alone[:limit])
-    assert torch.equal(m(x), ext.iq4_gemm(x, m.qweight, m.scales, m.table, False))
+    assert torch.equal(m(x), ext.iq4_gemm_avx2(x, m.qweight, m.scales, m.table))
+    assert torch.equal(ext.iq4_linear(x, m.qweight, m.scales, m.table, False), m(x))
+    assert torch.equal(ext.iq4_linear(x, m.qweight, m.scales, m.table, True), alone)
     assert m._tiles_rows(x)
     for rows in (1, 15, 17, len(x)):
         assert torch.equal(m.forward_row_blocks(x[:rows]), alone[:rows]), rows

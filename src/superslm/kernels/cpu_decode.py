@@ -443,6 +443,22 @@ def _int4_rows(ext: Any, module: torch.nn.Module, x: torch.Tensor, got: Any, any
     return _with_bias(module, y if y.shape[1] == out else y[:, :out], x)
 
 
+def int8_prompt_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """module(x) for prompt rows (past `avx2_gemm_rows`) of the default mode through the AVX2 two-part int8 kernel
+    (kernels/cpu/avx2_rows.cpp int8_prompt_avx2: x split per group of 32 into two int8 parts, exact int32 sums; the
+    rows it cannot split through torch's kernel), or None where it does not apply: another format, hooks, a CPU with
+    VNNI or without AVX2, torch's kernels asked for."""
+    if x.dim() != 2 or x.device.type != "cpu" or backend(x.device) != "torch" or hooked(module):
+        return None
+    ext = cext.extension()
+    if ext is None or ext.vnni_available() or not ext.avx2_available() or cext.torch_kernels_forced():
+        return None
+    if x.shape[0] <= ext.avx2_gemm_rows() or not _int8_fits(module):
+        return None
+    y = ext.int8_prompt_avx2(_vnni_input(ext, module, x).to(torch.bfloat16), module.codes, module.scale)
+    return None if y is None else _with_bias(module, y, x)
+
+
 def _avx2_int8(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """module(x) for 1 to `avx2_gemm_rows` rows through the AVX2 int8 kernels (kernels/cpu/avx2.cpp GEMV, the
     VNNI GEMV's bits; avx2_rows.cpp for several rows, each row the GEMV's bits or, where the GEMV declines it,

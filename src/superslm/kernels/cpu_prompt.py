@@ -29,6 +29,10 @@ PROMPT_ROWS = 64
 #: sgemm on one core of an AVX2-only EPYC (2026-12-07; benchmarks/linear_formats.py --sections prompt).
 #: False: decoded blocks and float32 GEMMs (benchmarks compare the two)
 INT4_ROWS = True
+#: int8 prompt rows through the AVX2 two-part integer kernel (kernels/cpu/avx2_rows.cpp int8_prompt_avx2: x split
+#: per group of 32 into two int8 parts, the codes' products summed exactly in int32); False: decoded blocks and
+#: float32 GEMMs (benchmarks compare the two)
+INT8_ROWS = True
 #: float32 weights decoded per block (4 MiB: the block stays in cache between its decode and its GEMM)
 BLOCK_BYTES = 4 << 20
 
@@ -107,6 +111,10 @@ def prompt_linear(module: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype |
         return torch.cat([part(x) if y is None else y for part, y in zip(parts, ys, strict=True)], dim=1)
     if INT4_ROWS and dtype is None:  # int4: the AVX2 row kernel, each row the bits decode gives it
         y = cpu_decode.int4_prompt_linear(module, x)
+        if y is not None:
+            return y
+    if INT8_ROWS and dtype is None:  # int8: the AVX2 two-part integer kernel
+        y = cpu_decode.int8_prompt_linear(module, x)
         if y is not None:
             return y
     got = _decoder(module, ext)

@@ -25,6 +25,7 @@ from superslm.errors import InvalidArgument
 from superslm.formats.blocks import Q5_0, BlockType, _f16, _q5_codes
 from superslm.quant.base import LinearFormat, as_bias, register_format
 from superslm.quant.int4 import _BLOCK_N, load_nibbles, pack_int4, round_up, store_nibbles, unpack_int4
+from superslm.quant.split_rows import _fma, split_groups
 
 #: the row (within a block of 64) of lane i of the kernels' accumulator a (kernels/cpu/vnni.h lane_row)
 _BASE = np.array([0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23])
@@ -81,35 +82,6 @@ def _codes(qweight: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(c.astype(np.int64))
 
 
-def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """a * b + c of float32 tensors rounded once, as the kernels' FMA: the product is exact in float64, and the
-    sum's rounding to float64 and then float32 differs from one rounding only on an exact float32 halfway point."""
-    return (a.double() * b.double() + c.double()).float()
-
-
-def _split_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kernels/cpu/vnni.h split_groups for rows x float32 [M, K] in groups of 32 -> (hi, lo int64 [M, K], sum of each
-    group float32 [M, G], its low part's scale float32 [M, G], whether each row splits bool [M])."""
-    m, k = x.shape
-    xg = x.view(m, k // 32, 32)  # [M, G, 32]
-    gsum = torch.zeros(m, k // 32)
-    for i in range(32):  # the kernels' order: one element after the other, in float32
-        gsum = gsum + xg[..., i]
-    amax = xg.abs().amax(-1)
-    sq = xg.double() ** 2
-    rest = (sq.sum(-1) - amax.double() ** 2).clamp(min=0) / 31
-    zero = (xg == 0).all(-1)
-    ok = torch.isfinite(xg).all(-1) & (amax >= 1e-30) & ~((rest > 0) & (amax.double() ** 2 > 4096 * rest))
-    ok = (ok | zero).all(-1)
-    sh = torch.where(zero, torch.ones_like(amax), amax / 127)[..., None]  # an all-zero group: zero parts
-    sl = sh / 254
-    qh = torch.round(xg / sh).clamp(-127, 127)
-    # x - qh sh: GCC contracts it to one FMA (C++ allows it by default), rounded once
-    ql = torch.round(_fma(-qh, sh.expand_as(qh), xg) / sl).clamp(-127, 127)
-    gsl = torch.where(zero, torch.zeros_like(amax), sl[..., 0])
-    return qh.long().view(m, k), ql.long().view(m, k), gsum, gsl, ok
-
-
 def int5_rows_reference(x: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """The torch twin of the extension's 5-bit kernels (int5_gemv, int5_gemm and their AVX2 forms): x [M, K] ->
     [M, N] bf16. Each row rounded to bf16 and split per group of 32 into two int8 parts (kernels/cpu/vnni.h
@@ -120,7 +92,7 @@ def int5_rows_reference(x: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor
     m, k = xf.shape
     n, g = qweight.shape[0], k // 32
     codes = _codes(qweight, bits).view(n, g, 32)
-    hi, lo, gsum, gsl, ok = _split_groups(xf)
+    hi, lo, gsum, gsl, ok = split_groups(xf)
     h = torch.einsum("mgk,ngk->mng", hi.view(m, g, 32), codes)  # [M, N, G], exact in int64
     low = torch.einsum("mgk,ngk->mng", lo.view(m, g, 32), codes)
     comb = (254 * h + low).float()  # one rounding to float32, as the kernels' conversion

@@ -11,7 +11,9 @@ scales float32 [N, K / 32]: 5 bits a weight, the same as Q4_K's packed int4 with
 The C++ kernels (kernels/cpu/iq4.cpp) run one row through an AVX2 GEMV with llama.cpp's arithmetic (x as int8 per
 32 values, the table lookup a byte shuffle, integer products), 2 to 128 rows (and every row count in deterministic
 mode) through an integer rows kernel that gives each row the GEMV's bits (`iq4_gemv` is the torch twin of both, bit
-for bit), and longer prompt chunks through a float32 GEMM over blocks of decoded rows (`iq4_matmul` its twin).
+for bit), and longer prompt chunks, on CPUs without VNNI, through an AVX2 integer kernel on x split into two int8 parts
+(`iq4_split_reference` its twin, bit for bit), elsewhere through a float32 GEMM over blocks of decoded rows
+(`iq4_matmul` its twin); kernels/cpu/iq4.cpp iq4_linear makes that choice for the module and the C++ plan.
 Without the extension the module multiplies with a dense float copy of the weight, built at first use.
 """
 
@@ -28,6 +30,8 @@ from superslm import cext
 from superslm.errors import InvalidArgument
 from superslm.formats.blocks import _IQ4_VALUES, IQ4_NL, IQ4_XS, BlockType, _f16
 from superslm.quant.base import LinearFormat, as_bias, register_format
+from superslm.quant.split_rows import fma32 as _fma32
+from superslm.quant.split_rows import pair_rows_reference
 
 #: the 16 table values as the kernels take them
 TABLE = torch.from_numpy(_IQ4_VALUES.astype(np.int8))
@@ -87,24 +91,6 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(live[:, None], q, 0.0).int(), dx
 
 
-def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """a * b + c of float32 tensors rounded once to float32, as the FMA instruction does (finite values)."""
-    p = a.double() * b.double()  # exact: 24 + 24 significant bits
-    cd = c.double()
-    s = p + cd
-    bv = s - p
-    e = (p - (s - bv)) + (cd - bv)  # TwoSum: s + e == p + c exactly
-    r = s.float()
-    # rounding s once more is rounding p + c, except where s lies halfway between two floats: then e's sign says
-    # on which side of that halfway point p + c lies
-    rd = r.double()
-    up = torch.nextafter(r, torch.full_like(r, float("inf")))
-    dn = torch.nextafter(r, torch.full_like(r, float("-inf")))
-    half_up = (s > rd) & (2 * (s - rd) == up.double() - rd) & (e > 0)
-    half_dn = (s < rd) & (2 * (rd - s) == rd - dn.double()) & (e < 0)
-    return torch.where(half_up, up, torch.where(half_dn, dn, r))
-
-
 def iq4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """The torch twin of the extension's iq4_gemv, bit for bit: x [M, K] -> [M, N], each row alone (the kernel's rows
     never depend on the others: one row through its GEMV, several through its rows kernel, the same bits) as
@@ -137,6 +123,18 @@ def iq4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, table
     half = acc[:, :4] + acc[:, 4:]  # [N, 4]
     pair = half[:, :2] + half[:, 2:]  # [N, 2]
     return (pair[:, 0] + pair[:, 1]).view(1, n).to(torch.bfloat16)
+
+
+def iq4_split_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                        table: torch.Tensor) -> torch.Tensor:
+    """The torch twin of the extension's iq4_gemm_avx2 (prompt chunks on CPUs without VNNI), bit for bit:
+    `pair_rows_reference` on the table values; a row that does not split takes `iq4_matmul`, the twin of the
+    iq4_gemm the kernel sends it to."""
+    n, half = qweight.shape
+    codes = qweight.cpu().view(n, half // 16, 16)  # [N, groups, 16]
+    values = table.cpu().long()[torch.cat([codes & 15, codes >> 4], dim=-1).long()].view(n, 2 * half)  # k order
+    return pair_rows_reference(x, values, scales.cpu().float(),
+                               lambda rows: iq4_matmul(rows, qweight.cpu(), scales.cpu(), table.cpu()))
 
 
 def iq4_kernels() -> Any:
@@ -207,11 +205,8 @@ class GGUFIQ4Linear(LinearFormat):
         if ext is None or x.device.type != "cpu" or self.qweight.device.type != "cpu":
             # no kernels here (a folder converted on another machine, another device)
             return self._dense_matmul(x)
-        # the integer kernel up to the rows where the float32 GEMM over decoded blocks overtakes it (measured per
-        # shape: kernels/cpu/iq4.cpp iq4_gemv_rows)
-        if x.shape[0] <= ext.iq4_gemv_rows(x.shape[1], self.qweight.shape[0]):
-            return ext.iq4_gemv(x, self.qweight, self.scales, self.table)
-        return ext.iq4_gemm(x, self.qweight, self.scales, self.table, False)
+        # the extension's one choice for this row count (kernels/cpu/iq4.cpp iq4_linear), as the C++ plan's
+        return ext.iq4_linear(x, self.qweight, self.scales, self.table, False)
 
     def _tiles_rows(self, x: torch.Tensor) -> bool:
         # deterministic mode: the integer kernel at every row count (a row's bits never depend on the other rows),

@@ -27,7 +27,7 @@ from superslm import cext
 from superslm.errors import InvalidArgument
 from superslm.formats.blocks import Q6_K, BlockType
 from superslm.quant.base import LinearFormat, as_bias, register_format
-from superslm.quant.iq4 import _fma32
+from superslm.quant.split_rows import fma32 as _fma32
 
 #: values and bytes of a Q6_K block
 QK, BLOCK_BYTES = 256, 210

@@ -27,7 +27,8 @@ from superslm import cext
 from superslm.errors import InvalidArgument
 from superslm.formats.blocks import Q8_0, BlockType
 from superslm.quant.base import LinearFormat, as_bias, register_format
-from superslm.quant.iq4 import _fma32, quantize_groups
+from superslm.quant.iq4 import quantize_groups
+from superslm.quant.split_rows import fma32 as _fma32
 
 #: bytes of a Q8_0 block (an f16 d, 32 int8 codes)
 BLOCK_BYTES = 34

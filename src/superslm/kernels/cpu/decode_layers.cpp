@@ -535,6 +535,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("iq4_gemm", &iq4_gemm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("iq4_dequantize", &iq4_dequantize, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("iq4_gemv_rows", &iq4_gemv_rows);
+  m.def("iq4_gemm_avx2", &iq4_gemm_avx2, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int8_prompt_avx2", &int8_prompt_avx2, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("iq4_linear", &iq4_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q6k_available", &q6k_available);
   m.def("q6k_gemv", &q6k_gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q6k_gemm", &q6k_gemm, pybind11::call_guard<pybind11::gil_scoped_release>());

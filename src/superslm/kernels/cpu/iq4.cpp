@@ -273,6 +273,11 @@ int64_t iq4_gemv_rows(int64_t K, int64_t N) {
   return 128;
 }
 
+// avx2_rows.cpp (undefined without AVX2); gemv.cpp
+at::Tensor iq4_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                         const at::Tensor& table);
+bool vnni_available();
+
 // x [R, K] -> [R, N] bf16 (see the top of the file): one row through gemv_rows, several through rows_kernel, each
 // row the bits it gets alone; a row holding a NaN or an inf takes iq4_gemm's float32 product alone, and so does
 // every row where the table holds a -128 or the SIMD kernel is not built
@@ -340,4 +345,17 @@ at::Tensor iq4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Te
     if (!ok[r]) out.narrow(0, r, 1).copy_(alone(r));
   return out;
 #endif
+}
+
+// x [R, K] -> [R, N] bf16 through the kernel for R rows, the one choice of the module (quant/iq4.py) and the C++
+// plan: iq4_gemv (each row the bits it gets alone) up to iq4_gemv_rows and in deterministic mode at every row
+// count; past them, on CPUs without VNNI, the AVX2 two-part integer kernel (avx2_rows.cpp iq4_gemm_avx2: 1.3-1.5x
+// the decoded blocks' sgemm at 512-row prompt chunks on an AVX2-only EPYC), else iq4_gemm
+at::Tensor iq4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table,
+                      bool deterministic) {
+  check_iq4(x, qweight, scales, table, "iq4_linear");
+  if (deterministic || x.size(0) <= iq4_gemv_rows(x.size(1), qweight.size(0))) return iq4_gemv(x, qweight, scales, table);
+  at::Tensor y;
+  if (!vnni_available()) y = iq4_gemm_avx2(x, qweight, scales, table);
+  return y.defined() ? y : iq4_gemm(x, qweight, scales, table, false);
 }

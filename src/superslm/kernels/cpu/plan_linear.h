@@ -48,6 +48,11 @@ at::Tensor iq4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Te
                     bool rows16);
 at::Tensor iq4_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table);
 int64_t iq4_gemv_rows(int64_t K, int64_t N);
+at::Tensor iq4_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                         const at::Tensor& table);
+at::Tensor int8_prompt_avx2(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale);
+at::Tensor iq4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table,
+                      bool deterministic);
 // q6k.cpp
 bool q6k_available();
 at::Tensor q6k_gemv(const at::Tensor& x, const at::Tensor& blocks);
@@ -215,10 +220,7 @@ struct Lin {
       else y = h.size(0) == 1 ? int5_gemv(h, a, b, extra) : int5_gemm(h, a, b, extra);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == IQ4) {
-      // the integer kernel (each row the bits it gets alone, whatever the other rows) up to iq4_gemv_rows, and in
-      // deterministic steps at every row count; past them the float32 GEMM over decoded blocks
-      y = deterministic || h.size(0) <= iq4_gemv_rows(h.size(1), a.size(0)) ? iq4_gemv(h, a, b, extra)
-                                                                        : iq4_gemm(h, a, b, extra, false);
+      y = iq4_linear(h, a, b, extra, deterministic);  // the module's choice of kernel for these rows
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == Q6K) {
       // the integer GEMV for decode rows of the default mode (each row's bits those it gets alone); deterministic
@@ -236,6 +238,8 @@ struct Lin {
       else if (vnni && (deterministic || h.size(0) >= gemm_rows(true))) y = int8_gemm(h, a, b, rowsum);
       else if (!vnni && !deterministic && h.size(0) == 1 && kpad % 64 == 0) y = int8_gemv_avx2(h, a, b);
       else if (!vnni && !deterministic && h.size(0) <= avx2_gemm_rows() && kpad % 64 == 0) y = int8_gemm_avx2(h, a, b);
+      // prompt rows of the default mode: the two-part integer kernel (faster than torch's and decoded blocks)
+      else if (!vnni_available() && !deterministic && h.size(0) > avx2_gemm_rows()) y = int8_prompt_avx2(h, a, b);
       if (!y.defined()) y = at::_weight_int8pack_mm(h, a, b);
     } else {
       y = deterministic ? blocks16(h, a, at::Tensor()) : at::linear(h, a);
