@@ -26,10 +26,11 @@ log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent / "kernels" / "cpu"
 _SOURCES = [_DIR / n for n in ("decode_layers.cpp", "gemv.cpp", "gemm.cpp", "greedy.cpp", "avx2.cpp", "delta_step.cpp",
-                               "moe_step.cpp", "iq4.cpp", "prompt.cpp", "q6k.cpp", "avx2_rows.cpp",
+                               "moe_step.cpp", "iq4.cpp", "prompt.cpp", "q6k.cpp", "avx2_rows.cpp", "pair_rows.cpp",
                                "q80.cpp")]
 _HEADERS = [_DIR / n for n in ("vnni.h", "rowops.h", "rowbase.h", "rowops_avx2.h", "plan_linear.h", "int5_avx2.h",
-                               "parts_layer.h", "dynamic_for.h", "aten_ops.h", "q8_groups.h", "decoded_gemm.h")]
+                               "parts_layer.h", "dynamic_for.h", "aten_ops.h", "q8_groups.h", "decoded_gemm.h",
+                               "pair_tiles.h")]
 _ext: Any = None
 _ext_tried = False
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]

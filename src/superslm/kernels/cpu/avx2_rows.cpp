@@ -19,6 +19,7 @@
 
 #include "vnni.h"
 #include "int5_avx2.h"
+#include "pair_tiles.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -31,16 +32,12 @@ int64_t torch_int4_block();
 
 namespace {
 
-// x [R, K] rounded to bf16 and back, as torch's kernels and the GEMVs see it
-std::vector<float> bf16_rows(const at::Tensor& x) {
-  const at::Tensor xb = x.to(at::kBFloat16).contiguous();
-  const at::BFloat16* p = xb.data_ptr<at::BFloat16>();
-  std::vector<float> out(xb.numel());
-  for (size_t k = 0; k < out.size(); ++k) out[k] = static_cast<float>(p[k]);
-  return out;
-}
+using superslm_pairs::bf16_rows;
 
 #ifdef SUPERSLM_AVX2_ROWS
+
+using superslm_pairs::chunk_block;
+using superslm_pairs::INT4_BLOCK_BYTES;
 
 // One row's int4 activation table: per quad of k, the 32-bit words (x0 | x2 << 16) and (x1 | x3 << 16) of
 // x16 = 254 hi + lo, which `unpack_quad` pairs with each row's codes at (k0, k2) and (k1, k3).
@@ -86,107 +83,6 @@ inline void scales8(const uint32_t* p, __m256& s, __m256& z) {
   z = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
-// One group of two activation rows (t0, t1: their tables at the group's first quad) against a 32-row chunk's
-// `nq` unpacked quads (`buf`, unpack_quad's vectors): the int32 sums 254 H + L of each row and accumulator,
-// then avx2.cpp int4_chunk's epilogue into the rows' float sums y0, y1 (8 floats per accumulator, 32 each;
-// s, z: the chunk's scales for the group). The loop body is written out in assembly: with 8 accumulators, 4
-// activation words and 4 temporaries it needs all 16 ymm registers, and GCC 12 spilled three accumulators
-// to the stack (a store-to-load chain on every quad). vpmaddwd runs two a cycle here, vpaddd four: 32
-// products per 2 vpmaddwd and 2 vpaddd, about 1.6x the products per cycle of float32 FMAs.
-// ZP: int4's zero points (y += s (sl acc - 8 sum) + z sum); without them (IQ4's table values) y += s (sl acc).
-template <bool ZP>
-inline void pair_group(const __m256i* buf, int64_t nq, const uint32_t* t0, const uint32_t* t1, const float sum[2],
-                       const float sl[2], const __m256* s, const __m256* z, float* y0, float* y1) {
-  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-  for (int64_t q = 0; q < nq; ++q, buf += 8) {
-    __m256i x0, x1, u0, u1, c, d, m1, m2;
-    __asm__("vpbroadcastd (%[t0]), %[x0]\n\t"
-            "vpbroadcastd 4(%[t0]), %[x1]\n\t"
-            "vpbroadcastd (%[t1]), %[u0]\n\t"
-            "vpbroadcastd 4(%[t1]), %[u1]\n\t"
-            "vmovdqu 0(%[p]), %[c]\n\t"
-            "vmovdqu 32(%[p]), %[d]\n\t"
-            "vpmaddwd %[c], %[x0], %[m1]\n\t"
-            "vpmaddwd %[d], %[x1], %[m2]\n\t"
-            "vpaddd %[m1], %[a0], %[a0]\n\t"
-            "vpaddd %[m2], %[a0], %[a0]\n\t"
-            "vpmaddwd %[c], %[u0], %[c]\n\t"
-            "vpmaddwd %[d], %[u1], %[d]\n\t"
-            "vpaddd %[c], %[b0], %[b0]\n\t"
-            "vpaddd %[d], %[b0], %[b0]\n\t"
-            "vmovdqu 64(%[p]), %[c]\n\t"
-            "vmovdqu 96(%[p]), %[d]\n\t"
-            "vpmaddwd %[c], %[x0], %[m1]\n\t"
-            "vpmaddwd %[d], %[x1], %[m2]\n\t"
-            "vpaddd %[m1], %[a1], %[a1]\n\t"
-            "vpaddd %[m2], %[a1], %[a1]\n\t"
-            "vpmaddwd %[c], %[u0], %[c]\n\t"
-            "vpmaddwd %[d], %[u1], %[d]\n\t"
-            "vpaddd %[c], %[b1], %[b1]\n\t"
-            "vpaddd %[d], %[b1], %[b1]\n\t"
-            "vmovdqu 128(%[p]), %[c]\n\t"
-            "vmovdqu 160(%[p]), %[d]\n\t"
-            "vpmaddwd %[c], %[x0], %[m1]\n\t"
-            "vpmaddwd %[d], %[x1], %[m2]\n\t"
-            "vpaddd %[m1], %[a2], %[a2]\n\t"
-            "vpaddd %[m2], %[a2], %[a2]\n\t"
-            "vpmaddwd %[c], %[u0], %[c]\n\t"
-            "vpmaddwd %[d], %[u1], %[d]\n\t"
-            "vpaddd %[c], %[b2], %[b2]\n\t"
-            "vpaddd %[d], %[b2], %[b2]\n\t"
-            "vmovdqu 192(%[p]), %[c]\n\t"
-            "vmovdqu 224(%[p]), %[d]\n\t"
-            "vpmaddwd %[c], %[x0], %[m1]\n\t"
-            "vpmaddwd %[d], %[x1], %[m2]\n\t"
-            "vpaddd %[m1], %[a3], %[a3]\n\t"
-            "vpaddd %[m2], %[a3], %[a3]\n\t"
-            "vpmaddwd %[c], %[u0], %[c]\n\t"
-            "vpmaddwd %[d], %[u1], %[d]\n\t"
-            "vpaddd %[c], %[b3], %[b3]\n\t"
-            "vpaddd %[d], %[b3], %[b3]\n\t"
-            : [a0] "+x"(a0), [a1] "+x"(a1), [a2] "+x"(a2), [a3] "+x"(a3), [b0] "+x"(b0), [b1] "+x"(b1),
-              [b2] "+x"(b2), [b3] "+x"(b3), [x0] "=&x"(x0), [x1] "=&x"(x1), [u0] "=&x"(u0), [u1] "=&x"(u1),
-              [c] "=&x"(c), [d] "=&x"(d), [m1] "=&x"(m1), [m2] "=&x"(m2)
-            : [p] "r"(buf), [t0] "r"(t0 + 2 * q), [t1] "r"(t1 + 2 * q)
-            : "memory");
-  }
-  const __m256i acc[2][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}};
-  float* const ys[2] = {y0, y1};
-  for (int r = 0; r < 2; ++r) {
-    const __m256 gs = _mm256_set1_ps(sum[r]), g8 = _mm256_set1_ps(8.f * sum[r]), l = _mm256_set1_ps(sl[r]);
-    for (int a = 0; a < 4; ++a) {
-      const __m256 c = _mm256_cvtepi32_ps(acc[r][a]);
-      const __m256 dd = ZP ? _mm256_fmsub_ps(c, l, g8) : _mm256_mul_ps(c, l);
-      __m256 y = _mm256_loadu_ps(ys[r] + 8 * a);
-      y = _mm256_fmadd_ps(s[a], dd, y);
-      if (ZP) y = _mm256_fmadd_ps(z[a], gs, y);
-      _mm256_storeu_ps(ys[r] + 8 * a, y);
-    }
-  }
-}
-
-// unpacked codes per k block: ~16 KiB, so a block stays in L1 while every row pair passes over it
-constexpr int64_t INT4_BLOCK_BYTES = 16384;
-
-// The row pairs of `rs` (ng of them) over one k block's groups [g0, g1) of a 32-row chunk: `buf` holds the
-// block's unpacked codes (8 vectors a quad of k, unpack_quad's), `sf` its scales (per group 8 vectors: s of
-// accumulators 0..3, then z); the sums into y (32 floats a row, ng + 1 rows: an odd row pairs with itself, its
-// twin landing in the spare row). ZP: pair_group's.
-template <bool ZP>
-inline void chunk_block(const __m256i* buf, const __m256* sf, int64_t g0, int64_t g1, int64_t G, int64_t nq,
-                        const int64_t* rs, int64_t ng, const uint32_t* tab, const float* gsum, const float* gsl,
-                        float* y) {
-  for (int64_t i = 0; i < ng; i += 2) {
-    const int64_t r0 = rs[i], r1 = i + 1 < ng ? rs[i + 1] : r0;
-    float* y1 = y + (i + 1) * 32;  // the spare row for an odd row's twin
-    for (int64_t g = g0; g < g1; ++g) {
-      const float sum[2] = {gsum[r0 * G + g], gsum[r1 * G + g]}, sl[2] = {gsl[r0 * G + g], gsl[r1 * G + g]};
-      pair_group<ZP>(buf + (g - g0) * nq * 8, nq, tab + (r0 * G + g) * 2 * nq, tab + (r1 * G + g) * 2 * nq, sum, sl,
-                 sf + (g - g0) * 8, sf + (g - g0) * 8 + 4, y + i * 32, y1);
-    }
-  }
-}
-
 // One 32-row chunk of the weight (codes: its bytes of k = 0, `stride` bytes a k; rows[a] + 0..7: accumulator
 // a's rows) against the rows `rs`: per k block, the chunk's codes unpacked once into `buf` and its scales into
 // `sf`, then chunk_block. With `masks` and `fb`: Q5_0's 5-bit codes (the chunk's block's fifth-bit masks, four
@@ -205,124 +101,6 @@ void int4_rows_chunk(const uint8_t* codes, int64_t stride, const uint32_t* sz, i
       for (int a = 0; a < 4; ++a) scales8(sz + g * N + rows[a], sf[(g - g0) * 8 + a], sf[(g - g0) * 8 + 4 + a]);
     chunk_block<true>(buf, sf, g0, g1, G, nq, rs, ng, tab, gsum, gsl, y);
   }
-}
-
-// Weights whose values are int8 (IQ4's table values, int8 codes) against the rows' pair tables (pair_table):
-// the same row pairs and int32 `vpmaddwd` sums as int4, with the k of a pair (j, j + 16) of a group of 32 where
-// int4 pairs (k0, k2) of a quad, so the group's two halves of 16 values interleave into its 16 pair words (two
-// int16 values each), and no zero points. `w.halves(n, g, lo, hi)` gives row n's values of group g (k 0..15,
-// 16..31) as int8, `w.scale(n, g)` their float scale. Rows n0..n0 + 31 (past N: the last row again, its outputs
-// dropped).
-template <class W>
-void pair_rows_chunk(const W& w, int64_t N, int64_t K, int64_t n0, const int64_t* rs, int64_t ng, const uint32_t* tab,
-                     const float* gsl, __m256i* buf, __m256* sf, float* y) {
-  const int64_t G = K / 32, per = INT4_BLOCK_BYTES / (32 * 64);
-  std::fill(y, y + (ng + 1) * 32, 0.f);
-  for (int64_t g0 = 0; g0 < G; g0 += per) {
-    const int64_t g1 = std::min(G, g0 + per);
-    for (int a = 0; a < 4; ++a) {
-      int64_t n[8];
-      for (int j = 0; j < 8; ++j) n[j] = std::min(n0 + 8 * a + j, N - 1);
-      for (int64_t g = g0; g < g1; ++g) {
-        __m256 lo[8], hi[8];  // row j's pair words 0..7 and 8..15, then (transposed) pair p of the 8 rows
-        for (int j = 0; j < 8; ++j) {
-          __m128i vl, vh;
-          w.halves(n[j], g, vl, vh);
-          lo[j] = _mm256_castsi256_ps(_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(vl, vh)));
-          hi[j] = _mm256_castsi256_ps(_mm256_cvtepi8_epi16(_mm_unpackhi_epi8(vl, vh)));
-        }
-        superslm_vnni::transpose8(lo);
-        superslm_vnni::transpose8(hi);
-        __m256i* b = buf + (g - g0) * 64;  // 8 quads of 8 vectors: pair p with quad p / 2's word p % 2
-        for (int p = 0; p < 8; ++p) {
-          b[8 * (p / 2) + 2 * a + (p & 1)] = _mm256_castps_si256(lo[p]);
-          b[8 * (4 + p / 2) + 2 * a + (p & 1)] = _mm256_castps_si256(hi[p]);
-        }
-        float sv[8];
-        for (int j = 0; j < 8; ++j) sv[j] = w.scale(n[j], g);
-        sf[(g - g0) * 8 + a] = _mm256_loadu_ps(sv);
-      }
-    }
-    chunk_block<false>(buf, sf, g0, g1, G, 8, rs, ng, tab, gsl, gsl, y);
-  }
-}
-
-// IQ4 (iq4.cpp's layout: per output row and group of 32, 16 bytes, byte j = codes j and j + 16, a float scale)
-struct IQ4Values {
-  const uint8_t* q;
-  const float* s;
-  __m128i tbl;
-  int64_t K;
-  void halves(int64_t n, int64_t g, __m128i& lo, __m128i& hi) const {
-    const __m128i nib = _mm_set1_epi8(0x0f);
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * (K / 2) + g * 16));
-    lo = _mm_shuffle_epi8(tbl, _mm_and_si128(v, nib));
-    hi = _mm_shuffle_epi8(tbl, _mm_and_si128(_mm_srli_epi16(v, 4), nib));
-  }
-  float scale(int64_t n, int64_t g) const { return s[n * (K / 32) + g]; }
-};
-
-// int8 codes [N, K] with a bf16 scale per output row
-struct Int8Values {
-  const int8_t* c;
-  const at::BFloat16* s;
-  int64_t K;
-  void halves(int64_t n, int64_t g, __m128i& lo, __m128i& hi) const {
-    lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + n * K + g * 32));
-    hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + n * K + g * 32 + 16));
-  }
-  float scale(int64_t n, int64_t) const { return static_cast<float>(s[n]); }
-};
-
-// x [R, K] (K % 32 == 0) times N rows of int8 values `w` -> [R, N] bf16: each row rounded to bf16 and split per
-// group of 32 into two int8 parts (vnni.h split_groups: x ~ sl (254 hi + lo), ~15 bits), the exact int32 sums of
-// the values times 254 hi + lo, then per group y = fma(scale, sum * sl, y) (quant/split_rows.py pair_rows_reference
-// is the twin, bit for bit). Rows the split declines (a NaN, an inf, an outlier) are left to `declined` (their
-// rows of x, bf16), all in one call. A row's bits do not depend on the other rows.
-template <class W>
-at::Tensor pair_rows(const at::Tensor& x, const W& w, int64_t N,
-                     const std::function<at::Tensor(const at::Tensor&)>& declined) {
-  const int64_t R = x.size(0), K = x.size(1), G = K / 32;
-  const std::vector<float> xf = bf16_rows(x);
-  std::vector<uint32_t> tab(R * K / 2);  // per row and group: the 16 pair words x16[j] | x16[j + 16] << 16
-  std::vector<float> gsum(R * G), gsl(R * G);
-  std::vector<uint8_t> split(R);
-  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<int8_t> hi(K), lo(K);
-    for (int64_t r = r0; r < r1; ++r) {
-      split[r] = superslm_vnni::split_groups(xf.data() + r * K, K, 32, hi.data(), lo.data(), gsum.data() + r * G,
-                                             gsl.data() + r * G);
-      if (!split[r]) continue;
-      auto v = [&](int64_t k) {
-        return static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(254 * hi[k] + lo[k])));
-      };
-      uint32_t* t = tab.data() + r * K / 2;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t j = 0; j < 16; ++j) t[g * 16 + j] = v(g * 32 + j) | (v(g * 32 + j + 16) << 16);
-    }
-  });
-  std::vector<int64_t> good, bad;
-  for (int64_t r = 0; r < R; ++r) (split[r] ? good : bad).push_back(r);
-  at::Tensor out = at::empty({R, N}, x.options().dtype(at::kBFloat16));
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int64_t ng = static_cast<int64_t>(good.size()), per = INT4_BLOCK_BYTES / (32 * 64);
-  if (ng)
-    at::parallel_for(0, (N + 31) / 32, 1, [&](int64_t c0, int64_t c1) {
-      std::vector<__m256i> buf(per * 64);
-      std::vector<__m256> sf(per * 8), y((ng + 1) * 4);
-      float* yf = reinterpret_cast<float*>(y.data());
-      for (int64_t ch = c0; ch < c1; ++ch) {
-        pair_rows_chunk(w, N, K, ch * 32, good.data(), ng, tab.data(), gsl.data(), buf.data(), sf.data(), yf);
-        const int64_t cols = std::min<int64_t>(32, N - ch * 32);
-        for (int64_t i = 0; i < ng; ++i)
-          for (int64_t j = 0; j < cols; ++j) op[good[i] * N + ch * 32 + j] = static_cast<at::BFloat16>(yf[i * 32 + j]);
-      }
-    });
-  if (!bad.empty()) {
-    const at::Tensor idx = at::tensor(bad, at::kLong);
-    out.index_copy_(0, idx, declined(x.index_select(0, idx).to(at::kBFloat16)));
-  }
-  return out;
 }
 
 // NO code rows (n, n + 1, ...) times NR rows' two parts (int16, K of each), K % 16 == 0: the exact sums H, L
@@ -475,53 +253,6 @@ at::Tensor int5_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const 
   if (!avx2_available()) return at::Tensor();
   return rows_kernel(x, qweight, sz, 32, 64, bp,
                      [&](const at::Tensor& row) { return int5_reference(row, qweight, sz, bits); });
-}
-
-// iq4.cpp
-at::Tensor iq4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table,
-                    bool rows16);
-
-// x [R, K] -> [R, N] bf16 for IQ4 weights (qweight uint8 [N, K / 2], scales float32 [N, K / 32], table int8 [16]:
-// iq4.cpp's layout): prompt chunks of the default mode on CPUs without VNNI, pair_rows on the table values
-// (quant/iq4.py iq4_split_reference is the twin); rows the split declines take iq4_gemm together. Undefined
-// without AVX2 (the caller takes iq4_gemm). Not the GEMV's bits (llama.cpp's one-part int8 x): x keeps ~15 bits
-// here, not 8.
-at::Tensor iq4_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                         const at::Tensor& table) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0 && qweight.dim() == 2 && qweight.scalar_type() == at::kByte &&
-                  qweight.is_contiguous() && qweight.size(1) * 2 == x.size(1) && scales.scalar_type() == at::kFloat &&
-                  scales.is_contiguous() && scales.numel() == qweight.size(0) * (x.size(1) / 32) &&
-                  table.scalar_type() == at::kChar && table.is_contiguous() && table.numel() == 16 &&
-                  x.device().is_cpu() && qweight.device().is_cpu() && scales.device().is_cpu(),
-              "iq4_gemm_avx2: rows of K (a multiple of 32) against codes uint8 [N, K / 2], scales float32 [N, K / 32]");
-  if (!avx2_available()) return at::Tensor();
-#ifdef SUPERSLM_AVX2_ROWS
-  const IQ4Values w{qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(table.data_ptr<int8_t>())), x.size(1)};
-  return pair_rows(x, w, qweight.size(0),
-                   [&](const at::Tensor& rows) { return iq4_gemm(rows, qweight, scales, table, false); });
-#else
-  return at::Tensor();
-#endif
-}
-
-// x [R, K] (K % 32 == 0) -> [R, N] bf16 for int8 codes [N, K] with a bf16 scale [N]: prompt chunks of the default
-// mode on CPUs without VNNI, pair_rows on the codes (quant/split_rows.py pair_rows_reference the twin); rows the
-// split declines take torch's int8 kernel together. Undefined without AVX2 or where K % 32 != 0.
-at::Tensor int8_prompt_avx2(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1) && x.device().is_cpu() &&
-                  codes.device().is_cpu() && scale.device().is_cpu() && codes.scalar_type() == at::kChar &&
-                  codes.is_contiguous() && scale.scalar_type() == at::kBFloat16 && scale.numel() == codes.size(0),
-              "int8_prompt_avx2: rows of K against codes int8 [N, K] and a bf16 scale [N] on the CPU");
-  if (!avx2_available() || x.size(1) % 32) return at::Tensor();
-#ifdef SUPERSLM_AVX2_ROWS
-  const at::Tensor sc = scale.contiguous();
-  const Int8Values w{codes.data_ptr<int8_t>(), sc.data_ptr<at::BFloat16>(), x.size(1)};
-  return pair_rows(x, w, codes.size(0),
-                   [&](const at::Tensor& rows) { return at::_weight_int8pack_mm(rows, codes, sc); });
-#else
-  return at::Tensor();
-#endif
 }
 
 // x [R, K] (K % 64 == 0), codes int8 [N, K], scale bf16 [N] -> [R, N] bf16: row r gets
