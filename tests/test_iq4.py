@@ -18,6 +18,7 @@ from superslm.quant.iq4 import (
     TABLE,
     GGUFIQ4Linear,
     _fma32,
+    group_scales,
     iq4_dequantize,
     iq4_gemv,
     iq4_matmul,
@@ -83,13 +84,32 @@ def test_the_weight_is_the_files_bit_for_bit(block: type) -> None:
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
     ref = quants.dequantize(raw.reshape(n, -1), GGMLQuantizationType[block.name]).reshape(n, k)
     m = GGUFIQ4Linear.from_gguf(raw, block, (n, k), row_perm=perm)
-    assert block.name in m.describe() and m.nbytes() == n * k // 2 + n * k // 8 + 16
+    # scales: IQ4_NL's float32 a group, IQ4_XS's packed (a float32 d a block of 256, an int8 ls - 32 a group)
+    scale_bytes = n * k // 8 if block is IQ4_NL else n * (k // 64 + k // 32)
+    assert block.name in m.describe() and m.nbytes() == n * k // 2 + scale_bytes + 16
     got = m.dequantize().numpy()
     np.testing.assert_array_equal(got.view(np.uint32), np.ascontiguousarray(ref[perm.numpy()]).view(np.uint32))
     ext = cext.extension()
     if ext is not None:
         again = ext.iq4_dequantize(m.qweight, m.scales, m.table).numpy()
         np.testing.assert_array_equal(again.view(np.uint32), got.view(np.uint32))
+    if block is IQ4_XS and ext is not None and iq4_runs():
+        # the packed scales give every kernel the bits of the same scales as floats (d * (ls - 32) is exact)
+        flat = GGUFIQ4Linear(m.qweight, group_scales(m.scales, k), k, n, table=m.table)
+        assert flat.scales.dtype == torch.float32 and m.scales.dtype == torch.uint8
+        assert m.nbytes() < flat.nbytes()
+        x = torch.randn(200, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+        for rows in (1, 5, 200):
+            for det in (False, True):
+                a = ext.iq4_linear(x[:rows], m.qweight, m.scales, m.table, det)
+                b = ext.iq4_linear(x[:rows], flat.qweight, flat.scales, flat.table, det)
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (rows, det)
+        assert torch.equal(ext.iq4_gemm(x, m.qweight, m.scales, m.table, False),
+                           ext.iq4_gemm(x, flat.qweight, flat.scales, flat.table, False))
+        with pytest.raises(RuntimeError, match="packed"):
+            ext.iq4_gemv(x[:1], m.qweight, m.scales[:, :-1].contiguous(), m.table)
+    with pytest.raises(InvalidArgument):
+        GGUFIQ4Linear(m.qweight, m.scales[:, :-1], k, n)
     with pytest.raises(InvalidArgument):
         GGUFIQ4Linear.from_gguf(raw, Q4_K, (n, k))
     with pytest.raises(InvalidArgument):
@@ -154,7 +174,8 @@ def test_rows_kernel_gives_each_row_its_gemv_bits(shape) -> None:
     needs_kernels()
     ext = cext.extension()
     n, k = shape
-    m = GGUFIQ4Linear.from_gguf(iq4_blocks(IQ4_NL, n, k, seed=k), IQ4_NL, shape)
+    block = IQ4_XS if k % 256 == 0 else IQ4_NL  # XS: the packed scales
+    m = GGUFIQ4Linear.from_gguf(iq4_blocks(block, n, k, seed=k), block, shape)
     q, s, t = m.qweight, m.scales, m.table
     g = torch.Generator().manual_seed(n)
     x = torch.randn(45, k, generator=g).bfloat16()
@@ -197,7 +218,8 @@ def test_prompt_kernel_against_its_twin_and_the_weight(avx2_only, shape) -> None
     the rows beside it and the threads; rows it cannot split (a NaN, an inf, an outlier) through iq4_gemm."""
     ext = avx2_only
     n, k = shape
-    m = GGUFIQ4Linear.from_gguf(iq4_blocks(IQ4_NL, n, k, seed=k + 1), IQ4_NL, shape)
+    block = IQ4_XS if k % 256 == 0 else IQ4_NL  # XS: the packed scales
+    m = GGUFIQ4Linear.from_gguf(iq4_blocks(block, n, k, seed=k + 1), block, shape)
     q, s, t = m.qweight, m.scales, m.table
     w = iq4_dequantize(q, s, t)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(n + 1)).bfloat16()
@@ -307,8 +329,10 @@ def test_module_maps_runs_saves_and_falls_back(block: type, monkeypatch: pytest.
             slack = gemv_tol(rows[i : i + 1], w, p[i]) + floats[i]
             assert ((y[i].double() - r[i]).abs() <= U * (p[i].abs() + r[i].abs()) + (1 + U) * slack).all()
     # .to(bf16) on a model keeps the scales exact
+    kept = m.scales.dtype
     m.to(torch.bfloat16)
-    assert m.scales.dtype == torch.float32 and torch.equal(m.dequantize(), w)
+    assert m.scales.dtype == kept == (torch.float32 if block is IQ4_NL else torch.uint8)
+    assert torch.equal(m.dequantize(), w)
     tensors, meta = m.to_tensors()
     again = load_linear(tensors, meta)
     assert isinstance(again, GGUFIQ4Linear) and torch.equal(again.dequantize(), w)

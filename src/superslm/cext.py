@@ -30,7 +30,7 @@ _SOURCES = [_DIR / n for n in ("decode_layers.cpp", "gemv.cpp", "gemm.cpp", "gre
                                "q80.cpp")]
 _HEADERS = [_DIR / n for n in ("vnni.h", "rowops.h", "rowbase.h", "rowops_avx2.h", "plan_linear.h", "int5_avx2.h",
                                "parts_layer.h", "dynamic_for.h", "aten_ops.h", "q8_groups.h", "decoded_gemm.h",
-                               "pair_tiles.h")]
+                               "pair_tiles.h", "iq4_scales.h")]
 _ext: Any = None
 _ext_tried = False
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]

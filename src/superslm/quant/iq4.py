@@ -6,7 +6,8 @@ bf16: 11 + 6 significant bits), and so is every weight (+ 7 bits for the table v
 (quant/gguf_map.py before this format) they took 8 bits a weight where the file has 4.5 (IQ4_NL) or 4.25
 (IQ4_XS), and decode, which reads every weight once a step, ran at half llama.cpp's speed on Qwen2.5-0.5B IQ4_XS.
 Here: the file's code bytes (qweight uint8 [N, K / 2], per group 16 bytes, byte j = codes j and j + 16) and the
-scales float32 [N, K / 32]: 5 bits a weight, the same as Q4_K's packed int4 with its bf16 (scale, zero) pairs.
+scales: IQ4_NL's float32 [N, K / 32] (5 bits a weight), IQ4_XS's packed as the file has them, each block's d as
+float32 and each group's 6-bit ls - 32 as int8 (4.375 bits a weight against the file's 4.25).
 
 The C++ kernels (kernels/cpu/iq4.cpp) run one row through an AVX2 GEMV with llama.cpp's arithmetic (x as int8 per
 32 values, the table lookup a byte shuffle, integer products), 2 to 128 rows (and every row count in deterministic
@@ -40,7 +41,8 @@ TABLE = torch.from_numpy(_IQ4_VALUES.astype(np.int8))
 def iq4_params(raw: np.ndarray, block_type: type[BlockType], shape: Sequence[int],
                row_perm: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
     """IQ4_NL / IQ4_XS bytes of a weight [out, in] -> (codes uint8 [out, in / 2] in the file's byte order per
-    group of 32, scales float32 [out, in / 32]), rows taken in `row_perm` order if given."""
+    group of 32, scales: IQ4_NL's float32 [out, in / 32], IQ4_XS's packed uint8 [out, in / 64 + in / 32]
+    (`group_scales` reads either)), rows taken in `row_perm` order if given."""
     n, k = (int(d) for d in shape)
     if block_type not in (IQ4_NL, IQ4_XS):
         raise InvalidArgument(f"the iq4 format runs IQ4_NL and IQ4_XS blocks, not {block_type.name}")
@@ -55,10 +57,14 @@ def iq4_params(raw: np.ndarray, block_type: type[BlockType], shape: Sequence[int
         low = (blocks[:, 4:8].reshape(m, 4, 1) >> np.array([0, 4], dtype=np.uint8)).reshape(m, 8) & np.uint8(0x0F)
         high = (blocks[:, 2:4].copy().view("<u2") >> np.arange(0, 16, 2, dtype=np.uint16)) & np.uint16(3)  # [m, 8]
         ls = (low.astype(np.int16) | (high.astype(np.int16) << 4)) - 32
-        scales = _f16(blocks, 0) * ls.astype(np.float32)  # [m, 8]: exact (11 + 6 bits)
+        # packed (kernels/cpu/iq4_scales.h): per row the float32 d of its k / 256 blocks, then the int8 ls - 32 of its
+        # groups; the kernels form each group's scale d * (ls - 32), exact in float32 (11 + 6 bits)
+        d = _f16(blocks, 0).astype("<f4").reshape(n, k // 256)
+        scales = np.concatenate([d.view(np.uint8), ls.astype(np.int8).reshape(n, k // 32).view(np.uint8)], axis=1)
         codes = blocks[:, 8:]  # [m, 128]: 8 groups of 16 bytes, each laid out as IQ4_NL's
     codes = np.ascontiguousarray(codes).reshape(n, k // 2)
-    scales = np.ascontiguousarray(scales, dtype=np.float32).reshape(n, k // 32)
+    if block_type is IQ4_NL:
+        scales = np.ascontiguousarray(scales, dtype=np.float32).reshape(n, k // 32)
     if row_perm is not None:
         perm = torch.as_tensor(row_perm, dtype=torch.long).numpy()
         if perm.shape != (n,) or not np.array_equal(np.sort(perm), np.arange(n)):
@@ -67,12 +73,24 @@ def iq4_params(raw: np.ndarray, block_type: type[BlockType], shape: Sequence[int
     return codes, scales
 
 
+def group_scales(scales: torch.Tensor, k: int) -> torch.Tensor:
+    """Each group's scale float32 [N, K / 32] from either layout the format stores (kernels/cpu/iq4_scales.h): the
+    floats themselves, or IQ4_XS's packed bytes uint8 [N, K / 64 + K / 32] (per row the K / 256 float32 d, then the
+    int8 ls - 32 of each group: scale = d * (ls - 32), exact in float32)."""
+    if scales.dtype != torch.uint8:
+        return scales.float()
+    g = k // 32
+    d = scales[:, : g // 2].contiguous().view(torch.float32)  # [N, G / 8]
+    ls = scales[:, g // 2 :].contiguous().view(torch.int8).float()  # [N, G]
+    return d.repeat_interleave(8, dim=1) * ls
+
+
 def iq4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """The torch twin of the extension's iq4_dequantize: the weight float32 [N, K] (scale * table[code])."""
     n = qweight.shape[0]
     q = qweight.view(n, -1, 16)  # [N, groups, 16]
     codes = torch.cat([q & 15, q >> 4], dim=-1).long()  # [N, groups, 32]: codes j, then j + 16
-    return (table.float()[codes] * scales.float()[..., None]).view(n, -1)
+    return (table.float()[codes] * group_scales(scales, 2 * qweight.shape[1])[..., None]).view(n, -1)
 
 
 def iq4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -109,7 +127,7 @@ def iq4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, table
     n, g = qweight.shape[0], dx.numel()
     codes = qweight.view(n, g, 16)  # [N, groups, 16]
     w = table.int()[torch.cat([codes & 15, codes >> 4], dim=-1).long()]  # [N, groups, 32]: values j, then j + 16
-    sd = scales.float() * dx  # [N, groups], rounded once as the kernel rounds it
+    sd = group_scales(scales, 2 * qweight.shape[1]) * dx  # [N, groups], rounded once as the kernel rounds it
     prod, gp = w * q, g + g % 2  # an odd number of groups gets a zero one, as the kernel's last step
     prod = F.pad(prod, (0, 0, 0, gp - g))  # [N, gp, 32]
     sd = F.pad(sd, (0, gp - g))  # [N, gp]
@@ -133,7 +151,7 @@ def iq4_split_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     n, half = qweight.shape
     codes = qweight.cpu().view(n, half // 16, 16)  # [N, groups, 16]
     values = table.cpu().long()[torch.cat([codes & 15, codes >> 4], dim=-1).long()].view(n, 2 * half)  # k order
-    return pair_rows_reference(x, values, scales.cpu().float(),
+    return pair_rows_reference(x, values, group_scales(scales.cpu(), 2 * half),
                                lambda rows: iq4_matmul(rows, qweight.cpu(), scales.cpu(), table.cpu()))
 
 
@@ -153,18 +171,21 @@ class GGUFIQ4Linear(LinearFormat):
 
     def __init__(self, codes: np.ndarray | torch.Tensor, scales: torch.Tensor, in_features: int, out_features: int,
                  bias: torch.Tensor | None = None, note: str = "", table: torch.Tensor | None = None) -> None:
-        """codes uint8 [N, K / 2] (per group of 32: byte j = codes j and j + 16), scales float32 [N, K / 32]."""
+        """codes uint8 [N, K / 2] (per group of 32: byte j = codes j and j + 16), scales float32 [N, K / 32] or
+        IQ4_XS's packed uint8 [N, K / 64 + K / 32] (`group_scales`)."""
         q = torch.as_tensor(codes).to(torch.uint8).contiguous()
         n, half = q.shape
         k = 2 * half
-        if k % 32 or tuple(scales.shape) != (n, k // 32) or n != out_features or in_features > k:
+        packed = scales.dtype == torch.uint8
+        want = (n, k // 64 + k // 32) if packed else (n, k // 32)
+        if k % 32 or (packed and k % 256) or tuple(scales.shape) != want or n != out_features or in_features > k:
             raise InvalidArgument(f"giq4: codes {tuple(q.shape)} and scales {tuple(scales.shape)} do not match")
         t = TABLE if table is None else table.to(torch.int8).contiguous()
         if t.shape != (16,):
             raise InvalidArgument("giq4: a table of 16 values")
         super().__init__(in_features, out_features, k, bias, None, note)
         self.register_buffer("qweight", q)
-        self.register_buffer("scales", scales.float().contiguous())
+        self.register_buffer("scales", (scales if packed else scales.float()).contiguous())
         self.register_buffer("table", t.clone())
 
     @classmethod
@@ -173,6 +194,9 @@ class GGUFIQ4Linear(LinearFormat):
         """IQ4_NL / IQ4_XS tensors (raw, block_type, shape, row_perm) fused along out (qkv, gate_up)."""
         got = [iq4_params(*p) for p in parts]
         codes = torch.from_numpy(np.concatenate([g[0] for g in got]))
+        if len({g[1].dtype for g in got}) > 1:  # IQ4_NL beside IQ4_XS: every part's scales as floats
+            k = codes.shape[1] * 2
+            got = [(c, group_scales(torch.from_numpy(sc), k).numpy()) for c, sc in got]
         scales = torch.from_numpy(np.concatenate([g[1] for g in got]))
         n, k = codes.shape[0], codes.shape[1] * 2
         names = "+".join(dict.fromkeys(p[1].name for p in parts))
@@ -188,10 +212,10 @@ class GGUFIQ4Linear(LinearFormat):
         raise InvalidArgument("the giq4 format is built from GGUF IQ4_NL / IQ4_XS blocks (from_gguf)")
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def, override]
-        # .to(bf16) on a model must not round the scales: the kernels read them in float32, exact
+        # .to(bf16) on a model must not round the scales: the kernels read them in float32 (or packed bytes), exact
         kept = self.scales
         out = super()._apply(fn, recurse)
-        if self.scales.dtype != torch.float32:
+        if self.scales.dtype != kept.dtype:
             self._buffers["scales"] = kept.to(self.scales.device)
         return out
 

@@ -2,8 +2,9 @@
 // float32 scale per 32 values, weight = scale * table[code].
 //
 // Layout: qweight uint8 [N, K / 2], per group of 32 values of a row 16 bytes whose byte j holds code j (low
-// nibble) and code j + 16 (high): the file's own `qs` bytes. scales float32 [N, K / 32]: IQ4_NL's f16 d, or
-// IQ4_XS's d * (ls - 32), both exact in float32 (and d * ls * table[code] too: 11 + 6 + 7 significant bits).
+// nibble) and code j + 16 (high): the file's own `qs` bytes. Scales per group of 32 (iq4_scales.h): IQ4_NL's f16 d
+// as float32 [N, K / 32], or IQ4_XS's d * (ls - 32) from its packed d and ls, both exact in float32 (and
+// d * ls * table[code] too: 11 + 6 + 7 significant bits).
 //
 // The GEMV (decode rows) needs AVX2 only (on AVX-512 machines too), and takes llama.cpp's arithmetic
 // (ggml_vec_dot_iq4_nl_q8_0): x rounded to bf16, then int8 per group of 32 once a call (dx = max|x| / 127,
@@ -37,6 +38,9 @@
 #endif
 
 #include "q8_groups.h"
+#include "iq4_scales.h"
+
+using superslm_iq4::Scales;
 
 // whether iq4_gemv runs its SIMD kernel here (else it computes through iq4_gemm: correct, not fast)
 bool iq4_available() {
@@ -55,20 +59,18 @@ void check_iq4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
                   qweight.scalar_type() == at::kByte && qweight.is_contiguous() && qweight.size(1) * 2 == x.size(1) &&
                   x.size(1) % 32 == 0,
               name, ": rows of K (a multiple of 32) against codes uint8 [N, K / 2] on the CPU");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.device().is_cpu() &&
-                  scales.dim() == 2 && scales.size(0) == qweight.size(0) && scales.size(1) == x.size(1) / 32,
-              name, ": scales float32 [N, K / 32]");
+  superslm_iq4::Scales::of(scales, qweight.size(0), x.size(1), name);
   TORCH_CHECK(table.scalar_type() == at::kChar && table.is_contiguous() && table.numel() == 16, name,
               ": a table of 16 int8 values");
 }
 
 // rows [n0, n1) of the weight as float32 into w [n1 - n0, K]: scale * table[code], one product each (exact)
-void decode_rows(const uint8_t* q, const float* s, const int8_t* table, int64_t K, int64_t n0, int64_t n1, float* w) {
+void decode_rows(const uint8_t* q, const Scales& s, const int8_t* table, int64_t K, int64_t n0, int64_t n1, float* w) {
   const int64_t G = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* b = q + n * (K / 2) + g * 16;
-      const float d = s[n * G + g];
+      const float d = s.at(n, g);
       float* o = w + (n - n0) * K + g * 32;
       for (int j = 0; j < 16; ++j) {
         o[j] = d * static_cast<float>(table[b[j] & 15]);
@@ -88,15 +90,14 @@ constexpr int TILE = 4;  // rows sharing each load of x (8 measured slower: 8 st
 // Two groups a step: their 32 code bytes masked give [g codes 0..15 | g+1 codes 0..15], shifted by 4
 // [g 16..31 | g+1 16..31]; lanes 0-3 of a row's accumulator take the even groups, 4-7 the odd ones, lane l
 // the products of values 4l..4l+3 and 16+4l..16+4l+3 (|sum| <= 8 * 127 * 127 < 2^24: exact in float).
-void gemv_rows(const uint8_t* q, const float* s, const __m256i tbl, const uint8_t* aq, const int8_t* xq,
+void gemv_rows(const uint8_t* q, const Scales& s, const __m256i tbl, const uint8_t* aq, const int8_t* xq,
                const float* dx, int64_t K, int64_t n, int nr, float* sd, at::BFloat16* out) {
   const int64_t G = K / 32, Gp = (G + 1) / 2 * 2, half = K / 2;
   const uint8_t* rows[TILE];
   for (int r = 0; r < TILE; ++r) {
     const int64_t row = n + std::min(r, nr - 1);  // a short tile repeats its last row (its result unused)
     rows[r] = q + row * half;
-    const float* sc = s + row * G;
-    for (int64_t g = 0; g < G; ++g) sd[r * Gp + g] = sc[g] * dx[g];  // the weight's scale times x's, rounded once
+    s.times(row, dx, sd + r * Gp);  // the weight's scale times x's, rounded once
     if (Gp != G) sd[r * Gp + G] = 0.f;
   }
   const __m256i nib = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
@@ -203,7 +204,7 @@ constexpr int64_t ROWS_TASK = 16;  // output rows a task (their accumulators: RO
 // the ng rows of x at xr (XR bytes a pair, P pairs a row) times the weight -> out [*, N] at rows rs; chunks of
 // ROWS_TASK output rows taken in turn by the threads
 template <int MR>
-void rows_kernel(const uint8_t* q, const float* s, const __m256i tbl, const uint8_t* xr, int64_t K, int64_t N,
+void rows_kernel(const uint8_t* q, const Scales& s, const __m256i tbl, const uint8_t* xr, int64_t K, int64_t N,
                  const std::vector<int64_t>& rs, at::BFloat16* out) {
   const int64_t G = K / 32, P = (G + 1) / 2, ng = static_cast<int64_t>(rs.size());
   const int64_t most = std::max<int64_t>(1, ROWS_SPAN_BYTES / (MR * XR + ROWS_TASK * 40));
@@ -211,8 +212,11 @@ void rows_kernel(const uint8_t* q, const float* s, const __m256i tbl, const uint
   // dynamic_for runs the whole range at once on one thread: tasks of ROWS_TASK rows within it all the same
   superslm_dyn::dynamic_for(N, ROWS_TASK, [&](int64_t c0, int64_t c1) {
     std::vector<__m256> acc(ROWS_TASK * ng);
+    std::vector<float> buf(ROWS_TASK * G);
+    const float* sc[ROWS_TASK];
     for (int64_t n0 = c0; n0 < c1; n0 += ROWS_TASK) {
       const int64_t n1 = std::min(c1, n0 + ROWS_TASK);
+      for (int64_t n = n0; n < n1; ++n) sc[n - n0] = s.row(n, buf.data() + (n - n0) * G);  // the task's rows' scales
       std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
       for (int64_t p0 = 0; p0 < P; p0 += span) {
         const int64_t p1 = std::min(P, p0 + span);
@@ -221,7 +225,7 @@ void rows_kernel(const uint8_t* q, const float* s, const __m256i tbl, const uint
           const uint8_t* x[MR];
           for (int r = 0; r < mr; ++r) x[r] = xr + (i + r) * P * XR;
           for (int64_t n = n0; n < n1; ++n)
-            rows_dot_n<MR>(mr, q + n * (K / 2), s + n * G, G, p0, p1, tbl, x, acc.data() + (n - n0) * ng + i);
+            rows_dot_n<MR>(mr, q + n * (K / 2), sc[n - n0], G, p0, p1, tbl, x, acc.data() + (n - n0) * ng + i);
         }
       }
       for (int64_t n = n0; n < n1; ++n)
@@ -240,7 +244,7 @@ at::Tensor iq4_dequantize(const at::Tensor& qweight, const at::Tensor& scales, c
   check_iq4(at::empty({0, K}), qweight, scales, table, "iq4_dequantize");
   at::Tensor w = at::empty({N, K}, qweight.options().dtype(at::kFloat));
   const uint8_t* q = qweight.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
+  const Scales s = Scales::of(scales, N, K, "iq4_dequantize");
   const int8_t* t = table.data_ptr<int8_t>();
   float* wp = w.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { decode_rows(q, s, t, K, n0, n1, wp + n0 * K); });
@@ -255,7 +259,7 @@ at::Tensor iq4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Te
   check_iq4(x, qweight, scales, table, "iq4_gemm");
   const int64_t K = x.size(1);
   const uint8_t* q = qweight.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
+  const Scales s = Scales::of(scales, qweight.size(0), K, "iq4_gemm");
   const int8_t* t = table.data_ptr<int8_t>();
   return superslm_decoded::decoded_gemm(x, qweight.size(0), rows16,
                                         [&](int64_t n0, int64_t n1, float* w) { decode_rows(q, s, t, K, n0, n1, w); });
@@ -312,7 +316,7 @@ at::Tensor iq4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Te
   for (int64_t r = 0; r < R; ++r)
     if (ok[r]) good.push_back(r);
   const uint8_t* q = qweight.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
+  const Scales s = Scales::of(scales, N, K, "iq4_gemv");
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tp)));
   if (R == 1 && !good.empty()) {

@@ -10,6 +10,7 @@
 
 #include "vnni.h"
 #include "pair_tiles.h"
+#include "iq4_scales.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -69,7 +70,7 @@ void pair_rows_chunk(const W& w, int64_t N, int64_t K, int64_t n0, const int64_t
 // IQ4 (iq4.cpp's layout: per output row and group of 32, 16 bytes, byte j = codes j and j + 16, a float scale)
 struct IQ4Values {
   const uint8_t* q;
-  const float* s;
+  superslm_iq4::Scales s;
   __m128i tbl;
   int64_t K;
   void halves(int64_t n, int64_t g, __m128i& lo, __m128i& hi) const {
@@ -78,7 +79,7 @@ struct IQ4Values {
     lo = _mm_shuffle_epi8(tbl, _mm_and_si128(v, nib));
     hi = _mm_shuffle_epi8(tbl, _mm_and_si128(_mm_srli_epi16(v, 4), nib));
   }
-  float scale(int64_t n, int64_t g) const { return s[n * (K / 32) + g]; }
+  float scale(int64_t n, int64_t g) const { return s.at(n, g); }
 };
 
 // int8 codes [N, K] with a bf16 scale per output row
@@ -153,21 +154,20 @@ at::Tensor iq4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Te
                     bool rows16);
 
 // x [R, K] -> [R, N] bf16 for IQ4 weights (qweight uint8 [N, K / 2], scales float32 [N, K / 32], table int8 [16]:
-// iq4.cpp's layout): prompt chunks of the default mode on CPUs without VNNI, pair_rows on the table values
+// iq4.cpp's layout; or the packed IQ4_XS scales of iq4_scales.h): prompt chunks of the default mode on CPUs without VNNI, pair_rows on the table values
 // (quant/iq4.py iq4_split_reference is the twin); rows the split declines take iq4_gemm together. Undefined
 // without AVX2 (the caller takes iq4_gemm). Not the GEMV's bits (llama.cpp's one-part int8 x): x keeps ~15 bits
 // here, not 8.
 at::Tensor iq4_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                          const at::Tensor& table) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0 && qweight.dim() == 2 && qweight.scalar_type() == at::kByte &&
-                  qweight.is_contiguous() && qweight.size(1) * 2 == x.size(1) && scales.scalar_type() == at::kFloat &&
-                  scales.is_contiguous() && scales.numel() == qweight.size(0) * (x.size(1) / 32) &&
-                  table.scalar_type() == at::kChar && table.is_contiguous() && table.numel() == 16 &&
-                  x.device().is_cpu() && qweight.device().is_cpu() && scales.device().is_cpu(),
-              "iq4_gemm_avx2: rows of K (a multiple of 32) against codes uint8 [N, K / 2], scales float32 [N, K / 32]");
+                  qweight.is_contiguous() && qweight.size(1) * 2 == x.size(1) && table.scalar_type() == at::kChar &&
+                  table.is_contiguous() && table.numel() == 16 && x.device().is_cpu() && qweight.device().is_cpu(),
+              "iq4_gemm_avx2: rows of K (a multiple of 32) against codes uint8 [N, K / 2] and a table of 16 int8");
+  const superslm_iq4::Scales sc = superslm_iq4::Scales::of(scales, qweight.size(0), x.size(1), "iq4_gemm_avx2");
   if (!avx2_available()) return at::Tensor();
 #ifdef SUPERSLM_PAIR_ROWS
-  const IQ4Values w{qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+  const IQ4Values w{qweight.data_ptr<uint8_t>(), sc,
                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(table.data_ptr<int8_t>())), x.size(1)};
   return pair_rows(x, w, qweight.size(0),
                    [&](const at::Tensor& rows) { return iq4_gemm(rows, qweight, scales, table, false); });
