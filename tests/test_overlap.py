@@ -97,40 +97,52 @@ def test_seeded_sampling_equals_steps_one_at_a_time(tiny, kernels, launches) -> 
     assert launches
 
 
-def test_stops_end_where_they_would(tiny, kernels, launches) -> None:
+def test_stops_end_where_they_would(tiny, kernels, launches, monkeypatch: pytest.MonkeyPatch) -> None:
     """A stop token met by a step whose successor is in flight: the successor's row is dropped."""
     model, _ = tiny
+    ended_rows: list[int] = []  # at each step in flight accepted: its rows of sequences already ended
+    real = overlap_mod.GraphSteps.settle
+
+    def settle(self, out, go_on=False) -> int:  # noqa: ANN001
+        if self.in_flight is not None:
+            ended_rows.append(sum(seq.id not in self.output.seqs for seq, _ in self.in_flight.work.chunks))
+        return real(self, out, go_on)
+
+    monkeypatch.setattr(overlap_mod.GraphSteps, "settle", settle)
     ps = prompts(3, seed=7)
     free = engine(model, False).generate([Request(p, 10, Sampling(ignore_eos=True)) for p in ps])
-    # stop the first at its fourth token, the others run on
-    stop = free[0].tokens[3]
-    first = free[0].tokens.index(stop)
+    # stop the first at a token that a decode step four or more steps in samples first (a token met earlier,
+    # say the prefill's, would end it before any step went ahead), the others run on
+    first = next(i for i, t in enumerate(free[0].tokens) if i >= 3 and t not in free[0].tokens[:i])
+    stop = free[0].tokens[first]
     reqs = [Request(ps[0], 10, Sampling(ignore_eos=True, stop_token_ids=[stop]))] + [
         Request(p, 10, Sampling(ignore_eos=True)) for p in ps[1:]
     ]
     on = engine(model, True, prefix_caching=False)
-    got = on.generate(reqs)
+    ids = [on.add(r) for r in reqs]
+    got: dict[int, list[int]] = {i: [] for i in ids}
+    reports: list[tuple[int, str | None]] = []
+    while on.busy():
+        for q in on.advance():
+            got[q.id] += q.tokens
+            reports.append((q.id, q.end))
     want = engine(model, False, prefix_caching=False).generate(reqs)
-    assert [c.tokens for c in got] == [c.tokens for c in want]
-    assert got[0].end == "stop" and got[0].tokens == free[0].tokens[:first]  # the stop token is not output
-    assert launches
+    assert [got[i] for i in ids] == [c.tokens for c in want]
+    assert want[0].end == "stop" and want[0].tokens == free[0].tokens[:first]  # the stop token is not output
+    # one end for each, reported last: nothing for a sequence after its end (its row of the step in flight
+    # is dropped)
+    for rid in ids:
+        mine = [end for i, end in reports if i == rid]
+        assert mine[-1] and not any(mine[:-1]), mine
+    assert launches and 1 in ended_rows  # the stop met a step in flight, which dropped that row
     assert on.pool.num_used == 0
+    on.pool.check()
     # a lone request that stops: the step launched after its last leaves nothing in flight
     lone = engine(model, True, prefix_caching=False)
     (c,) = lone.generate([reqs[0]])
     assert c.end == "stop" and not lone.busy() and lone.runner.in_flight is False
     steps = lone.steps
     assert lone.advance() == [] and lone.steps == steps
-    # nothing is reported for a sequence after its end (its row of the step in flight is dropped)
-    on = engine(model, True, prefix_caching=False)
-    for r in reqs:
-        on.add(r)
-    reports: list[tuple[int, str | None]] = []
-    while on.busy():
-        reports += [(q.id, q.end) for q in on.advance()]
-    for rid in {i for i, _ in reports}:
-        mine = [end for i, end in reports if i == rid]
-        assert mine[-1] and not any(mine[:-1]), mine
 
 
 def test_cancel_and_new_requests_meet_a_step_in_flight(tiny, kernels, launches) -> None:
