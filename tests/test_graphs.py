@@ -102,6 +102,34 @@ def test_padding_rows_write_no_kv(tiny, kernels) -> None:
     torch.testing.assert_close(engine.kv.v, plain.kv.v, atol=1e-5, rtol=1e-5)
 
 
+def test_padding_rows_leave_other_sequences_kv_alone(tiny, kernels) -> None:
+    """On int8 pages the decode step stores k and v apart from the attention (prepare_qkv), where a row's
+    slot alone keeps it from writing: the decode steps leave every prompt's keys and values as the prompt
+    step wrote them (a padding row at slot 0 would overwrite the first sequence's first ones) and write one
+    slot per token they compute. On float pages the fused decode attention also skips rows that read no
+    keys, so there it would not show."""
+    model, _ = tiny
+    ps = prompts(3, seed=4)
+    n = 4
+    engine = model.engine(slots=4, context=64, page_size=4, graphs=True, prefix_caching=False, kv="int8")
+    ids = [engine.add(Request(p, n, Sampling(ignore_eos=True))) for p in ps]
+    engine.advance()  # the prompts, in one built step
+    seqs = [engine.output.seqs[i] for i in ids]
+    assert [s.num_computed_tokens for s in seqs] == [len(p) for p in ps]
+    size = engine.kv.page_size
+    prompt_slots = [s.block_table[q // size] * size + q % size for s in seqs for q in range(s.num_computed_tokens)]
+    assert 0 in prompt_slots
+    k, v = engine.kv.k.clone(), engine.kv.v.clone()
+    while engine.busy():
+        engine.advance()
+    assert list(engine.graphs._made) == [4]  # three sequences in bucket 4: one padding row each step
+    for old, new in ((k, engine.kv.k), (v, engine.kv.v)):
+        torch.testing.assert_close(new[:, prompt_slots], old[:, prompt_slots], atol=0, rtol=0)
+        changed = (old != new).flatten(2).any(-1)  # [layers, slots]
+        # each decode step computes one token of each sequence: all sampled tokens but the last
+        assert changed.sum(1).tolist() == [len(ps) * (n - 1)] * changed.shape[0]
+
+
 def test_sampling_and_layer_budgets_run_with_graphs(tiny, kernels) -> None:
     model, _ = tiny
     ps = prompts(2, seed=5)
