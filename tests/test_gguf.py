@@ -32,6 +32,7 @@ from tests.gguf_fuzz import (
     write_all_types_gguf,
     write_small_gguf,
 )
+from tests.gguf_plain_maps import plain_maps
 
 MODELS = ["smollm2_gguf", "gemma3_gguf"]
 _READERS: dict[Path, gguf.GGUFReader] = {}
@@ -40,8 +41,9 @@ _READERS: dict[Path, gguf.GGUFReader] = {}
 @pytest.fixture(params=MODELS)
 def model(request: pytest.FixtureRequest) -> tuple[GGUFFile, gguf.GGUFReader]:
     path: Path = request.getfixturevalue(request.param)
-    if path not in _READERS:  # GGUFReader takes seconds on Gemma's vocab: build it once
-        _READERS[path] = gguf.GGUFReader(path)
+    if path not in _READERS:  # GGUFReader takes seconds on Gemma's vocab: build it once, over a plain view
+        with plain_maps():
+            _READERS[path] = gguf.GGUFReader(path)
     with GGUFFile(path) as f:
         yield f, _READERS[path]
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 import superslm
 from superslm import Request, Sampling
+from tests.gguf_plain_maps import plain_maps
 
 PROMPTS = [
     "The capital of France is",
@@ -21,23 +20,9 @@ PROMPTS = [
 ]
 
 
-class _PlainMaps(types.ModuleType):
-    """numpy for gguf's reader, but a file's map handed back as a plain ndarray view of numpy's memmap (the same
-    bytes): the reader slices the map twice or more for every metadata value, and each slice of a memmap runs
-    numpy's Python-level memmap hooks (Gemma 3's 262k-token vocabulary: ~13 s of slicing, ~4.5 s without)."""
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(np, name)
-
-    @staticmethod
-    def memmap(*args: object, **kwargs: object) -> np.ndarray:
-        return np.memmap(*args, **kwargs).view(np.ndarray)  # type: ignore[call-overload]
-
-
 def transformers_model(path: Path, monkeypatch: pytest.MonkeyPatch) -> object:
     """transformers' float32 model of the GGUF at `path`, read by gguf's own reader once."""
     import gguf
-    import gguf.gguf_reader
     from transformers import AutoModelForCausalLM
 
     # transformers reads the file twice (its config, then its tensors), each time with a new gguf.GGUFReader that
@@ -51,9 +36,8 @@ def transformers_model(path: Path, monkeypatch: pytest.MonkeyPatch) -> object:
             readers[key] = real(*args, **kwargs)
         return readers[key]
 
-    with monkeypatch.context() as m:
+    with monkeypatch.context() as m, plain_maps():
         m.setattr(gguf, "GGUFReader", reader)
-        m.setattr(gguf.gguf_reader, "np", _PlainMaps("numpy"))
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     assert len(readers) == 1  # both reads went through the one reader
     return hf.eval()

@@ -15,6 +15,7 @@ from tokenizers import pre_tokenizers
 from superslm.errors import InvalidArgument, ModelNotFound, TokenizerError, TokenOutOfRange
 from superslm.formats.gguf import GGUFFile
 from superslm.tokenizer import KNOWN_PRE_TYPES, Tokenizer
+from tests.gguf_plain_maps import plain_maps
 
 # English, code, emoji, CJK, Arabic, odd whitespace, special tokens written in the text, empty.
 CORPUS = [
@@ -46,7 +47,8 @@ MODELS = [pytest.param(name, marks=pytest.mark.slow) for name in ("smollm2", "ge
 def _transformers(path: Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with plain_maps():  # the same tokenizer, its GGUF read ~3x faster (Gemma's: ~13 -> ~4.5 s)
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 # transformers ignores tokenizer.ggml.pre "smollm" and splits with plain GPT-2 rules; SmolLM2's own
