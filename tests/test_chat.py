@@ -14,6 +14,7 @@ import pytest
 from superslm.errors import InvalidArgument, TemplateError
 from superslm.formats.gguf import GGUFFile
 from superslm.tokenizer import ChatTemplate, Tokenizer
+from tests.gguf_plain_maps import plain_maps
 
 # --- real templates, as their model repositories ship them ------------------------------------------
 
@@ -355,7 +356,8 @@ def ref(smollm2_gguf: Path) -> Any:
     """transformers' tokenizer for SmolLM2's GGUF: its apply_chat_template is the oracle."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    with plain_maps():  # the same tokenizer, its GGUF read ~3x faster
+        return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
 
 
 def _same(ref: Any, source: str, messages: list, add_generation_prompt: bool = True, **kwargs: Any) -> str:
