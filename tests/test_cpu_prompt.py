@@ -153,6 +153,30 @@ def test_int8_prompt_kernel_equals_its_twin(ext, n: int, k: int) -> None:
         assert y is not None and torch.equal(y.view(torch.int16), want.view(torch.int16))
 
 
+def test_int4_prompt_rows_a_row_kernel_declines(ext) -> None:
+    """Prompt chunks past `avx2_gemm_rows` (int4_prompt_avx2): the rows the row kernel splits get decode's bits
+    (int4_gemm_avx2's), the rows it declines (an outlier, a NaN) go together through decoded blocks and a float32
+    GEMM (int4_gemm_float, within rounding of the float64 product), not torch's kernel one row at a time; the
+    module's prompt path and the plan take it."""
+    lin = _modules(320, 512)["int4"]
+    x = torch.randn(ext.avx2_gemm_rows() + 9, 512, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    x[2, 3] = 3e4
+    x[5, 1] = float("nan")
+    ops = (lin.qweight, lin.scales_zeros, 32)
+    got = ext.int4_prompt_avx2(x, *ops)
+    declined = [2, 5]
+    keep = [r for r in range(x.shape[0]) if r not in declined]
+    assert torch.equal(got[keep].view(torch.int16), ext.int4_gemm_avx2(x, *ops, 0)[keep].view(torch.int16))
+    floats = ext.int4_gemm_float(x[declined], *ops)
+    assert torch.equal(got[declined].view(torch.int16), floats.view(torch.int16))
+    w = lin.dequantize_stored().double()
+    exact = x[2:3].double() @ w.t()
+    assert _rel(got[2:3, : w.shape[0]], exact) < 4e-3
+    assert torch.isnan(got[5]).all()
+    y = cpu_prompt.prompt_linear(lin, x)
+    assert y is not None and torch.equal(y.view(torch.int16), got[:, :320].view(torch.int16))
+
+
 def test_a_concatenation_whose_part_the_path_does_not_take(ext) -> None:
     """A ConcatLinear with a part the path does not take (here: hooked) runs that part as it is and the others
     through the path, not all of them on torch's kernels."""

@@ -1,6 +1,7 @@
 """Prompt chunks' int linears on CPUs without VNNI: int4 through the AVX2 int4 row kernel (`INT4_ROWS`, each row
-the one-row GEMV's bits); int8, and int4 where that kernel does not apply, through the weight decoded to float32
-a block of rows at a time and a float32 GEMM (BLAS) on each block.
+the one-row GEMV's bits), Q5_0's int5 through the same tiles (`INT5_ROWS`), int8
+through the two-part integer kernel (`INT8_ROWS`); where those do not apply, the weight decoded to float32 a block
+of rows at a time and a float32 GEMM (BLAS) on each block.
 
 torch's packed int4 kernel (`_weight_int4pack_mm_for_cpu`) and its int8 one run ~81 GFLOP/s on an AVX2-only
 EPYC at any row count; MKL's sgemm runs ~160 at 512 rows, ~100 at 64 (2 threads, 2026-12-07). Decoding a block
@@ -33,6 +34,11 @@ INT4_ROWS = True
 #: per group of 32 into two int8 parts, the codes' products summed exactly in int32); False: decoded blocks and
 #: float32 GEMMs (benchmarks compare the two)
 INT8_ROWS = True
+#: int5 (GGUF Q5_0) prompt rows through the AVX2 row kernel (kernels/cpu/avx2_rows.cpp int5_prompt_avx2: the int4
+#: kernel's tiles with the fifth bits, each row the GEMV's bits; the rows it declines through decoded blocks),
+#: 1.26-1.33x the decoded blocks + sgemm at 512 rows of Gemma-3's shapes (2026-12-07). False: decoded blocks and
+#: float32 GEMMs
+INT5_ROWS = True
 #: float32 weights decoded per block (4 MiB: the block stays in cache between its decode and its GEMM)
 BLOCK_BYTES = 4 << 20
 
@@ -117,6 +123,12 @@ def prompt_linear(module: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype |
         y = cpu_decode.int8_prompt_linear(module, x)
         if y is not None:
             return y
+    args = getattr(module, "plan_args", lambda: None)()
+    if INT5_ROWS and dtype is None and args is not None and args[1][0] == 5:  # Q5_0 (quant/int5.py's plan kind)
+        (weight, scales, *_), bits = args[0], args[0][5]
+        y = ext.int5_prompt_avx2(module.prepare_input(x).to(torch.bfloat16), weight, scales, bits)  # type: ignore[operator]
+        if y is not None:
+            return module.finish(y[:, : module._out], x.dtype)  # type: ignore[operator, attr-defined]
     got = _decoder(module, ext)
     if got is None:
         return None

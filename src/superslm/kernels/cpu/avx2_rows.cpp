@@ -166,8 +166,8 @@ at::Tensor int5_reference(const at::Tensor& x, const at::Tensor& qweight, const 
 namespace {
 
 // int4_gemm_avx2 (bits null) and int5_gemm_avx2 (Q5_0's fifth-bit masks, blocks of 64 rows, groups of 32): every
-// row the one-row GEMV's bits; the rows it declines to `declined` (x's rows, bf16) or, where that is empty,
-// undefined. B: rows per block of the layout.
+// row the one-row GEMV's bits; the rows it declines to `declined` (all of them in one call: their rows of x, bf16)
+// or, where that is empty, undefined. B: rows per block of the layout.
 at::Tensor rows_kernel(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group, int64_t B,
                        const uint64_t* bits, const std::function<at::Tensor(const at::Tensor&)>& declined) {
 #ifdef SUPERSLM_AVX2_ROWS
@@ -217,8 +217,10 @@ at::Tensor rows_kernel(const at::Tensor& x, const at::Tensor& qweight, const at:
               op[good[i] * N + rows[a] + j] = static_cast<at::BFloat16>(yf[i * 32 + 8 * a + j]);
       }
     });
-  for (int64_t r : bad)  // as the caller computes a row the GEMV declines: that row alone
-    out.narrow(0, r, 1).copy_(declined(x.narrow(0, r, 1).to(at::kBFloat16)));
+  if (!bad.empty()) {  // the rows the GEMV declines, all in one call of the caller's fallback
+    const at::Tensor idx = at::tensor(bad, at::kLong);
+    out.index_copy_(0, idx, declined(x.index_select(0, idx).to(at::kBFloat16)).to(at::kBFloat16));
+  }
   return out;
 #else
   return at::Tensor();
@@ -239,8 +241,28 @@ at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const 
   if (!avx2_available() || B < 32 || qweight.size(0) % B) return at::Tensor();
   std::function<at::Tensor(const at::Tensor&)> torch_row;  // torch's kernel reads its own layout only
   if (block == 0 || block == torch_int4_block())
-    torch_row = [&](const at::Tensor& row) { return at::_weight_int4pack_mm_for_cpu(row, qweight, group, sz); };
+    torch_row = [&](const at::Tensor& rows) {  // each row alone, as the plan computes a row the GEMV declines
+      std::vector<at::Tensor> ys;
+      for (int64_t r = 0; r < rows.size(0); ++r)
+        ys.push_back(at::_weight_int4pack_mm_for_cpu(rows.narrow(0, r, 1), qweight, group, sz));
+      return at::cat(ys);
+    };
   return rows_kernel(x, qweight, sz, group, B, nullptr, torch_row);
+}
+
+// prompt.cpp
+at::Tensor int4_gemm_float(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group);
+
+// x [R, K] -> [R, N] bf16 for int4 weights in torch's packed layout, prompt chunks of the default mode without VNNI:
+// the rows the row kernel takes (each the GEMV's bits, as int4_gemm_avx2), the rows it declines (activations with
+// outliers) through int4_gemm_float together, not torch's kernel one row at a time (10% of a Gemma-3 prefill).
+// Undefined where int4_gemm_avx2 does not apply (the caller takes torch's kernel).
+at::Tensor int4_prompt_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group) {
+  superslm_vnni::check_int4(x, qweight, sz, group, "int4_prompt_avx2");
+  const int64_t B = torch_int4_block();
+  if (!avx2_available() || B < 32 || qweight.size(0) % B) return at::Tensor();
+  return rows_kernel(x, qweight, sz, group, B, nullptr,
+                     [&](const at::Tensor& rows) { return int4_gemm_float(rows, qweight, sz, group); });
 }
 
 // x [R, K] -> [R, N] bf16 for Q5_0 weights (quant/int5.py, avx2.cpp int5_gemv_avx2's layout): row r gets
@@ -251,8 +273,25 @@ at::Tensor int5_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const 
   superslm_vnni::check_int4(x, qweight, sz, 32, "int5_gemm_avx2");
   const uint64_t* bp = int5_bits(bits, qweight.size(0), x.size(1));
   if (!avx2_available()) return at::Tensor();
+  // int5_reference's rows never depend on each other: the declined rows in one call decode the weight once
   return rows_kernel(x, qweight, sz, 32, 64, bp,
-                     [&](const at::Tensor& row) { return int5_reference(row, qweight, sz, bits); });
+                     [&](const at::Tensor& rows) { return int5_reference(rows, qweight, sz, bits); });
+}
+
+// prompt.cpp
+at::Tensor int5_gemm_float(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits);
+
+// x [R, K] -> [R, N] bf16 for Q5_0 weights, prompt chunks of the default mode without VNNI: the rows
+// int5_gemm_avx2 takes (each the GEMV's bits) through its tiled row kernel, 1.26-1.33x decoded blocks + sgemm at
+// 512 rows of Gemma-3's shapes; the rows the split declines (activations with outliers: Gemma's prompts have many)
+// through int5_gemm_float together, not int5_reference's float32 sums in order, one scalar product at a time
+// (that took 10% of a Gemma-3 prefill). Undefined without AVX2.
+at::Tensor int5_prompt_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits) {
+  superslm_vnni::check_int4(x, qweight, sz, 32, "int5_prompt_avx2");
+  const uint64_t* bp = int5_bits(bits, qweight.size(0), x.size(1));
+  if (!avx2_available()) return at::Tensor();
+  return rows_kernel(x, qweight, sz, 32, 64, bp,
+                     [&](const at::Tensor& rows) { return int5_gemm_float(rows, qweight, sz, bits); });
 }
 
 // x [R, K] (K % 64 == 0), codes int8 [N, K], scale bf16 [N] -> [R, N] bf16: row r gets
