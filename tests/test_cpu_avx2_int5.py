@@ -173,7 +173,7 @@ def test_python_paths_take_the_avx2_kernels(avx2_only) -> None:
         assert torch.equal(_bits(_linear(m, x, True)), _bits(got))  # deterministic: the same row-invariant kernels
     x = _wide_rows(cpu_prompt.PROMPT_ROWS + 9, 640, g)
     got = _linear(m, x, False)
-    want = (avx2_ext.int5_prompt_avx2(x, *_ops(m))[:, :1001].float() + m.bias).to(x.dtype)
+    want = (avx2_ext.int5_gemm_avx2(x, *_ops(m))[:, :1001].float() + m.bias).to(x.dtype)
     assert torch.equal(_bits(got), _bits(want))
     exact = (x.double() @ m.dequantize_stored().double().t() + m.bias.double()).float()
     assert ((got.float() - exact).abs() <= 2**-7 * exact.abs() + 1e-3 * exact.abs().max()).all()
@@ -238,29 +238,32 @@ def test_gemma_q5_0_as_int5_beside_int8(avx2_ext, gemma3_gguf, monkeypatch) -> N
 
 
 def test_prompt_rows_take_the_row_kernel(avx2_only, monkeypatch) -> None:
-    """Prompt chunks of the default mode without VNNI run Q5_0 through the AVX2 row kernel (int5_prompt_avx2: each
-    row it splits the bits decode gives it alone) and the rows it declines (an outlier, a NaN) through decoded
-    blocks and a float32 GEMM, together (int5_gemm_float), not the scalar reference row by row; the plan's choice
-    and the Python prompt path's; with `INT5_ROWS` off, decoded blocks for every row."""
+    """Prompt chunks of the default mode without VNNI run Q5_0 through the module's own AVX2 row kernel (each row it
+    splits the bits decode gives it alone; the rows it declines, an outlier, a NaN, through the float32 reference,
+    all in one call), the same bits on 1 and 2 threads; with `INT5_ROWS` off the Python prompt path decodes blocks
+    for float32 GEMMs, within bf16 rounding of the float32 product."""
     m, _ = _q5(4096, 640, 13)  # [4096, 640]
     x = _wide_rows(cpu_prompt.PROMPT_ROWS + 37, 640, torch.Generator().manual_seed(13))
     x[3, 5] = 3e4  # an outlier: the split declines the row
     x[9, 7] = float("nan")
-    got = avx2_only.int5_prompt_avx2(x, *_ops(m))
-    assert got.dtype == torch.bfloat16 and got.shape == (x.shape[0], 4096)
-    rows = avx2_only.int5_gemm_avx2(x, *_ops(m))  # declined rows: the scalar reference
-    declined = [3, 9]
-    keep = [r for r in range(x.shape[0]) if r not in declined]
-    assert torch.equal(_bits(got[keep]), _bits(rows[keep]))
-    assert torch.equal(_bits(got[declined]), _bits(avx2_only.int5_gemm_float(x[declined], *_ops(m))))
-    for r in (0, x.shape[0] - 1):
+    assert cpu_prompt.prompt_linear(m, x) is None  # the caller runs the module as it is
+    got = _linear(m, x, False)
+    rows = avx2_only.int5_gemm_avx2(x, *_ops(m))
+    assert torch.equal(_bits(got), _bits(rows[:, : m.out_features]))
+    assert avx2_only.int5_gemv_avx2(x[3:4], *_ops(m)) is None  # the GEMV declines it: the reference, as here
+    for r in (0, x.shape[0] - 1):  # each row as decode computes it alone
         assert torch.equal(_bits(got[r : r + 1]), _bits(avx2_only.int5_gemv_avx2(x[r : r + 1], *_ops(m)))), r
-    y = cpu_prompt.prompt_linear(m, x)
-    assert y is not None and torch.equal(_bits(y), _bits(got[:, : m.out_features]))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(_bits(avx2_only.int5_gemm_avx2(x, *_ops(m))), _bits(rows))
+    finally:
+        torch.set_num_threads(threads)
+    keep = [r for r in range(x.shape[0]) if r not in (3, 9)]
     want = (x[keep].double() @ m.dequantize_stored().double().t()).float()
     assert ((got[keep].float() - want).abs() <= 2**-7 * want.abs() + 1e-3 * want.abs().max()).all()
     monkeypatch.setattr(cpu_prompt, "INT5_ROWS", False)
     decoded = cpu_prompt.prompt_linear(m, x)
-    floats = avx2_only.int5_gemm_float(x, *_ops(m))
-    assert decoded is not None and torch.equal(_bits(decoded[keep]), _bits(floats[keep]))
+    assert decoded is not None and decoded.shape == got.shape
+    assert ((decoded[keep].float() - want).abs() <= 2**-7 * want.abs() + 1e-4 * want.abs().max()).all()
 

@@ -155,9 +155,9 @@ def test_int8_prompt_kernel_equals_its_twin(ext, n: int, k: int) -> None:
 
 def test_int4_prompt_rows_a_row_kernel_declines(ext) -> None:
     """Prompt chunks past `avx2_gemm_rows` (int4_prompt_avx2): the rows the row kernel splits get decode's bits
-    (int4_gemm_avx2's), the rows it declines (an outlier, a NaN) go together through decoded blocks and a float32
-    GEMM (int4_gemm_float, within rounding of the float64 product), not torch's kernel one row at a time; the
-    module's prompt path and the plan take it."""
+    (int4_gemm_avx2's), the rows it declines (an outlier, a NaN) go together through one call of torch's kernel
+    (within rounding of the float64 product), not one a row; the same bits on 1 and 2 threads; the module's
+    prompt path takes it."""
     lin = _modules(320, 512)["int4"]
     x = torch.randn(ext.avx2_gemm_rows() + 9, 512, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     x[2, 3] = 3e4
@@ -167,8 +167,15 @@ def test_int4_prompt_rows_a_row_kernel_declines(ext) -> None:
     declined = [2, 5]
     keep = [r for r in range(x.shape[0]) if r not in declined]
     assert torch.equal(got[keep].view(torch.int16), ext.int4_gemm_avx2(x, *ops, 0)[keep].view(torch.int16))
-    floats = ext.int4_gemm_float(x[declined], *ops)
-    assert torch.equal(got[declined].view(torch.int16), floats.view(torch.int16))
+    torchs = torch._weight_int4pack_mm_for_cpu(x[declined], lin.qweight, 32, lin.scales_zeros)
+    assert torch.equal(got[declined].view(torch.int16), torchs.view(torch.int16))
+    threads = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            assert torch.equal(ext.int4_prompt_avx2(x, *ops).view(torch.int16), got.view(torch.int16)), nt
+    finally:
+        torch.set_num_threads(threads)
     w = lin.dequantize_stored().double()
     exact = x[2:3].double() @ w.t()
     assert _rel(got[2:3, : w.shape[0]], exact) < 4e-3

@@ -103,9 +103,25 @@ def test_config_is_checked(tmp_path: Any) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now below the kernel's ephemeral range: one the kernel hands out (port 0) can be taken again by
+    any outgoing connection before Serve's proxy binds it, and Ray's processes (here and in a test beside this one
+    under xdist) open many: the proxy then failed to bind."""
+    import random
+
+    lo = 20000
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo = min(lo, int(f.read().split()[0]) - 2000)
+    except OSError:
+        pass
+    for port in random.Random(os.getpid()).sample(range(lo - 8000, lo), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 @pytest.fixture(scope="module")

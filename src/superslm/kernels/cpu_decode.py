@@ -408,8 +408,8 @@ def int4_prompt_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor
     (kernels/cpu/avx2_rows.cpp), each row the one-row GEMV's bits (or torch's kernel on that row alone where the
     GEMV declines it), or None where it does not apply: another format, hooks, a CPU with VNNI or without AVX2,
     the Triton kernels or torch's kernels asked for. A prompt chunk's rows then get the bits decode gives them, but
-    for rows the GEMV declines (activations with outliers): past `avx2_gemm_rows` rows those go together through
-    decoded blocks and a float32 GEMM (int4_prompt_avx2), not torch's kernel one row at a time."""
+    for rows the GEMV declines (activations with outliers): past `avx2_gemm_rows` rows those go together through one
+    call of torch's kernel (int4_prompt_avx2), not one a row."""
     rows = x.shape[0] if x.dim() == 2 else 0
     if rows == 0 or x.device.type != "cpu" or backend(x.device) != "torch" or hooked(module):
         return None
@@ -438,7 +438,7 @@ def _int4_rows(ext: Any, module: torch.nn.Module, x: torch.Tensor, got: Any, any
     # block 0: torch's packed layout on this CPU, which the int4 format keeps where the VNNI kernels do not run
     if vnni:
         y = ext.int4_gemv(h, weight, scales, group)
-    elif rows > ext.avx2_gemm_rows():  # a prompt chunk: the rows the row kernel declines through decoded blocks
+    elif rows > ext.avx2_gemm_rows():  # a prompt chunk: the rows the row kernel declines in one call of torch's
         y = ext.int4_prompt_avx2(h, weight, scales, group)
     else:  # the row kernel gives each row the GEMV's bits, or torch's kernel on that row alone where it declines
         y = (ext.int4_gemv_avx2 if rows == 1 else ext.int4_gemm_avx2)(h, weight, scales, group, 0)

@@ -34,10 +34,9 @@ INT4_ROWS = True
 #: per group of 32 into two int8 parts, the codes' products summed exactly in int32); False: decoded blocks and
 #: float32 GEMMs (benchmarks compare the two)
 INT8_ROWS = True
-#: int5 (GGUF Q5_0) prompt rows through the AVX2 row kernel (kernels/cpu/avx2_rows.cpp int5_prompt_avx2: the int4
-#: kernel's tiles with the fifth bits, each row the GEMV's bits; the rows it declines through decoded blocks),
-#: 1.26-1.33x the decoded blocks + sgemm at 512 rows of Gemma-3's shapes (2026-12-07). False: decoded blocks and
-#: float32 GEMMs
+#: int5 (GGUF Q5_0) prompt rows through the module as it is: its AVX2 row kernel (kernels/cpu/avx2_rows.cpp, the
+#: int4 kernel's tiles with the fifth bits), each row the GEMV's bits, 1.26-1.33x the decoded blocks + sgemm at 512
+#: rows of Gemma-3's shapes (2026-12-07). False: decoded blocks and float32 GEMMs
 INT5_ROWS = True
 #: float32 weights decoded per block (4 MiB: the block stays in cache between its decode and its GEMM)
 BLOCK_BYTES = 4 << 20
@@ -124,11 +123,8 @@ def prompt_linear(module: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype |
         if y is not None:
             return y
     args = getattr(module, "plan_args", lambda: None)()
-    if INT5_ROWS and dtype is None and args is not None and args[1][0] == 5:  # Q5_0 (quant/int5.py's plan kind)
-        (weight, scales, *_), bits = args[0], args[0][5]
-        y = ext.int5_prompt_avx2(module.prepare_input(x).to(torch.bfloat16), weight, scales, bits)  # type: ignore[operator]
-        if y is not None:
-            return module.finish(y[:, : module._out], x.dtype)  # type: ignore[operator, attr-defined]
+    if INT5_ROWS and args is not None and args[1][0] == 5:  # Q5_0's int5 (quant/int5.py's plan kind)
+        return None  # the module as it is: its AVX2 row kernel, each row decode's bits
     got = _decoder(module, ext)
     if got is None:
         return None

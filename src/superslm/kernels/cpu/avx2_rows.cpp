@@ -250,19 +250,17 @@ at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const 
   return rows_kernel(x, qweight, sz, group, B, nullptr, torch_row);
 }
 
-// prompt.cpp
-at::Tensor int4_gemm_float(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group);
-
 // x [R, K] -> [R, N] bf16 for int4 weights in torch's packed layout, prompt chunks of the default mode without VNNI:
 // the rows the row kernel takes (each the GEMV's bits, as int4_gemm_avx2), the rows it declines (activations with
-// outliers) through int4_gemm_float together, not torch's kernel one row at a time (10% of a Gemma-3 prefill).
+// outliers) through one call of torch's kernel, not one a row (10% of a Gemma-3 prefill). Not decoded blocks +
+// sgemm: MKL's bits for a few rows changed with the thread count (K 1536, 5 rows), torch's kernel's do not.
 // Undefined where int4_gemm_avx2 does not apply (the caller takes torch's kernel).
 at::Tensor int4_prompt_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group) {
   superslm_vnni::check_int4(x, qweight, sz, group, "int4_prompt_avx2");
   const int64_t B = torch_int4_block();
   if (!avx2_available() || B < 32 || qweight.size(0) % B) return at::Tensor();
   return rows_kernel(x, qweight, sz, group, B, nullptr,
-                     [&](const at::Tensor& rows) { return int4_gemm_float(rows, qweight, sz, group); });
+                     [&](const at::Tensor& rows) { return at::_weight_int4pack_mm_for_cpu(rows, qweight, group, sz); });
 }
 
 // x [R, K] -> [R, N] bf16 for Q5_0 weights (quant/int5.py, avx2.cpp int5_gemv_avx2's layout): row r gets
@@ -276,22 +274,6 @@ at::Tensor int5_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const 
   // int5_reference's rows never depend on each other: the declined rows in one call decode the weight once
   return rows_kernel(x, qweight, sz, 32, 64, bp,
                      [&](const at::Tensor& rows) { return int5_reference(rows, qweight, sz, bits); });
-}
-
-// prompt.cpp
-at::Tensor int5_gemm_float(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits);
-
-// x [R, K] -> [R, N] bf16 for Q5_0 weights, prompt chunks of the default mode without VNNI: the rows
-// int5_gemm_avx2 takes (each the GEMV's bits) through its tiled row kernel, 1.26-1.33x decoded blocks + sgemm at
-// 512 rows of Gemma-3's shapes; the rows the split declines (activations with outliers: Gemma's prompts have many)
-// through int5_gemm_float together, not int5_reference's float32 sums in order, one scalar product at a time
-// (that took 10% of a Gemma-3 prefill). Undefined without AVX2.
-at::Tensor int5_prompt_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits) {
-  superslm_vnni::check_int4(x, qweight, sz, 32, "int5_prompt_avx2");
-  const uint64_t* bp = int5_bits(bits, qweight.size(0), x.size(1));
-  if (!avx2_available()) return at::Tensor();
-  return rows_kernel(x, qweight, sz, 32, 64, bp,
-                     [&](const at::Tensor& rows) { return int5_gemm_float(rows, qweight, sz, bits); });
 }
 
 // x [R, K] (K % 64 == 0), codes int8 [N, K], scale bf16 [N] -> [R, N] bf16: row r gets

@@ -550,8 +550,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_moe_step(m);
   m.def("int4_dequant_rows", &int4_dequant_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int5_dequant_rows", &int5_dequant_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("int5_gemm_float", &int5_gemm_float, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("int5_prompt_avx2", &int5_prompt_avx2, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_prompt_avx2", &int4_prompt_avx2, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("int4_gemm_float", &int4_gemm_float, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

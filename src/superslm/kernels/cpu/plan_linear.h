@@ -36,14 +36,11 @@ at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const 
                           int64_t block);
 at::Tensor int8_gemm_avx2(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale);
 at::Tensor int5_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits);
-at::Tensor int5_prompt_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits);
 at::Tensor int4_prompt_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group);
 std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const at::Tensor& codes,
                                                     const at::Tensor& scale, const at::Tensor& rowsum,
                                                     const at::Tensor& w2, int64_t limit);
 // prompt.cpp
-at::Tensor int5_gemm_float(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits);
-at::Tensor int4_gemm_float(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group);
 // iq4.cpp
 bool iq4_available();
 at::Tensor iq4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table);
@@ -210,8 +207,8 @@ struct Lin {
       if (vnni4 && rows_h == 1) y = int4_gemv(h, a, b, group);
       else if (vnni4 && (deterministic || rows_h >= gemm_rows(false))) y = int4_gemm(h, a, b, group);
       // AVX2: the GEMV for one row, the tiled row kernel (each row the GEMV's bits) for more, prompt chunks too
-      // (2.2-2.6x torch's kernel at 512 rows; the rows it declines through decoded blocks); deterministic steps
-      // keep torch's kernel at every row count
+      // (2.2-2.6x torch's kernel at 512 rows; the rows it declines through torch's, in one call); deterministic
+      // steps keep torch's kernel at every row count
       else if (fits4 && !vnni4 && !deterministic && rows_h == 1) y = int4_gemv_avx2(h, a, b, group, 0);
       else if (fits4 && !vnni4 && !deterministic && rows_h <= avx2_gemm_rows()) y = int4_gemm_avx2(h, a, b, group, 0);
       else if (fits4 && !vnni4 && !deterministic) y = int4_prompt_avx2(h, a, b, group);
@@ -219,10 +216,9 @@ struct Lin {
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == INT5) {
       // no torch kernel for 5-bit codes: the VNNI kernels at every row count, without VNNI the AVX2 ones (the same
-      // bits; their rows batch-invariant too); prompt chunks of the default mode without VNNI through the AVX2 row
-      // kernel too, the rows it declines through decoded blocks + sgemm (avx2_rows.cpp int5_prompt_avx2)
-      if (!deterministic && h.size(0) > avx2_gemm_rows() && !vnni_available()) y = int5_prompt_avx2(h, a, b, extra);
-      if (!y.defined()) y = h.size(0) == 1 ? int5_gemv(h, a, b, extra) : int5_gemm(h, a, b, extra);
+      // bits; their rows batch-invariant too), prompt chunks included: the tiled row kernel ran 1.26-1.33x the
+      // decoded blocks + sgemm at 512 rows of Gemma-3's shapes
+      y = h.size(0) == 1 ? int5_gemv(h, a, b, extra) : int5_gemm(h, a, b, extra);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
     } else if (kind == IQ4) {
       y = iq4_linear(h, a, b, extra, deterministic);  // the module's choice of kernel for these rows

@@ -87,27 +87,6 @@ void int4_dequant_rows(const at::Tensor& qweight, const at::Tensor& sz, int64_t 
   });
 }
 
-// x [M, K] -> [M, N] bf16 for int4 weights in torch's packed CPU layout (int4_dequant_rows' operands): x rounded to
-// bf16, times the exact weight in float32 (BLAS), ~4 MiB of decoded rows at a time, as kernels/cpu_prompt.py
-// prompt_linear computes a prompt chunk with INT4_ROWS off: the rows of a prompt chunk that avx2_rows.cpp
-// int4_prompt_avx2's row kernel declines (a row's bits depend on BLAS's choices: never in deterministic mode).
-at::Tensor int4_gemm_float(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group) {
-  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && x.size(1) == qweight.size(1) * 2,
-              "int4_gemm_float: rows of K against packed codes [N, K / 2]");
-  const int64_t B = torch_int4_block(), M = x.size(0), K = x.size(1), N = qweight.size(0);
-  TORCH_CHECK(B > 0 && N % B == 0, "int4_gemm_float: torch's packed layout, blocks of ", B, " rows");
-  const at::Tensor xf = x.to(at::kBFloat16).to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({M, N}, xf.options());
-  const int64_t C = std::max<int64_t>(B, (int64_t(1) << 20) / K / B * B);  // rows a block: ~4 MiB of floats
-  at::Tensor w = at::empty({std::min(C, N) * K}, xf.options());
-  for (int64_t n0 = 0; n0 < N; n0 += C) {
-    const int64_t n1 = std::min(N, n0 + C);
-    int4_dequant_rows(qweight, sz, group, n0, n1, w);
-    out.narrow(1, n0, n1 - n0).copy_(at::mm(xf, w.narrow(0, 0, (n1 - n0) * K).view({K, n1 - n0})));
-  }
-  return out.to(at::kBFloat16);
-}
-
 // gemm.cpp: the fifth-bit masks' check
 const uint64_t* int5_bits(const at::Tensor& bits, int64_t N, int64_t K);
 
@@ -200,24 +179,4 @@ void int5_dequant_rows(const at::Tensor& qweight, const at::Tensor& sz, const at
   at::parallel_for(n0 / 64, n1 / 64, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) dequant_block5(wp + b * 32 * K, bp + b * K, szp, N, K, b * 64, op, n0, n1 - n0);
   });
-}
-
-// x [M, K] -> [M, N] bf16 for Q5_0 weights (int5_dequant_rows' operands): x rounded to bf16, times the exact
-// weight in float32 (BLAS), 4 MiB of decoded rows at a time, as kernels/cpu_prompt.py prompt_linear computes a
-// prompt chunk: the rows of a prompt chunk that avx2_rows.cpp int5_prompt_avx2's row kernel declines (a row's bits
-// depend on BLAS's choices for the row count: never in deterministic mode).
-at::Tensor int5_gemm_float(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits) {
-  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && x.size(1) == qweight.size(1) * 2,
-              "int5_gemm_float: rows of K against packed codes [N, K / 2]");
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  const at::Tensor xf = x.to(at::kBFloat16).to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({M, N}, xf.options());
-  const int64_t C = std::max<int64_t>(64, (int64_t(1) << 20) / K / 64 * 64);  // rows a block: 4 MiB of floats
-  at::Tensor w = at::empty({std::min(C, N) * K}, xf.options());
-  for (int64_t n0 = 0; n0 < N; n0 += C) {
-    const int64_t n1 = std::min(N, n0 + C);
-    int5_dequant_rows(qweight, sz, bits, n0, n1, w);
-    out.narrow(1, n0, n1 - n0).copy_(at::mm(xf, w.narrow(0, 0, (n1 - n0) * K).view({K, n1 - n0})));
-  }
-  return out.to(at::kBFloat16);
 }
