@@ -17,6 +17,7 @@
 #include "dynamic_for.h"
 #include "vnni.h"
 #include "int5_avx2.h"
+#include "pair_tiles.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -234,16 +235,6 @@ void int8_rows(const int8_t* hi, const int8_t* lo, const int8_t* codes, const at
 }  // namespace
 #endif
 
-// x's one row rounded to bf16 and back, as torch's kernels and the VNNI kernels see it (decode rows come in
-// bf16 already: a loop instead of two tensor ops per linear)
-static std::vector<float> bf16_row(const at::Tensor& x) {
-  const at::Tensor xb = x.to(at::kBFloat16).contiguous();
-  const at::BFloat16* p = xb.data_ptr<at::BFloat16>();
-  std::vector<float> out(xb.numel());
-  for (size_t k = 0; k < out.size(); ++k) out[k] = static_cast<float>(p[k]);
-  return out;
-}
-
 namespace {
 
 // int4_gemv_avx2 (FIVE false, bits null) and int5_gemv_avx2 (Q5_0: the fifth-bit masks `bits`, blocks of 64 rows,
@@ -255,7 +246,7 @@ at::Tensor gemv_kernel(const at::Tensor& x, const at::Tensor& qweight, const at:
 #ifdef SUPERSLM_AVX2
   const int64_t K = x.size(1), N = qweight.size(0), G = K / group;
   // x rounded to bf16 first, as torch's kernel and the VNNI kernels see it
-  const std::vector<float> xf = bf16_row(x);
+  const std::vector<float> xf = superslm_pairs::bf16_rows(x);
   std::vector<int8_t> hi(K), lo(K);
   std::vector<float> gsum(G), gsl(G);
   if (!superslm_vnni::split_groups(xf.data(), K, group, hi.data(), lo.data(), gsum.data(), gsl.data()))
@@ -322,7 +313,7 @@ at::Tensor int8_gemv_avx2(const at::Tensor& x, const at::Tensor& codes, const at
   TORCH_CHECK(K % 64 == 0, "int8_gemv_avx2: K must be a multiple of 64");
   if (!avx2_available()) return at::Tensor();
 #ifdef SUPERSLM_AVX2
-  const std::vector<float> xf = bf16_row(x);
+  const std::vector<float> xf = superslm_pairs::bf16_rows(x);
   std::vector<int8_t> hi(K), lo(K);
   float sh = 0.f, sl = 0.f;
   if (!superslm_vnni::split_int8(xf.data(), K, hi.data(), lo.data(), &sh, &sl)) return at::Tensor();

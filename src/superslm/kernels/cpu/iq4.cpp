@@ -40,6 +40,7 @@
 #include "q8_groups.h"
 #include "iq4_scales.h"
 
+using superslm_iq4::check_iq4;
 using superslm_iq4::Scales;
 
 // whether iq4_gemv runs its SIMD kernel here (else it computes through iq4_gemm: correct, not fast)
@@ -52,17 +53,6 @@ bool iq4_available() {
 }
 
 namespace {
-
-void check_iq4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table,
-               const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && qweight.dim() == 2 && qweight.device().is_cpu() &&
-                  qweight.scalar_type() == at::kByte && qweight.is_contiguous() && qweight.size(1) * 2 == x.size(1) &&
-                  x.size(1) % 32 == 0,
-              name, ": rows of K (a multiple of 32) against codes uint8 [N, K / 2] on the CPU");
-  superslm_iq4::Scales::of(scales, qweight.size(0), x.size(1), name);
-  TORCH_CHECK(table.scalar_type() == at::kChar && table.is_contiguous() && table.numel() == 16, name,
-              ": a table of 16 int8 values");
-}
 
 // rows [n0, n1) of the weight as float32 into w [n1 - n0, K]: scale * table[code], one product each (exact)
 void decode_rows(const uint8_t* q, const Scales& s, const int8_t* table, int64_t K, int64_t n0, int64_t n1, float* w) {
@@ -241,10 +231,9 @@ void rows_kernel(const uint8_t* q, const Scales& s, const __m256i tbl, const uin
 // the weight [N, K] as float32 (exactly the file's values)
 at::Tensor iq4_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table) {
   const int64_t N = qweight.size(0), K = qweight.size(1) * 2;
-  check_iq4(at::empty({0, K}), qweight, scales, table, "iq4_dequantize");
+  const Scales s = check_iq4(at::empty({0, K}), qweight, scales, table, "iq4_dequantize");
   at::Tensor w = at::empty({N, K}, qweight.options().dtype(at::kFloat));
   const uint8_t* q = qweight.data_ptr<uint8_t>();
-  const Scales s = Scales::of(scales, N, K, "iq4_dequantize");
   const int8_t* t = table.data_ptr<int8_t>();
   float* wp = w.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { decode_rows(q, s, t, K, n0, n1, wp + n0 * K); });
@@ -256,10 +245,9 @@ at::Tensor iq4_dequantize(const at::Tensor& qweight, const at::Tensor& scales, c
 // rows), so a row's bits do not depend on how many rows came with it (deterministic mode; kernels/row_blocks.py).
 at::Tensor iq4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table,
                     bool rows16) {
-  check_iq4(x, qweight, scales, table, "iq4_gemm");
+  const Scales s = check_iq4(x, qweight, scales, table, "iq4_gemm");
   const int64_t K = x.size(1);
   const uint8_t* q = qweight.data_ptr<uint8_t>();
-  const Scales s = Scales::of(scales, qweight.size(0), K, "iq4_gemm");
   const int8_t* t = table.data_ptr<int8_t>();
   return superslm_decoded::decoded_gemm(x, qweight.size(0), rows16,
                                         [&](int64_t n0, int64_t n1, float* w) { decode_rows(q, s, t, K, n0, n1, w); });
@@ -286,7 +274,7 @@ bool vnni_available();
 // row the bits it gets alone; a row holding a NaN or an inf takes iq4_gemm's float32 product alone, and so does
 // every row where the table holds a -128 or the SIMD kernel is not built
 at::Tensor iq4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& table) {
-  check_iq4(x, qweight, scales, table, "iq4_gemv");
+  const Scales s = check_iq4(x, qweight, scales, table, "iq4_gemv");
   const int64_t R = x.size(0), K = x.size(1), N = qweight.size(0), G = K / 32;
   auto alone = [&](int64_t r) { return iq4_gemm(x.narrow(0, r, 1), qweight, scales, table, false); };
   at::Tensor out = at::empty({R, N}, x.options().dtype(at::kBFloat16));
@@ -316,7 +304,6 @@ at::Tensor iq4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Te
   for (int64_t r = 0; r < R; ++r)
     if (ok[r]) good.push_back(r);
   const uint8_t* q = qweight.data_ptr<uint8_t>();
-  const Scales s = Scales::of(scales, N, K, "iq4_gemv");
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tp)));
   if (R == 1 && !good.empty()) {

@@ -160,11 +160,7 @@ at::Tensor iq4_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Te
 // here, not 8.
 at::Tensor iq4_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                          const at::Tensor& table) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0 && qweight.dim() == 2 && qweight.scalar_type() == at::kByte &&
-                  qweight.is_contiguous() && qweight.size(1) * 2 == x.size(1) && table.scalar_type() == at::kChar &&
-                  table.is_contiguous() && table.numel() == 16 && x.device().is_cpu() && qweight.device().is_cpu(),
-              "iq4_gemm_avx2: rows of K (a multiple of 32) against codes uint8 [N, K / 2] and a table of 16 int8");
-  const superslm_iq4::Scales sc = superslm_iq4::Scales::of(scales, qweight.size(0), x.size(1), "iq4_gemm_avx2");
+  const superslm_iq4::Scales sc = superslm_iq4::check_iq4(x, qweight, scales, table, "iq4_gemm_avx2");
   if (!avx2_available()) return at::Tensor();
 #ifdef SUPERSLM_PAIR_ROWS
   const IQ4Values w{qweight.data_ptr<uint8_t>(), sc,
