@@ -16,6 +16,7 @@ from superslm.quant.dense import Int8Linear
 from superslm.quant.gguf_map import ConcatLinear
 from superslm.quant.int4 import Int4Linear
 from superslm.quant.split_rows import int8_prompt_reference
+from tests.test_iq4 import hostile_rows
 
 pytestmark = pytest.mark.skipif(os.environ.get("SUPERSLM_CPU_KERNELS") == "0", reason="C++ kernels disabled")
 
@@ -118,13 +119,7 @@ def test_int8_prompt_kernel_equals_its_twin(ext, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(n)
     codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scale = (torch.rand(n, generator=g) * 0.01).to(torch.bfloat16)
-    x = torch.randn(70, k, generator=g).to(torch.bfloat16)
-    x[:, :32] *= 50
-    x[3, 7] = float("nan")
-    x[4, 9] = float("inf")
-    x[5] = 0
-    x[6, 32:64] = 0
-    x[7, 1] = 3e4
+    x = hostile_rows(70, k, g)  # the split declines rows 3, 4 and 7
     got = ext.int8_prompt_avx2(x, codes, scale)
     assert got.shape == (70, n) and got.dtype == torch.bfloat16
     assert torch.equal(got.view(torch.int16), int8_prompt_reference(x, codes, scale).view(torch.int16))

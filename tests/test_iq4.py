@@ -72,6 +72,19 @@ def gemv_tol(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tenso
     return U * (ref.abs() + act + floats) + act + floats
 
 
+def hostile_rows(rows: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """rows x [rows, K] bf16 (rows >= 8) whose first group is 50x the others in every row, and rows the kernels
+    must treat apart: 3 a NaN, 4 an inf, 5 all zero, 6 an all-zero group, 7 an outlier (3e4)."""
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    x[:, :32] *= 50  # a group far larger than the others: each group gets its own int8 step
+    x[3, 7] = float("nan")
+    x[4, 9] = float("inf")
+    x[5] = 0
+    x[6, 32:64] = 0
+    x[7, 1] = 3e4
+    return x
+
+
 def needs_kernels() -> None:
     if not iq4_runs():
         pytest.skip("no C++ IQ4 kernels here: IQ4 becomes int8")
@@ -177,14 +190,7 @@ def test_rows_kernel_gives_each_row_its_gemv_bits(shape) -> None:
     block = IQ4_XS if k % 256 == 0 else IQ4_NL  # XS: the packed scales
     m = GGUFIQ4Linear.from_gguf(iq4_blocks(block, n, k, seed=k), block, shape)
     q, s, t = m.qweight, m.scales, m.table
-    g = torch.Generator().manual_seed(n)
-    x = torch.randn(45, k, generator=g).bfloat16()
-    x[:, :32] *= 50
-    x[3, 7] = float("nan")
-    x[4, 9] = float("inf")
-    x[5] = 0
-    x[6, 32:64] = 0
-    x[7, 1] = 3e4
+    x = hostile_rows(45, k, torch.Generator().manual_seed(n))
     alone = torch.cat([ext.iq4_gemv(x[r : r + 1], q, s, t) for r in range(len(x))])
     assert torch.isnan(alone[3]).all()
     assert torch.equal(alone[4:5].view(torch.int16), ext.iq4_gemm(x[4:5], q, s, t, False).view(torch.int16))
@@ -222,13 +228,7 @@ def test_prompt_kernel_against_its_twin_and_the_weight(avx2_only, shape) -> None
     m = GGUFIQ4Linear.from_gguf(iq4_blocks(block, n, k, seed=k + 1), block, shape)
     q, s, t = m.qweight, m.scales, m.table
     w = iq4_dequantize(q, s, t)
-    x = torch.randn(40, k, generator=torch.Generator().manual_seed(n + 1)).bfloat16()
-    x[:, :32] *= 50  # a group far larger than the others: each group gets its own parts
-    x[3, 7] = float("nan")
-    x[4, 9] = float("inf")
-    x[5] = 0
-    x[6, 32:64] = 0
-    x[7, 1] = 3e4  # an outlier: the split declines the row
+    x = hostile_rows(40, k, torch.Generator().manual_seed(n + 1))  # the split declines rows 3, 4 and 7
     got = ext.iq4_gemm_avx2(x, q, s, t)
     assert got.shape == (40, n) and got.dtype == torch.bfloat16
     assert torch.equal(got.view(torch.int16), iq4_split_reference(x, q, s, t).view(torch.int16))
