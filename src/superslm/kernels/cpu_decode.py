@@ -449,7 +449,7 @@ def _int4_rows(ext: Any, module: torch.nn.Module, x: torch.Tensor, got: Any, any
 
 def int8_prompt_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """module(x) for prompt rows (past `avx2_gemm_rows`) of the default mode through the AVX2 two-part int8 kernel
-    (kernels/cpu/avx2_rows.cpp int8_prompt_avx2: x split per group of 32 into two int8 parts, exact int32 sums; the
+    (kernels/cpu/pair_rows.cpp int8_prompt_avx2: x split per group of 32 into two int8 parts, exact int32 sums; the
     rows it cannot split through torch's kernel), or None where it does not apply: another format, hooks, a CPU with
     VNNI or without AVX2, torch's kernels asked for."""
     if x.dim() != 2 or x.device.type != "cpu" or backend(x.device) != "torch" or hooked(module):

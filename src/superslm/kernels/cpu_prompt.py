@@ -30,7 +30,7 @@ PROMPT_ROWS = 64
 #: sgemm on one core of an AVX2-only EPYC (2026-12-07; benchmarks/linear_formats.py --sections prompt).
 #: False: decoded blocks and float32 GEMMs (benchmarks compare the two)
 INT4_ROWS = True
-#: int8 prompt rows through the AVX2 two-part integer kernel (kernels/cpu/avx2_rows.cpp int8_prompt_avx2: x split
+#: int8 prompt rows through the AVX2 two-part integer kernel (kernels/cpu/pair_rows.cpp int8_prompt_avx2: x split
 #: per group of 32 into two int8 parts, the codes' products summed exactly in int32); False: decoded blocks and
 #: float32 GEMMs (benchmarks compare the two)
 INT8_ROWS = True
@@ -55,11 +55,10 @@ def int4_dequant_rows_reference(qweight: torch.Tensor, sz: torch.Tensor, group: 
     return ((codes.float() - 8) * s + z).t().contiguous()
 
 
-def _decoder(module: torch.nn.Module, ext: Any) -> tuple[Any, int, int] | None:
+def _decoder(module: torch.nn.Module, got: Any, ext: Any) -> tuple[Any, int, int] | None:
     """(decode(n0, n1, out) -> rows n0..n1 of the weight as a float32 [K, n1 - n0] matrix (in `out`'s memory), the
     rows' multiple, K) for an int4 (torch's packed CPU layout), int5 (GGUF Q5_0) or int8 linear, from the operands it
-    hands the C++ plan; None for other formats."""
-    got = getattr(module, "plan_args", lambda: None)()
+    hands the C++ plan (`got`: its plan_args()); None for other formats."""
     if got is None:
         return None
     (weight, scales, *_), (kind, group, *_) = got
@@ -125,7 +124,7 @@ def prompt_linear(module: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype |
     args = getattr(module, "plan_args", lambda: None)()
     if INT5_ROWS and args is not None and args[1][0] == 5:  # Q5_0's int5 (quant/int5.py's plan kind)
         return None  # the module as it is: its AVX2 row kernel, each row decode's bits
-    got = _decoder(module, ext)
+    got = _decoder(module, args, ext)
     if got is None:
         return None
     decode, multiple, k = got

@@ -85,12 +85,16 @@ def group_scales(scales: torch.Tensor, k: int) -> torch.Tensor:
     return d.repeat_interleave(8, dim=1) * ls
 
 
+def table_values(qweight: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The weight's table values int64 [N, K / 32, 32] in k order (per group codes j, then j + 16 of its bytes)."""
+    q = qweight.view(qweight.shape[0], -1, 16)  # [N, groups, 16]
+    return table.long()[torch.cat([q & 15, q >> 4], dim=-1).long()]
+
+
 def iq4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """The torch twin of the extension's iq4_dequantize: the weight float32 [N, K] (scale * table[code])."""
-    n = qweight.shape[0]
-    q = qweight.view(n, -1, 16)  # [N, groups, 16]
-    codes = torch.cat([q & 15, q >> 4], dim=-1).long()  # [N, groups, 32]: codes j, then j + 16
-    return (table.float()[codes] * group_scales(scales, 2 * qweight.shape[1])[..., None]).view(n, -1)
+    values = table_values(qweight, table).float()  # exact: |value| <= 127
+    return (values * group_scales(scales, 2 * qweight.shape[1])[..., None]).view(qweight.shape[0], -1)
 
 
 def iq4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -125,8 +129,7 @@ def iq4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, table
         return iq4_matmul(x, qweight, scales, table)
     q, dx = quantize_groups(x)
     n, g = qweight.shape[0], dx.numel()
-    codes = qweight.view(n, g, 16)  # [N, groups, 16]
-    w = table.int()[torch.cat([codes & 15, codes >> 4], dim=-1).long()]  # [N, groups, 32]: values j, then j + 16
+    w = table_values(qweight, table).int()  # [N, groups, 32]: values j, then j + 16
     sd = group_scales(scales, 2 * qweight.shape[1]) * dx  # [N, groups], rounded once as the kernel rounds it
     prod, gp = w * q, g + g % 2  # an odd number of groups gets a zero one, as the kernel's last step
     prod = F.pad(prod, (0, 0, 0, gp - g))  # [N, gp, 32]
@@ -149,8 +152,7 @@ def iq4_split_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     `pair_rows_reference` on the table values; a row that does not split takes `iq4_matmul`, the twin of the
     iq4_gemm the kernel sends it to."""
     n, half = qweight.shape
-    codes = qweight.cpu().view(n, half // 16, 16)  # [N, groups, 16]
-    values = table.cpu().long()[torch.cat([codes & 15, codes >> 4], dim=-1).long()].view(n, 2 * half)  # k order
+    values = table_values(qweight.cpu(), table.cpu()).view(n, 2 * half)  # [N, K] in k order
     return pair_rows_reference(x, values, group_scales(scales.cpu(), 2 * half),
                                lambda rows: iq4_matmul(rows, qweight.cpu(), scales.cpu(), table.cpu()))
 
