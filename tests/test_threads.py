@@ -65,14 +65,14 @@ def test_others_running_sees_a_busy_process() -> None:
     assert seen >= 1
 
 
-def _answers(model: superslm.Model, threads: int, busy: int,
-             monkeypatch: pytest.MonkeyPatch) -> tuple[list, int | None]:  # fmt: skip
+def _answers(model: superslm.Model, threads: int, busy: int, monkeypatch: pytest.MonkeyPatch,
+             streams: int = 3) -> tuple[list, int | None]:  # fmt: skip
     monkeypatch.setattr(devices, "_WANTED", threads)
     monkeypatch.setattr(devices, "others_running", lambda: busy)
     monkeypatch.setattr(devices, "usable_cores", lambda: 2)
-    engine = model.engine(slots=4, context=256, prefix_caching=False)
+    engine = model.engine(slots=max(streams, 4), context=256, prefix_caching=False)
     s = Sampling(logprobs=3, ignore_eos=True)
-    reqs = [Request(p, 10, s) for p in prompts(3, seed=9, lo=20, hi=80)]
+    reqs = [Request(p, 10 if streams <= 4 else 4, s) for p in prompts(streams, seed=9, lo=20, hi=80)]
     done = engine.generate(reqs)
     used = engine.runner.threads.threads if engine.runner.threads is not None else None
     return [(c.tokens, [(lp.logprob, lp.top) for lp in c.logprobs]) for c in done], used
@@ -98,4 +98,15 @@ def test_real_models_answer_the_same_on_one_and_two_threads(name: str, request, 
     model = superslm.load(request.getfixturevalue(name))
     two, _ = _answers(model, 2, 0, monkeypatch)
     one, _ = _answers(model, 2, 1, monkeypatch)
+    assert one == two
+
+
+@pytest.mark.slow
+def test_sixteen_streams_answer_the_same_on_one_and_two_threads(smollm2_gguf: Path, two_cores,  # type: ignore[no-untyped-def]
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """16 decode rows: the plan splits the rows' norms, activations, q/k norms, rope and KV stores and the row
+    kernels' activation splits across the threads (3 rows stay on one); each row's bits do not depend on it."""
+    model = superslm.load(smollm2_gguf)
+    two, _ = _answers(model, 2, 0, monkeypatch, streams=16)
+    one, _ = _answers(model, 2, 1, monkeypatch, streams=16)
     assert one == two

@@ -50,6 +50,14 @@ struct LayerP {
   at::Tensor moe_counts;  // MoE.tokens_per_expert, added to in place
 };
 
+// f(b0, b1) over a step's rows [0, B), split across the threads once the rows hold `per_row` values each and
+// ~8K values in all (a norm or an activation over 16 rows: ~5% of a step left to one thread); each row's
+// values never depend on the split
+template <typename F>
+void for_rows(int64_t B, int64_t per_row, const F& f) {
+  at::parallel_for(0, B, std::max<int64_t>(1, 8192 / std::max<int64_t>(per_row, 1)), f);
+}
+
 }  // namespace
 
 // ---- the plan: a model's decode layers, registered once, run per step ---------------------------------
@@ -292,7 +300,10 @@ class DecodePlan {
     for (int64_t i = start; i < end; ++i) {
       const LayerP& p = layers_[i];
       T* hp = h.data_ptr<T>();
-      norm_rows<T>(hp, p.attn_norm, x.data_ptr<T>(), B, dim, dim, dim, eps_, norm_float_);
+      T* xp = x.data_ptr<T>();
+      for_rows(B, dim, [&](int64_t b0, int64_t b1) {
+        norm_rows<T>(hp + b0 * dim, p.attn_norm, xp + b0 * dim, b1 - b0, dim, dim, dim, eps_, norm_float_);
+      });
       at::Tensor o;
       if (p.kind == DELTA) {
         const at::Tensor proj = p.qkv(x, det);  // [B, C + V + 2 Hv]: mixed, z, b, a
@@ -310,10 +321,15 @@ class DecodePlan {
         add_lora(la, o, attn, i, 1, det);
       }
       T* op = o.data_ptr<T>();
-      if (p.post_attn_norm.defined()) norm_rows<T>(op, p.post_attn_norm, op, B, dim, dim, dim, eps_, norm_float_);
       hp = h.data_ptr<T>();
-      for (int64_t j = 0; j < B * dim; ++j) hp[j] = static_cast<T>(ld(hp + j) + ld(op + j));
-      norm_rows<T>(hp, p.ffn_norm, x.data_ptr<T>(), B, dim, dim, dim, eps_, norm_float_);
+      // the residual add between the mixer's norm (Gemma's post-attention one) and the MLP's
+      for_rows(B, dim, [&](int64_t b0, int64_t b1) {
+        T* orow = op + b0 * dim;
+        if (p.post_attn_norm.defined())
+          norm_rows<T>(orow, p.post_attn_norm, orow, b1 - b0, dim, dim, dim, eps_, norm_float_);
+        for (int64_t j = b0 * dim; j < b1 * dim; ++j) hp[j] = static_cast<T>(ld(hp + j) + ld(op + j));
+        norm_rows<T>(hp + b0 * dim, p.ffn_norm, xp + b0 * dim, b1 - b0, dim, dim, dim, eps_, norm_float_);
+      });
       at::Tensor y;
       if (p.moe) {
         y = p.moe(x, p.moe_counts);  // [B, dim]
@@ -322,13 +338,21 @@ class DecodePlan {
         add_lora(la, gu, x, i, 2, det);
         const int64_t inter = gu.size(1) / 2;
         at::Tensor act = at::empty({B, inter}, h.options());
-        act_rows<T>(gu.data_ptr<T>(), act.data_ptr<T>(), B, inter, act_);
+        const T* gp = gu.data_ptr<T>();
+        T* ap = act.data_ptr<T>();
+        for_rows(B, 4 * inter, [&](int64_t b0, int64_t b1) {  // an exp a value: ~4 norm values' time
+          act_rows<T>(gp + b0 * 2 * inter, ap + b0 * inter, b1 - b0, inter, act_);
+        });
         y = p.down(act, det);  // [B, dim]
         add_lora(la, y, act, i, 3, det);
       }
       T* yp = y.data_ptr<T>();
-      if (p.post_ffn_norm.defined()) norm_rows<T>(yp, p.post_ffn_norm, yp, B, dim, dim, dim, eps_, norm_float_);
-      for (int64_t j = 0; j < B * dim; ++j) hp[j] = static_cast<T>(ld(hp + j) + ld(yp + j));
+      for_rows(B, dim, [&](int64_t b0, int64_t b1) {
+        T* yrow = yp + b0 * dim;
+        if (p.post_ffn_norm.defined())
+          norm_rows<T>(yrow, p.post_ffn_norm, yrow, b1 - b0, dim, dim, dim, eps_, norm_float_);
+        for (int64_t j = b0 * dim; j < b1 * dim; ++j) hp[j] = static_cast<T>(ld(hp + j) + ld(yp + j));
+      });
     }
     return h;
   }
@@ -351,37 +375,41 @@ class DecodePlan {
     const KVRotation rot{kv_signs_.data(), kv_block_,
                          static_cast<float>(1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(kv_block_, 1))))};
     constexpr bool rot_q = is_q4<KC>, rot_o = is_q4<VC>;
-    std::vector<float> store_buf(D);
     T* qkv_p = qkv.data_ptr<T>();
     const int64_t qkv_row = qkv.size(1);
     TORCH_CHECK(qkv_row == qs + 2 * ks, "DecodePlan: an attention layer's qkv gives ", qkv_row, " values, not ",
                 qs + 2 * ks);
-    if (p.q_norm.defined()) {
-      for (int64_t b = 0; b < B; ++b) {
-        norm_rows<T>(qkv_p + b * qkv_row, p.q_norm, qkv_p + b * qkv_row, heads_, D, D, D, eps_, norm_float_);
-        norm_rows<T>(qkv_p + b * qkv_row + qs, p.k_norm, qkv_p + b * qkv_row + qs, kv_heads_, D, D, D, eps_,
-                     norm_float_);
-      }
-    }
     const T* c = a.cos[p.rope_kind].data_ptr<T>();
     const T* s = a.sin[p.rope_kind].data_ptr<T>();
-    rope_rows<T>(qkv_p, c, s, B, heads_, D, rot_, qkv_row);
-    rope_rows<T>(qkv_p + qs, c, s, B, kv_heads_, D, rot_, qkv_row);
     KC* kc = k_cache[kv].data_ptr<KC>();
     VC* vc = v_cache[kv].data_ptr<VC>();
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t kvh = 0; kvh < kv_heads_; ++kvh) {
-        store_row<T, KC>(qkv_p + b * qkv_row + qs + kvh * D, D, kc + map_p[b] * krow + kvh * kwidth, rot,
-                         store_buf.data());
-        store_row<T, VC>(qkv_p + b * qkv_row + qs + ks + kvh * D, D, vc + map_p[b] * vrow + kvh * vwidth, rot,
-                         store_buf.data());
+    // each row's q/k norms, rope and its key and value stored (rope_rows reads row b's position from cos, sin)
+    for_rows(B, qkv_row, [&](int64_t b0, int64_t b1) {
+      std::vector<float> store_buf(D);
+      for (int64_t b = b0; b < b1; ++b) {
+        T* row = qkv_p + b * qkv_row;
+        if (p.q_norm.defined()) {
+          norm_rows<T>(row, p.q_norm, row, heads_, D, D, D, eps_, norm_float_);
+          norm_rows<T>(row + qs, p.k_norm, row + qs, kv_heads_, D, D, D, eps_, norm_float_);
+        }
       }
+      rope_rows<T>(qkv_p + b0 * qkv_row, c + b0 * rot_, s + b0 * rot_, b1 - b0, heads_, D, rot_, qkv_row);
+      rope_rows<T>(qkv_p + b0 * qkv_row + qs, c + b0 * rot_, s + b0 * rot_, b1 - b0, kv_heads_, D, rot_, qkv_row);
+      for (int64_t b = b0; b < b1; ++b)
+        for (int64_t kvh = 0; kvh < kv_heads_; ++kvh) {
+          store_row<T, KC>(qkv_p + b * qkv_row + qs + kvh * D, D, kc + map_p[b] * krow + kvh * kwidth, rot,
+                           store_buf.data());
+          store_row<T, VC>(qkv_p + b * qkv_row + qs + ks + kvh * D, D, vc + map_p[b] * vrow + kvh * vwidth, rot,
+                           store_buf.data());
+        }
+    });
     T* attn_p = attn.data_ptr<T>();
     const int64_t window = p.window;
     const float scale = static_cast<float>(scale_);
     const int64_t work = B * kv_heads_;
-    // split across threads only when there is enough work to pay for waking them
-    const int64_t grain = (L * D * heads_ < 32768) ? work : 1;
+    // split across threads only when there is enough work to pay for waking them: all the rows' keys (16
+    // decode rows of 40 keys each are as many as one row's 640)
+    const int64_t grain = (B * L * D * heads_ < 32768) ? work : 1;
     // the vector kernels' lanes (their 4-bit lane order, rowbase.h lane_index), 0 for the scalar one
 #ifdef SUPERSLM_AVX512
     const int64_t lanes = (D % 16 == 0 && D <= 256 && groups <= 64) ? 16 : 0;

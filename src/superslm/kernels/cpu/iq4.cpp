@@ -296,7 +296,8 @@ at::Tensor iq4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Te
   std::vector<uint8_t> aq(R * Kp, 0);
   std::vector<float> dx(R * 2 * P, 0.f);
   std::vector<uint8_t> ok(R);
-  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {  // a prompt's rows: each quantized once a call
+  // a prompt's rows: each quantized once a call, on both threads from ~8K values (avx2_rows.cpp rows_kernel)
+  at::parallel_for(0, R, std::max<int64_t>(1, 8192 / K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       ok[r] = quantize_groups(xp + r * K, K, xq.data() + r * Kp, aq.data() + r * Kp, dx.data() + r * 2 * P);
   });
