@@ -1,7 +1,8 @@
 """The AVX2 row kernels (kernels/cpu/avx2_rows.cpp) for CPUs without VNNI: every row bit for bit the one-row
 AVX2 GEMV's (kernels/cpu/avx2.cpp), whatever the other rows; within bf16 rounding of torch's kernels (their
-twin); a row the GEMV declines gets torch's kernel on that row alone; the decode plan and the Python path
-(cpu_decode.rows_linear) take them for a few rows of the default mode, never in deterministic mode."""
+twin); a row the GEMV declines gets the bits of torch's kernel on that row alone (the declined rows go through
+it in one call); the decode plan and the Python path (cpu_decode.rows_linear) take them for a few rows of the
+default mode, never in deterministic mode."""
 
 from __future__ import annotations
 

@@ -241,15 +241,12 @@ at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& qweight, const 
   TORCH_CHECK(block == 0 || block == 32 || block == 64, "int4_gemm_avx2: blocks of 32 or 64 rows (0: torch's)");
   const int64_t B = block ? block : torch_int4_block();
   if (!avx2_available() || B < 32 || qweight.size(0) % B) return at::Tensor();
-  std::function<at::Tensor(const at::Tensor&)> torch_row;  // torch's kernel reads its own layout only
+  std::function<at::Tensor(const at::Tensor&)> torch_rows;  // torch's kernel reads its own layout only
+  // all the declined rows in one call: torch's kernel gives a row the bits it gives that row alone (each output
+  // one sum over k in order; tests/test_cpu_avx2_rows.py holds it to that), where the plan computes it alone
   if (block == 0 || block == torch_int4_block())
-    torch_row = [&](const at::Tensor& rows) {  // each row alone, as the plan computes a row the GEMV declines
-      std::vector<at::Tensor> ys;
-      for (int64_t r = 0; r < rows.size(0); ++r)
-        ys.push_back(at::_weight_int4pack_mm_for_cpu(rows.narrow(0, r, 1), qweight, group, sz));
-      return at::cat(ys);
-    };
-  return rows_kernel(x, qweight, sz, group, B, nullptr, torch_row);
+    torch_rows = [&](const at::Tensor& rows) { return at::_weight_int4pack_mm_for_cpu(rows, qweight, group, sz); };
+  return rows_kernel(x, qweight, sz, group, B, nullptr, torch_rows);
 }
 
 // x [R, K] -> [R, N] bf16 for int4 weights in torch's packed layout, prompt chunks of the default mode without VNNI:
@@ -331,8 +328,10 @@ at::Tensor int8_gemm_avx2(const at::Tensor& x, const at::Tensor& codes, const at
         if (i < ng) int8_block<1, 1>(cp, K, n, rs + i, x16, sh.data(), sl.data(), sp, op, N, false);
       }
     });
-  for (int64_t r : bad)  // torch's kernel on the row alone, as the plan computes a row the GEMV declines
-    out.narrow(0, r, 1).copy_(at::_weight_int8pack_mm(x.narrow(0, r, 1).to(at::kBFloat16), codes, scale));
+  if (!bad.empty()) {  // torch's kernel on those rows in one call: each row's bits as alone (int4_gemm_avx2)
+    const at::Tensor idx = at::tensor(bad, at::kLong);
+    out.index_copy_(0, idx, at::_weight_int8pack_mm(x.index_select(0, idx).to(at::kBFloat16), codes, scale));
+  }
   return out;
 #else
   return at::Tensor();
