@@ -265,8 +265,9 @@ at::Tensor gemv_kernel(const at::Tensor& x, const at::Tensor& qweight, const at:
   const uint32_t* szp = reinterpret_cast<const uint32_t*>(sz.data_ptr<at::BFloat16>());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t per_block = B / 32, stride = B / 2;  // chunks of 32 rows per block; bytes per k of a block
-  // taken in turn (dynamic_for.h): at least ~128 KiB of codes, at most ~1/16 of a thread's share
-  const int64_t grain = std::max<int64_t>((int64_t(1) << 17) / (16 * K), N / 32 / (16 * at::get_num_threads()));
+  // taken in turn (dynamic_for.h): at least ~128 KiB of codes (at most half a thread's share), at most ~1/16 of one
+  const int64_t grain = superslm_dyn::shared_chunk(
+      N / 32, std::max<int64_t>((int64_t(1) << 17) / (16 * K), N / 32 / (16 * at::get_num_threads())));
   superslm_dyn::dynamic_for(N / 32, grain, [&](int64_t c0, int64_t c1) {
     for (int64_t ch = c0; ch < c1; ++ch) {
       const int64_t b = ch / per_block, part = ch % per_block;  // bytes 16 part .. 16 part + 15 of each k

@@ -12,6 +12,14 @@
 
 namespace superslm_dyn {
 
+// `chunk` (a multiple of `unit`) capped at about half a thread's share of [0, n): the callers' ~128 KiB minimum
+// left a small matrix's GEMV mostly to the thread that took the first chunk (SmolLM2's [576, 576]: 14 of 18)
+inline int64_t shared_chunk(int64_t n, int64_t chunk, int64_t unit = 1) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t c = std::max<int64_t>(1, std::min(chunk, (n + 2 * threads - 1) / (2 * threads)));
+  return (c + unit - 1) / unit * unit;
+}
+
 // f(begin, end) over [0, n) in chunks of `chunk` (the last one shorter), taken in turn by the threads; inline in
 // the caller where one thread runs (or inside another parallel region)
 template <typename F>

@@ -299,8 +299,10 @@ at::Tensor q6k_gemv(const at::Tensor& x, const at::Tensor& blocks) {
   const uint8_t* q = blocks.data_ptr<uint8_t>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t G = static_cast<int64_t>(good.size()), rowb = nb * BB;
-  // chunks taken in turn (dynamic_for.h): at least ~128 KiB of blocks, at most ~1/16 of a thread's share
-  const int64_t chunk = std::max((int64_t(1) << 17) / rowb, N / (16 * at::get_num_threads()));
+  // chunks taken in turn (dynamic_for.h): at least ~128 KiB of blocks (at most half a thread's share), at most ~1/16
+  // of one
+  const int64_t chunk =
+      superslm_dyn::shared_chunk(N, std::max((int64_t(1) << 17) / rowb, N / (16 * at::get_num_threads())));
   if (G > 0) {
     superslm_dyn::dynamic_for(N, chunk, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
