@@ -41,10 +41,9 @@ def test_extension_builds() -> None:
     assert cpu_decode.extension() is not None
 
 
-def _prefilled(net: Transformer, lengths: list[int], seed: int = 0):
+def _prefilled(net: Transformer, lengths: list[int], seed: int = 0, pages: int = 64):
     """A KV cache holding three prompts (prefilled by the generic path) and the decode step's metadata."""
     a = net.arch
-    pages = 64
     kv = KVCache(len(net.layers), pages, PS, a.kv_heads, a.head_dim, net.dtype)
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(pages, generator=g).tolist()
@@ -351,6 +350,30 @@ def test_concatenated_parts_run_in_the_plan(family: str, folders) -> None:
     scale = generic.float().abs().max().item()
     assert (cpp.float() - ref.float()).abs().max().item() <= 2**-6 * scale
     assert (cpp.float() - generic.float()).abs().max().item() <= 0.03 * scale
+
+
+def test_one_rows_query_heads_shared_by_the_threads_keep_their_bits(folders) -> None:
+    """One decode row of a model with one kv head (Gemma-3's layout), 301 keys: past ~32K key values a step the plan
+    splits each kv head's query heads over the threads; every head keeps the bits one thread gives it."""
+    src = open_source(folders["gemma3"])
+    net = Transformer(src.arch, materialize(src, torch.bfloat16))
+    assert net.arch.kv_heads == 1 and net.arch.heads >= 2
+    outs = []
+    before = torch.get_num_threads()
+    for threads in (1, 2):
+        kv, meta, toks = _prefilled(net, [300], pages=96)
+        torch.set_num_threads(threads)
+        try:
+            with torch.no_grad():
+                h = net.embed(toks)
+                tabs = net.rope_table_list(meta.positions)
+                key_slots, row_seq, lens = cpu_decode.row_key_slots(meta, h.device)
+                assert key_slots.shape[1] * net.arch.head_dim * net.arch.heads >= 32768
+                outs.append(cpu_decode.decode_layers(net, h, meta.slot_mapping, key_slots, row_seq, lens, tabs, kv.k,
+                                                     kv.v, 0, len(net.layers)))
+        finally:
+            torch.set_num_threads(before)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
 
 
 def test_window_cut_prompt_in_the_plan_equals_the_generic_path(folders) -> None:

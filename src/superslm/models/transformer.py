@@ -276,6 +276,8 @@ class Transformer(nn.Module):
             self.mtp = MTP(arch, weights, DenseLinear)
         self._inv_freq: dict[int, tuple[torch.Tensor, float]] = {}
         self._long_inv_freq: dict[int, torch.Tensor] = {}
+        #: per rope key, (cos, sin) of every position below a power of two (CPU; `_rope_rows`)
+        self._rope_rows_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._kinds = sorted({self.rope_key(i) for i in range(n)})
         #: embeddings computed from tokens another way (quant.gguf_map.GGUFEmbedding reads the file's blocks)
         self.embed_rows: nn.Module | None = None
@@ -285,6 +287,7 @@ class Transformer(nn.Module):
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def, override]
         # .to() / .float() replace the tensors the C++ plan holds: build it again on next use
         self._decode_plan = None
+        self._rope_rows_cache = {}  # tables in the old dtype
         return super()._apply(fn, recurse)
 
     def use_expert_cache(self, slots: int, device: torch.device | str) -> None:
@@ -349,8 +352,28 @@ class Transformer(nn.Module):
                 inv, scale = rope.inv_freq(a.rotary_dim)
                 self._inv_freq[kind] = (inv.to(self.device), scale)
             inv, scale = self._inv_freq[kind]
-            out[kind] = rope_cos_sin(positions, inv, scale, self.dtype)
+            out[kind] = self._rope_rows(kind, positions, inv, scale)
         return out
+
+    #: the most positions `_rope_rows` keeps a table of (Gemma-3's two keys at 8192: 16 MB in bf16)
+    ROPE_TABLE_ROWS = 8192
+
+    def _rope_rows(self, kind: int, positions: torch.Tensor, inv: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope_cos_sin(positions, ...) read from a table of every position below a power of two, computed by the
+        same call: each row's values are its position's alone (elementwise ops; tests/test_rope.py holds the table's
+        rows equal to one-position calls). A CPU decode step then indexes where it ran seven small ops a rope key.
+        Past ROPE_TABLE_ROWS positions, and off the CPU (the largest position would cost a device sync), computed."""
+        if self.device.type != "cpu" or positions.numel() == 0:
+            return rope_cos_sin(positions, inv, scale, self.dtype)
+        top = int(positions.max()) + 1
+        if top > self.ROPE_TABLE_ROWS:
+            return rope_cos_sin(positions, inv, scale, self.dtype)
+        table = self._rope_rows_cache.get(kind)
+        if table is None or table[0].shape[0] < top:
+            rows = max(256, 1 << (top - 1).bit_length())
+            table = self._rope_rows_cache[kind] = rope_cos_sin(torch.arange(rows), inv, scale, self.dtype)
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
     def rope_table_list(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(cos, sin) at every rope key up to the largest a layer reads (the C++ plan indexes them by key)."""

@@ -406,10 +406,19 @@ class DecodePlan {
     T* attn_p = attn.data_ptr<T>();
     const int64_t window = p.window;
     const float scale = static_cast<float>(scale_);
-    const int64_t work = B * kv_heads_;
     // split across threads only when there is enough work to pay for waking them: all the rows' keys (16
     // decode rows of 40 keys each are as many as one row's 640)
-    const int64_t grain = (B * L * D * heads_ < 32768) ? work : 1;
+    const bool split = B * L * D * heads_ >= 32768;
+    // where the rows' kv heads do not share out evenly over the threads (one row of Gemma-3: one kv head of four
+    // query heads, all on one thread; of SmolLM2: three kv heads, two on one thread), each kv head's query heads
+    // go in `slices` parts, about two a thread: a head's arithmetic is its own, so every bit stays
+    const int64_t threads = at::get_num_threads(), pairs = B * kv_heads_;
+    const int64_t slices = split && pairs < 2 * threads && pairs % threads
+                               ? std::min<int64_t>(groups, (2 * threads + pairs - 1) / pairs)
+                               : 1;
+    const int64_t per = (groups + slices - 1) / slices;  // query heads a slice (the last may have fewer)
+    const int64_t work = pairs * slices;
+    const int64_t grain = split ? 1 : work;
     // the vector kernels' lanes (their 4-bit lane order, rowbase.h lane_index), 0 for the scalar one
 #ifdef SUPERSLM_AVX512
     const int64_t lanes = (D % 16 == 0 && D <= 256 && groups <= 64) ? 16 : 0;
@@ -423,38 +432,40 @@ class DecodePlan {
       // 4-bit keys: the query heads rotated into the keys' basis; 4-bit values: the sums before rotating back
       std::vector<float> qr(rot_q ? groups * D : 0), of(rot_o ? groups * D : 0);
       for (int64_t w = lo; w < hi; ++w) {
-        const int64_t b = w / kv_heads_, kvh = w % kv_heads_;
+        const int64_t b = w / slices / kv_heads_, kvh = w / slices % kv_heads_;
+        const int64_t h0 = w % slices * per, hn = std::min(per, groups - h0);  // this slice's query heads
+        if (hn <= 0) continue;
         const int64_t len = lens_p[b];
         const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-        const T* qg = qkv_p + b * qkv_row + kvh * groups * D;  // this kv head's query heads [groups, D]
-        for (int64_t d = 0; d < groups * D; ++d) qf[d] = ld(qg + d);
+        const T* qg = qkv_p + b * qkv_row + (kvh * groups + h0) * D;  // the slice's query heads [hn, D]
+        for (int64_t d = 0; d < hn * D; ++d) qf[d] = ld(qg + d);
         const float* q = qf.data();
         if constexpr (rot_q) {
-          for (int64_t g = 0; g < groups; ++g) rotate_head(qf.data() + g * D, rot, D, lanes, buf.data(), qr.data() + g * D);
+          for (int64_t g = 0; g < hn; ++g) rotate_head(qf.data() + g * D, rot, D, lanes, buf.data(), qr.data() + g * D);
           q = qr.data();
         }
-        T* dst = attn_p + b * qs + kvh * groups * D;
+        T* dst = attn_p + b * qs + (kvh * groups + h0) * D;
         const int64_t* sl = slots_p + rows_p[b] * L;
         auto attend_all = [&](auto* out) {
           using O = std::remove_pointer_t<decltype(out)>;
 #ifdef SUPERSLM_AVX512
           if (lanes == 16) {
-            attend_group16<O, KC, VC>(q, groups, kc, vc, sl, first, len, kvh, kv_heads_, D, scale, scores.data(), out, D);
+            attend_group16<O, KC, VC>(q, hn, kc, vc, sl, first, len, kvh, kv_heads_, D, scale, scores.data(), out, D);
             return;
           }
 #elif defined(SUPERSLM_ROWS_AVX2)
           if (lanes == 8) {
-            attend_group8<O, KC, VC>(q, groups, kc, vc, sl, first, len, kvh, kv_heads_, D, scale, scores.data(), out, D);
+            attend_group8<O, KC, VC>(q, hn, kc, vc, sl, first, len, kvh, kv_heads_, D, scale, scores.data(), out, D);
             return;
           }
 #endif
-          for (int64_t g = 0; g < groups; ++g)
+          for (int64_t g = 0; g < hn; ++g)
             attend<O, KC, VC>(q + g * D, kc, vc, sl, first, len, kvh, kv_heads_, D, scale, scores.data(), acc.data(),
                               out + g * D);
         };
         if constexpr (rot_o) {
           attend_all(of.data());
-          for (int64_t g = 0; g < groups; ++g) unrotate_head<T>(of.data() + g * D, rot, D, lanes, buf.data(), dst + g * D);
+          for (int64_t g = 0; g < hn; ++g) unrotate_head<T>(of.data() + g * D, rot, D, lanes, buf.data(), dst + g * D);
         } else {
           attend_all(dst);
         }
