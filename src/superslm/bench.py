@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from superslm.memory import freeze_heap
+
 #: the prompt text: this file, repeated (fixed, ships with the package)
 _TEXT = Path(__file__).read_text() * 8
 
@@ -51,6 +53,7 @@ def bench_superslm(path: str, threads: int, prefill: int, decode: int, streams: 
     greedy = Sampling(ignore_eos=True)
     engine = model.engine(slots=max(streams, 1), context=prefill + decode + 8, rows=512, prefix_caching=False)
     engine.generate([Request(ids[:16], 4, greedy)])  # warm-up (and the C++ layers' first-use build)
+    freeze_heap()  # as `superslm serve` and the CLI's commands do once their model is loaded
     t = time.perf_counter()
     engine.generate([Request(ids, 1, greedy)])
     prefill_tps = len(ids) / (time.perf_counter() - t)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from superslm.errors import SuperSLMError
+from superslm.memory import freeze_heap
 
 
 def _model_args(p: argparse.ArgumentParser, template: bool = False) -> None:
@@ -131,6 +132,7 @@ def _load(ns: argparse.Namespace) -> Any:
     t = time.perf_counter()
     model = superslm.load(ns.model, device=ns.device, dtype=ns.dtype, expert_slots=getattr(ns, "expert_slots", None))
     apply_template(model, getattr(ns, "chat_template", None))
+    freeze_heap()  # the command keeps this model to its end
     if getattr(ns, "verbose", False):
         print(f"loaded {model.name} in {time.perf_counter() - t:.2f} s ({model.device}, "
               f"{str(model.dtype).removeprefix('torch.')}, {model.arch.layers} layers)", file=sys.stderr)

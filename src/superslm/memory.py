@@ -27,3 +27,16 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def freeze_heap() -> None:
+    """For a process that keeps the models it has loaded from here on (a CLI command, a one-model server, a
+    benchmark): collect what loading left unreachable, then move every live object to the garbage collector's
+    permanent generation, so its full collections stop walking them (~180k objects after `import torch`: a full
+    collection took 60 ms, and their share of a small model's decode was 3-8%; vLLM freezes its heap after start-up
+    too). Those objects are still freed by their reference counts; reference cycles among them are never
+    collected, so code that loads and drops models in a loop should not call it."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

@@ -25,6 +25,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from superslm.memory import freeze_heap
+
 
 def _port(text: str) -> int:
     """A TCP port number (argparse's type for --port: an error message, not an OverflowError at bind)."""
@@ -204,6 +206,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         return 2
     extra = {} if ns.expert_slots is None else {"expert_slots": ns.expert_slots}
     model = loader(ns.model, device=ns.device, dtype=ns.dtype, **extra)
+    freeze_heap()  # one model, served to the process's end
     if ns.chat_template is not None:
         if not hasattr(model, "use_chat_template"):
             print("superslm: error: --chat-template is for language models, not encoders", file=sys.stderr)
