@@ -266,6 +266,8 @@ def test_plan_refuses_out_of_range_inputs(folders) -> None:
     with pytest.raises(RuntimeError):  # weights of the wrong dtype
         plan.run(*args[:12], one_group, [torch.zeros(2, 2, dtype=torch.float64)] * (8 * plan.num_layers()),
                  *no_states)
+    with pytest.raises(RuntimeError, match="slot twice"):  # two rows storing into one slot (stored on two threads)
+        plan.run(*[meta.slot_mapping[:1].repeat(len(h)) if j == 1 else a for j, a in enumerate(args)])
 
 
 @pytest.mark.parametrize("n,k,group", [(64, 128, 32), (960, 576, 32), (192, 512, 64), (128, 256, 128), (64, 512, 256)])
@@ -562,6 +564,15 @@ def test_kernels_refuse_bad_arguments() -> None:
     q = Int8Linear.from_dense(torch.randn(64, 128))
     with pytest.raises(RuntimeError, match="rowsum"):
         ext.int8_gemv(x, q.codes, q.scale, torch.zeros(3, dtype=torch.int32))
+    # rows of no values (K 0): an error, not a division by zero in the kernels' work split
+    empty = torch.empty(3, 0).bfloat16()
+    with pytest.raises(RuntimeError, match="positive multiple"):
+        ext.int4_gemm_avx2(empty, torch.empty(64, 0, dtype=torch.uint8), torch.empty(0, 64, 2).bfloat16(), 32, 0)
+    with pytest.raises(RuntimeError, match="positive multiple"):
+        ext.int8_gemm_avx2(empty, torch.empty(64, 0, dtype=torch.int8), q.scale)
+    with pytest.raises(RuntimeError, match="positive multiple"):
+        ext.iq4_linear(empty, torch.empty(64, 0, dtype=torch.uint8), torch.empty(64, 0),
+                       torch.zeros(16, dtype=torch.int8), False)
 
 
 def test_float32_rows_get_the_same_bits_alone_or_batched() -> None:

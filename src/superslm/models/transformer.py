@@ -370,7 +370,7 @@ class Transformer(nn.Module):
         if top > self.ROPE_TABLE_ROWS:
             return rope_cos_sin(positions, inv, scale, self.dtype)
         table = self._rope_rows_cache.get(kind)
-        if table is None or table[0].shape[0] < top:
+        if table is None or table[0].shape[0] < top or table[0].dtype != self.dtype:
             rows = max(256, 1 << (top - 1).bit_length())
             table = self._rope_rows_cache[kind] = rope_cos_sin(torch.arange(rows), inv, scale, self.dtype)
         return table[0].index_select(0, positions), table[1].index_select(0, positions)

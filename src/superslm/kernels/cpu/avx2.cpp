@@ -205,9 +205,10 @@ void int8_rows(const int8_t* hi, const int8_t* lo, const int8_t* codes, const at
     __m256i h[4], l[4];
     for (int r = 0; r < 4; ++r) h[r] = l[r] = _mm256_setzero_si256();
     const int8_t* c = codes + n * K;
-    // one core's misses in flight are what limits a streamed head: the four rows' 128 bytes a step are one run
-    // of the weights, so each step asks for the next two lines PF_BYTES ahead of that run, once each (a prefetch
-    // per row and 32 bytes, 16 rows ahead, read Gemma-3's head at 17 GB/s on 2 AVX2 cores, this at 22-26)
+    // one core's misses in flight are what limits a streamed head: the tiles of four rows lie one after another,
+    // so each step (32 bytes of each row) asks for the two lines PF_BYTES ahead on that run, each line once, the
+    // prefetches walking 128 bytes a step as the tiles do (a prefetch per row and 32 bytes, 16 rows ahead, read
+    // Gemma-3's [262144, 640] head at 16-17 GB/s on 2 AVX2 cores, this at 19-23)
     int64_t ahead = n * K + PF_BYTES;
     const int64_t last = n1 * K - 128;
     for (int64_t k = 0; k < K; k += 32, ahead += 128) {
@@ -265,7 +266,7 @@ at::Tensor gemv_kernel(const at::Tensor& x, const at::Tensor& qweight, const at:
   const uint32_t* szp = reinterpret_cast<const uint32_t*>(sz.data_ptr<at::BFloat16>());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t per_block = B / 32, stride = B / 2;  // chunks of 32 rows per block; bytes per k of a block
-  // taken in turn (dynamic_for.h): at least ~128 KiB of codes (at most half a thread's share), at most ~1/16 of one
+  // taken in turn (dynamic_for.h): at least ~128 KiB of codes and ~1/16 of a thread's share, at most half of it
   const int64_t grain = superslm_dyn::shared_chunk(
       N / 32, std::max<int64_t>((int64_t(1) << 17) / (16 * K), N / 32 / (16 * at::get_num_threads())));
   superslm_dyn::dynamic_for(N / 32, grain, [&](int64_t c0, int64_t c1) {
@@ -318,7 +319,7 @@ at::Tensor int8_gemv_avx2(const at::Tensor& x, const at::Tensor& codes, const at
                   scale.numel() == codes.size(0),
               "int8_gemv_avx2: codes int8 [N, K], scale bf16 [N]");
   const int64_t K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % 64 == 0, "int8_gemv_avx2: K must be a multiple of 64");
+  TORCH_CHECK(K > 0 && K % 64 == 0, "int8_gemv_avx2: K must be a positive multiple of 64");
   if (!avx2_available()) return at::Tensor();
 #ifdef SUPERSLM_AVX2
   const std::vector<float> xf = superslm_pairs::bf16_rows(x);

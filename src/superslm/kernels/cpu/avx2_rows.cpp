@@ -179,7 +179,7 @@ at::Tensor rows_kernel(const at::Tensor& x, const at::Tensor& qweight, const at:
   std::vector<float> gsum(R * G), gsl(R * G);
   std::vector<uint8_t> split(R);
   // the rows split on both threads from ~8K values (16 decode rows of K 576: 4% of the step left to one)
-  at::parallel_for(0, R, std::max<int64_t>(1, 8192 / K), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, R, std::max<int64_t>(1, 8192 / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
     std::vector<int8_t> hi(K), lo(K);
     std::vector<float> xf(K);
     for (int64_t r = r0; r < r1; ++r) {
@@ -286,7 +286,7 @@ at::Tensor int8_gemm_avx2(const at::Tensor& x, const at::Tensor& codes, const at
                   scale.numel() == codes.size(0),
               "int8_gemm_avx2: codes int8 [N, K], scale bf16 [N]");
   const int64_t R = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % 64 == 0, "int8_gemm_avx2: K must be a multiple of 64");
+  TORCH_CHECK(K > 0 && K % 64 == 0, "int8_gemm_avx2: K must be a positive multiple of 64");
   if (!avx2_available()) return at::Tensor();
 #ifdef SUPERSLM_AVX2_ROWS
   const std::vector<float> xf = bf16_rows(x);

@@ -194,6 +194,10 @@ class DecodePlan {
       const int64_t slots = k_cache.size(1), L = key_slots.size(1);
       TORCH_CHECK(slot_mapping.min().item<int64_t>() >= 0 && slot_mapping.max().item<int64_t>() < slots,
                   "slot_mapping outside the cache");
+      // the rows store their keys and values on several threads (for_rows): one slot a row
+      std::vector<int64_t> sorted(slot_mapping.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>() + B);
+      std::sort(sorted.begin(), sorted.end());
+      TORCH_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), "slot_mapping names a slot twice");
       TORCH_CHECK(row_seq.min().item<int64_t>() >= 0 && row_seq.max().item<int64_t>() < key_slots.size(0),
                   "row_seq outside key_slots");
       TORCH_CHECK(seq_lens.min().item<int64_t>() >= 1 && seq_lens.max().item<int64_t>() <= L,
@@ -406,8 +410,8 @@ class DecodePlan {
     T* attn_p = attn.data_ptr<T>();
     const int64_t window = p.window;
     const float scale = static_cast<float>(scale_);
-    // split across threads only when there is enough work to pay for waking them: all the rows' keys (16
-    // decode rows of 40 keys each are as many as one row's 640)
+    // split across threads only when there is enough work to pay for waking them: the rows times the longest
+    // row's keys (16 decode rows of 40 keys count as one row of 640)
     const bool split = B * L * D * heads_ >= 32768;
     // where the rows' kv heads do not share out evenly over the threads (one row of Gemma-3: one kv head of four
     // query heads, all on one thread; of SmolLM2: three kv heads, two on one thread), each kv head's query heads

@@ -274,7 +274,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                   scale.numel() == codes.size(0) && rowsum.numel() == codes.size(0),
               "int8_gemm: rows of K against codes int8 [N, K], scale bf16 [N], rowsum int32 [N]");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % 64 == 0, "int8_gemm: K must be a multiple of 64");
+  TORCH_CHECK(K > 0 && K % 64 == 0, "int8_gemm: K must be a positive multiple of 64");
   at::Tensor xb = x.to(at::kBFloat16);
   if (!vnni_available() || M == 0) return at::_weight_int8pack_mm(xb, codes, scale);
 #ifdef SUPERSLM_VNNI

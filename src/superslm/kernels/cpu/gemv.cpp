@@ -116,7 +116,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                   rowsum.scalar_type() == at::kInt && scale.numel() == codes.size(0) && rowsum.numel() == codes.size(0),
               "int8_gemv: codes int8 [N, K], scale bf16 [N], rowsum int32 [N]");
   const int64_t K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % 64 == 0, "int8_gemv: K must be a multiple of 64");
+  TORCH_CHECK(K > 0 && K % 64 == 0, "int8_gemv: K must be a positive multiple of 64");
 #ifdef SUPERSLM_VNNI
   // x rounded to bf16 first, as the GEMM and torch's kernel see it (a row's bits must not depend on M)
   at::Tensor xf = x.to(at::kBFloat16).to(at::kFloat).contiguous();

@@ -116,7 +116,8 @@ std::tuple<at::Tensor, bool> int8_greedy_candidates(const at::Tensor& x, const a
               "int8_greedy_candidates: rows of K against codes int8 [N, K], scale bf16 [N], rowsum int32 [N], "
               "w2 float32 [N]");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % 64 == 0 && K <= 1024, "int8_greedy_candidates: K must be a multiple of 64, at most 1024");
+  TORCH_CHECK(K > 0 && K % 64 == 0 && K <= 1024,
+              "int8_greedy_candidates: K must be a positive multiple of 64, at most 1024");
   TORCH_CHECK(N < (int64_t{1} << 31) && M < (int64_t{1} << 31), "int8_greedy_candidates: too many rows");
   const at::Tensor none = at::empty({0}, at::kLong);
   const bool vnni = vnni_available();

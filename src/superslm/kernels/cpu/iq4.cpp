@@ -297,7 +297,7 @@ at::Tensor iq4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Te
   std::vector<float> dx(R * 2 * P, 0.f);
   std::vector<uint8_t> ok(R);
   // a prompt's rows: each quantized once a call, on both threads from ~8K values (avx2_rows.cpp rows_kernel)
-  at::parallel_for(0, R, std::max<int64_t>(1, 8192 / K), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, R, std::max<int64_t>(1, 8192 / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       ok[r] = quantize_groups(xp + r * K, K, xq.data() + r * Kp, aq.data() + r * Kp, dx.data() + r * 2 * P);
   });

@@ -78,8 +78,8 @@ inline Scales check_iq4(const at::Tensor& x, const at::Tensor& qweight, const at
                         const at::Tensor& table, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && qweight.dim() == 2 && qweight.device().is_cpu() &&
                   qweight.scalar_type() == at::kByte && qweight.is_contiguous() && qweight.size(1) * 2 == x.size(1) &&
-                  x.size(1) % 32 == 0,
-              name, ": rows of K (a multiple of 32) against codes uint8 [N, K / 2] on the CPU");
+                  x.size(1) > 0 && x.size(1) % 32 == 0,
+              name, ": rows of K (a positive multiple of 32) against codes uint8 [N, K / 2] on the CPU");
   const Scales s = Scales::of(scales, qweight.size(0), x.size(1), name);
   TORCH_CHECK(table.scalar_type() == at::kChar && table.is_contiguous() && table.numel() == 16, name,
               ": a table of 16 int8 values");

@@ -299,8 +299,8 @@ at::Tensor q6k_gemv(const at::Tensor& x, const at::Tensor& blocks) {
   const uint8_t* q = blocks.data_ptr<uint8_t>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t G = static_cast<int64_t>(good.size()), rowb = nb * BB;
-  // chunks taken in turn (dynamic_for.h): at least ~128 KiB of blocks (at most half a thread's share), at most ~1/16
-  // of one
+  // chunks taken in turn (dynamic_for.h): at least ~128 KiB of blocks and ~1/16 of a thread's share, at most half
+  // of it
   const int64_t chunk =
       superslm_dyn::shared_chunk(N, std::max((int64_t(1) << 17) / rowb, N / (16 * at::get_num_threads())));
   if (G > 0) {

@@ -224,8 +224,8 @@ at::Tensor q80_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   const at::Half* dp = d.data_ptr<at::Half>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t nr = static_cast<int64_t>(good.size());
-  // chunks taken in turn (dynamic_for.h), whole tiles of 4: at least ~128 KiB of codes (at most half a thread's
-  // share), at most ~1/16 of one
+  // chunks taken in turn (dynamic_for.h), whole tiles of 4: at least ~128 KiB of codes and ~1/16 of a thread's
+  // share, at most half of it
   const int64_t chunk =
       superslm_dyn::shared_chunk(N, std::max((int64_t(1) << 17) / K, N / (16 * at::get_num_threads())), 4);
   if (nr > 0) {

@@ -127,10 +127,25 @@ inline void value_block(const float* scores, const float* total, const VC* vc, c
   }
 }
 
+// value_block<GN, rest> for 1 <= rest <= R: a block's last `rest` vectors in one pass over the keys
+template <int64_t GN, int64_t R, typename O, typename VC>
+inline void value_rest(int64_t rest, const float* scores, const float* total, const VC* vc, const int64_t* slots,
+                       int64_t first, int64_t n, int64_t vrow, int64_t voff, int64_t g0, int64_t gn, int64_t v0, O* out,
+                       int64_t out_stride) {
+  if constexpr (R > 0) {
+    if (rest == R) {
+      value_block<GN, R, O, VC>(scores, total, vc, slots, first, n, vrow, voff, g0, gn, v0, out, out_stride);
+      return;
+    }
+    value_rest<GN, R - 1, O, VC>(rest, scores, total, vc, slots, first, n, vrow, voff, g0, gn, v0, out, out_stride);
+  }
+}
+
 // rowops.h attend_group16 in 8 lanes: the query heads q [G, D] (float) of one kv head against its keys
-// key_slots[first:len], D % 8 == 0, D <= 256, G <= 64; each key and value row loaded once per 4 query
-// heads. scores: G * (len - first) floats. KC, VC: float rows of T, int8 or 4-bit rows (a key's dot product and a
-// value's weight multiplied by its row's scale); 4-bit rows (D % 16 == 0) in 8-lane order (load_q4x8), q in it
+// key_slots[first:len], D % 8 == 0, D <= 256, G <= 64; each key row loaded once per 4 query heads (value rows:
+// value_block's blocks; 4-bit ones once per 4 heads and 16 values). scores: G * (len - first) floats. KC, VC: float
+// rows of T, int8 or 4-bit rows (a key's dot product and a value's weight multiplied by its row's scale); 4-bit
+// rows (D % 16 == 0) in 8-lane order (load_q4x8), q in it
 // where the keys are 4-bit, out (O = float) where the values are.
 template <typename O, typename KC, typename VC>
 void attend_group8(const float* q, int64_t G, const KC* kc, const VC* vc, const int64_t* slots, int64_t first,
@@ -224,8 +239,9 @@ void attend_group8(const float* q, int64_t G, const KC* kc, const VC* vc, const 
         int64_t v0 = 0;
         for (; v0 + VN <= V; v0 += VN)
           value_block<GN, VN, O, VC>(scores, total, vc, slots, first, n, vrow, kvh * vw, g0, gn, v0, out, out_stride);
-        for (; v0 < V; ++v0)
-          value_block<GN, 1, O, VC>(scores, total, vc, slots, first, n, vrow, kvh * vw, g0, gn, v0, out, out_stride);
+        if (v0 < V)  // the fewer than VN vectors left: one more pass
+          value_rest<GN, VN - 1, O, VC>(V - v0, scores, total, vc, slots, first, n, vrow, kvh * vw, g0, gn, v0, out,
+                                        out_stride);
       }
     };
     if (G >= 4)

@@ -201,8 +201,9 @@ inline void check_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && qweight.dim() == 2 && qweight.device().is_cpu() &&
                   qweight.scalar_type() == at::kByte && qweight.is_contiguous() && qweight.size(1) * 2 == x.size(1),
               name, ": rows of K against packed codes uint8 [N, K / 2] on the CPU");
-  TORCH_CHECK(group >= 4 && group <= 256 && group % 4 == 0 && x.size(1) % group == 0 && qweight.size(0) % 64 == 0,
-              name, ": K a multiple of the group (4..256, a multiple of 4), N of 64");
+  TORCH_CHECK(group >= 4 && group <= 256 && group % 4 == 0 && x.size(1) > 0 && x.size(1) % group == 0 &&
+                  qweight.size(0) % 64 == 0,
+              name, ": K a positive multiple of the group (4..256, a multiple of 4), N of 64");
   TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.device().is_cpu() && sz.dim() == 3 &&
                   sz.size(0) == x.size(1) / group && sz.size(1) == qweight.size(0) && sz.size(2) == 2,
               name, ": scales_zeros bf16 [K / group, N, 2]");
