@@ -18,6 +18,7 @@ import os
 import time
 from typing import Any
 
+from benchmarks.kv_speed import _timed_decode_ours
 from superslm.bench import run_engine
 
 
@@ -43,16 +44,7 @@ def ours(path: str, context: int, decode: int, threads: int) -> dict[str, float]
     engine = model.engine(slots=2, context=context + decode + 8, prefix_caching=False)
     engine.generate([Request(ids[:16], 4, greedy)])  # warm-up
     freeze_heap()
-    rid = engine.add(Request(ids, decode, greedy))
-    first = last = 0.0
-    n = 0
-    while engine.busy():
-        for p in engine.advance():
-            if p.id == rid and p.tokens:
-                n += len(p.tokens)
-                last = time.perf_counter()
-                first = first or last
-    return {"decode": (n - 1) / (last - first)}
+    return {"decode": _timed_decode_ours(engine, ids, decode)[0]}
 
 
 def llama(path: str, context: int, decode: int, threads: int) -> dict[str, float]:

@@ -97,8 +97,8 @@ inline void load_q4x8(const uint8_t* p, __m256& lo, __m256& hi) {
 }
 
 // Value vectors v0 .. v0 + VN - 1 of gn <= GN query heads from g0 on: each lane the sum over the keys, in their
-// order, of the head's weight times the value (float or int8 rows: a row's scale is in its weights), over the
-// head's total; every (head, lane) the same sum in the same order whatever the block.
+// order, of the head's weight times the value (quantized rows: a row's scale is in its weights), over the head's
+// total; every (head, lane) the same sum in the same order whatever the block. 4-bit rows: VN 2 (load_q4x8's pair).
 template <int64_t GN, int64_t VN, typename O, typename VC>
 inline void value_block(const float* scores, const float* total, const VC* vc, const int64_t* slots, int64_t first,
                         int64_t n, int64_t vrow, int64_t voff, int64_t g0, int64_t gn, int64_t v0, O* out,
@@ -107,9 +107,14 @@ inline void value_block(const float* scores, const float* total, const VC* vc, c
   for (int64_t g = 0; g < GN; ++g)
     for (int64_t v = 0; v < VN; ++v) acc[g][v] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
-    const VC* vr = vc + slots[first + i] * vrow + voff + v0 * 8;
+    const VC* vr = vc + slots[first + i] * vrow + voff + kv_offset<VC>(v0 * 8);
     __m256 vv[VN];
-    for (int64_t v = 0; v < VN; ++v) vv[v] = load8<VC>(vr + v * 8);
+    if constexpr (is_q4<VC>) {
+      static_assert(VN == 2, "4-bit value rows load two vectors at a time");
+      load_q4x8(vr, vv[0], vv[1]);
+    } else {
+      for (int64_t v = 0; v < VN; ++v) vv[v] = load8<VC>(vr + v * 8);
+    }
     for (int64_t g = 0; g < GN; ++g) {
       if (g >= gn) break;
       const __m256 p = _mm256_set1_ps(scores[(g0 + g) * n + i]);
@@ -228,64 +233,33 @@ void attend_group8(const float* q, int64_t G, const KC* kc, const VC* vc, const 
       for (int64_t g = 0; g < G; ++g) scores[g * n + i] *= vs;
     }
   }
-  // value sums: float and int8 rows in blocks of GN query heads x VN value vectors (value_block), as many as fit
-  // AVX2's 16 registers for this G: the fewer passes over the keys' value rows, the less they are read again (one
-  // head of 32 vectors took 16 passes in blocks of 4 x 2); 4-bit rows 4 x 2 (load_q4x8 gives two vectors)
-  if constexpr (!is_q4<VC>) {
-    auto blocks = [&](auto gn_c, auto vn_c) {
-      constexpr int64_t GN = decltype(gn_c)::value, VN = decltype(vn_c)::value;
-      for (int64_t g0 = 0; g0 < G; g0 += GN) {
-        const int64_t gn = std::min<int64_t>(GN, G - g0);
-        int64_t v0 = 0;
-        for (; v0 + VN <= V; v0 += VN)
-          value_block<GN, VN, O, VC>(scores, total, vc, slots, first, n, vrow, kvh * vw, g0, gn, v0, out, out_stride);
+  // value sums in blocks of GN query heads x VN value vectors (value_block), as many as fit AVX2's 16 registers
+  // for this G: the fewer passes over the keys' value rows, the less they are read again (one head of 32 vectors
+  // took 16 passes in blocks of 4 x 2); 4-bit rows 4 x 2 (load_q4x8 gives two vectors; V is even)
+  auto blocks = [&](auto gn_c, auto vn_c) {
+    constexpr int64_t GN = decltype(gn_c)::value, VN = decltype(vn_c)::value;
+    for (int64_t g0 = 0; g0 < G; g0 += GN) {
+      const int64_t gn = std::min<int64_t>(GN, G - g0);
+      int64_t v0 = 0;
+      for (; v0 + VN <= V; v0 += VN)
+        value_block<GN, VN, O, VC>(scores, total, vc, slots, first, n, vrow, kvh * vw, g0, gn, v0, out, out_stride);
+      if constexpr (!is_q4<VC>)
         if (v0 < V)  // the fewer than VN vectors left: one more pass
           value_rest<GN, VN - 1, O, VC>(V - v0, scores, total, vc, slots, first, n, vrow, kvh * vw, g0, gn, v0, out,
                                         out_stride);
-      }
-    };
-    if (G >= 4)
-      blocks(std::integral_constant<int64_t, 4>(), std::integral_constant<int64_t, 2>());
-    else if (G == 3)
-      blocks(std::integral_constant<int64_t, 3>(), std::integral_constant<int64_t, 3>());
-    else if (G == 2)
-      blocks(std::integral_constant<int64_t, 2>(), std::integral_constant<int64_t, 4>());
-    else
-      blocks(std::integral_constant<int64_t, 1>(), std::integral_constant<int64_t, 6>());
-    return;
-  }
-  // 4-bit value rows: 4 query heads x 2 value vectors at a time (8 accumulators)
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    const int64_t gn = std::min<int64_t>(4, G - g0);
-    for (int64_t v0 = 0; v0 < V; v0 += 2) {
-      const int64_t vn = std::min<int64_t>(2, V - v0);  // 4-bit rows: always 2 (V is even)
-      __m256 acc[4][2];
-      for (int64_t g = 0; g < 4; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < n; ++i) {
-        const VC* vr = vc + slots[first + i] * vrow + kvh * vw + kv_offset<VC>(v0 * 8);
-        __m256 vv[2];
-        if constexpr (is_q4<VC>) {
-          load_q4x8(vr, vv[0], vv[1]);
-        } else {
-          for (int64_t v = 0; v < vn; ++v) vv[v] = load8<VC>(vr + v * 8);
-        }
-        for (int64_t g = 0; g < gn; ++g) {
-          const float w = scores[(g0 + g) * n + i];  // quantized rows: times the row's scale (above)
-          const __m256 p = _mm256_set1_ps(w);
-          for (int64_t v = 0; v < vn; ++v) acc[g][v] = _mm256_fmadd_ps(p, vv[v], acc[g][v]);
-        }
-      }
-      for (int64_t g = 0; g < gn; ++g) {
-        const __m256 inv = _mm256_set1_ps(total[g0 + g]);
-        alignas(32) float o[8];
-        for (int64_t v = 0; v < vn; ++v) {
-          _mm256_store_ps(o, _mm256_div_ps(acc[g][v], inv));
-          O* dst = out + (g0 + g) * out_stride + (v0 + v) * 8;
-          for (int i = 0; i < 8; ++i) dst[i] = static_cast<O>(o[i]);
-        }
-      }
     }
-  }
+  };
+  using std::integral_constant;
+  if constexpr (is_q4<VC>)
+    blocks(integral_constant<int64_t, 4>(), integral_constant<int64_t, 2>());
+  else if (G >= 4)
+    blocks(integral_constant<int64_t, 4>(), integral_constant<int64_t, 2>());
+  else if (G == 3)
+    blocks(integral_constant<int64_t, 3>(), integral_constant<int64_t, 3>());
+  else if (G == 2)
+    blocks(integral_constant<int64_t, 2>(), integral_constant<int64_t, 4>());
+  else
+    blocks(integral_constant<int64_t, 1>(), integral_constant<int64_t, 6>());
 }
 
 }  // namespace superslm_rows
