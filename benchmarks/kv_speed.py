@@ -35,29 +35,10 @@ import sys
 import time
 from typing import Any
 
-from superslm.bench import _TEXT, run_engine
+from superslm.bench import _TEXT, run_engine, timed_decode
 
 ENGINES = ("ours-bf16", "ours-int8", "llama-q8_0", "llama-f16", "llama-f16-fa")
 SHORT = 32
-
-
-def _timed_decode_ours(engine: Any, ids: list[int], decode: int) -> tuple[float, float]:
-    """(decode tok/s, prefill s) of one request: prefill time up to its first token, decode from it to the last."""
-    from superslm import Request, Sampling
-
-    t0 = time.perf_counter()
-    rid = engine.add(Request(ids, decode, Sampling(ignore_eos=True)))
-    first = last = 0.0
-    n = 0
-    while engine.busy():
-        for p in engine.advance():
-            if p.id == rid and p.tokens:
-                n += len(p.tokens)
-                last = time.perf_counter()
-                first = first or last
-    if n != decode:
-        raise RuntimeError(f"{n} tokens decoded, not {decode}")
-    return (n - 1) / (last - first), first - t0
 
 
 def bench_ours(path: str, ids: list[int], decode: int, threads: int, kv: str, adaptive: bool) -> dict[str, Any]:
@@ -70,8 +51,8 @@ def bench_ours(path: str, ids: list[int], decode: int, threads: int, kv: str, ad
                           adaptive_threads=adaptive)
     engine.generate([Request(ids[:16], 4, Sampling(ignore_eos=True))])  # warm-up (the C++ plan's first build)
     la0 = os.getloadavg()[0]
-    tps, prefill_s = _timed_decode_ours(engine, ids, decode)
-    short, _ = _timed_decode_ours(engine, ids[:SHORT], decode)
+    tps, prefill_s = timed_decode(engine, ids, decode)
+    short, _ = timed_decode(engine, ids[:SHORT], decode)
     kv_mb = (engine.kv.k.numel() * engine.kv.k.element_size() + engine.kv.v.numel() * engine.kv.v.element_size())
     return {"decode": tps, "short": short, "prefill_s": prefill_s, "load": (la0 + os.getloadavg()[0]) / 2,
             "kv_mb": kv_mb / 2**20}

@@ -18,8 +18,7 @@ import os
 import time
 from typing import Any
 
-from benchmarks.kv_speed import _timed_decode_ours
-from superslm.bench import run_engine
+from superslm.bench import run_engine, timed_decode
 
 
 def _ids(path: str, context: int) -> list[int]:
@@ -44,7 +43,7 @@ def ours(path: str, context: int, decode: int, threads: int) -> dict[str, float]
     engine = model.engine(slots=2, context=context + decode + 8, prefix_caching=False)
     engine.generate([Request(ids[:16], 4, greedy)])  # warm-up
     freeze_heap()
-    return {"decode": _timed_decode_ours(engine, ids, decode)[0]}
+    return {"decode": timed_decode(engine, ids, decode)[0]}
 
 
 def llama(path: str, context: int, decode: int, threads: int) -> dict[str, float]:

@@ -39,6 +39,26 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def timed_decode(engine: Any, ids: list[int], decode: int) -> tuple[float, float]:
+    """(decode tok/s, prefill s) of one greedy request of `decode` tokens (EOS ignored) on an idle engine: the
+    prefill up to its first token, the decode from it to the last."""
+    from superslm import Request, Sampling
+
+    t0 = time.perf_counter()
+    rid = engine.add(Request(ids, decode, Sampling(ignore_eos=True)))
+    first = last = 0.0
+    n = 0
+    while engine.busy():
+        for p in engine.advance():
+            if p.id == rid and p.tokens:
+                n += len(p.tokens)
+                last = time.perf_counter()
+                first = first or last
+    if n != decode:
+        raise RuntimeError(f"{n} tokens decoded, not {decode}")
+    return (n - 1) / (last - first), first - t0
+
+
 def bench_superslm(path: str, threads: int, prefill: int, decode: int, streams: int) -> dict[str, float]:
     """SuperSLM's figures (its default load of the model)."""
 
@@ -59,16 +79,7 @@ def bench_superslm(path: str, threads: int, prefill: int, decode: int, streams: 
     t = time.perf_counter()
     engine.generate([Request(ids, 1, greedy)])
     prefill_tps = len(ids) / (time.perf_counter() - t)
-    rid = engine.add(Request(ids[:32], decode, greedy))
-    first = last = 0.0
-    n = 0
-    while engine.busy():
-        for p in engine.advance():
-            if p.id == rid and p.tokens:
-                n += len(p.tokens)
-                last = time.perf_counter()
-                first = first or last
-    decode_tps = (n - 1) / (last - first)
+    decode_tps = timed_decode(engine, ids[:32], decode)[0]
     reqs = [Request(ids[i : i + 24], decode, greedy) for i in range(streams)]
     t = time.perf_counter()
     engine.generate(reqs)
