@@ -69,11 +69,12 @@ def _prefilled(net: Transformer, lengths: list[int], seed: int = 0, pages: int =
     return kv, meta, toks
 
 
-def _three_ways(net: Transformer, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _three_ways(net: Transformer, lengths: list[int], pages: int = 64
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Hidden states after every layer from the generic path, the torch reference and the C++ plan."""
     outs = []
     for way in ("generic", "reference", "cpp"):
-        kv, meta, toks = _prefilled(net, lengths)
+        kv, meta, toks = _prefilled(net, lengths, pages=max(pages, 64))
         with torch.no_grad():
             h = net.embed(toks)
             if way == "generic":
@@ -94,6 +95,19 @@ def test_float32_equals_reference_and_generic(family: str, folders) -> None:
     assert cpu_decode.plan_for(net) is not None
     # 3 keys, and 41 = two full blocks of 16 and a remainder for the vector attention's score tree
     generic, ref, cpp = _three_ways(net, [3, 9, 14, 40])
+    assert (ref - generic).abs().max().item() <= 1e-5
+    assert (cpp - ref).abs().max().item() <= 1e-5
+    assert generic.std().item() > 0.1
+
+
+def test_long_contexts_value_tiles_equal_reference(folders) -> None:
+    """Rows past several of the attention's key tiles (rowops_avx2.h: the value pass runs the keys in tiles of
+    ~64 KB of value rows, every query head's sums carried from tile to tile) give the reference's hidden states."""
+    src = open_source(folders["llama"])
+    net = Transformer(src.arch, materialize(src, torch.float32))
+    tile = max(64, 65536 // (net.arch.head_dim * 4))  # float32 value rows
+    lengths = [2 * tile + 37, tile, 5]
+    generic, ref, cpp = _three_ways(net, lengths, pages=sum(n // PS + 1 for n in lengths))
     assert (ref - generic).abs().max().item() <= 1e-5
     assert (cpp - ref).abs().max().item() <= 1e-5
     assert generic.std().item() > 0.1

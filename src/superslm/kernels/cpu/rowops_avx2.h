@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "rowbase.h"
 
@@ -96,17 +98,19 @@ inline void load_q4x8(const uint8_t* p, __m256& lo, __m256& hi) {
   hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight));
 }
 
-// Value vectors v0 .. v0 + VN - 1 of gn <= GN query heads from g0 on: each lane the sum over the keys, in their
-// order, of the head's weight times the value (quantized rows: a row's scale is in its weights), over the head's
-// total; every (head, lane) the same sum in the same order whatever the block. 4-bit rows: VN 2 (load_q4x8's pair).
-template <int64_t GN, int64_t VN, typename O, typename VC>
-inline void value_block(const float* scores, const float* total, const VC* vc, const int64_t* slots, int64_t first,
-                        int64_t n, int64_t vrow, int64_t voff, int64_t g0, int64_t gn, int64_t v0, O* out,
-                        int64_t out_stride) {
+// Value sums of vectors v0 .. v0 + VN - 1 of gn <= GN query heads from g0 on, over the keys i0 .. i1 - 1: each
+// lane of acc (float [G][D], row stride D) plus, key by key in order, the head's weight times the value (quantized
+// rows: a row's scale is in its weights). acc is read and written exactly, so running the keys in tiles gives each
+// (head, lane) the same sum in the same order as one pass. 4-bit rows: VN 2 (load_q4x8's pair).
+template <int64_t GN, int64_t VN, typename VC>
+inline void value_block(const float* scores, const VC* vc, const int64_t* slots, int64_t first, int64_t n,
+                        int64_t i0, int64_t i1, int64_t vrow, int64_t voff, int64_t g0, int64_t gn, int64_t v0,
+                        int64_t D, float* acc_out) {
   __m256 acc[GN][VN];
   for (int64_t g = 0; g < GN; ++g)
-    for (int64_t v = 0; v < VN; ++v) acc[g][v] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t v = 0; v < VN; ++v)
+      acc[g][v] = g < gn ? _mm256_load_ps(acc_out + (g0 + g) * D + (v0 + v) * 8) : _mm256_setzero_ps();
+  for (int64_t i = i0; i < i1; ++i) {
     const VC* vr = vc + slots[first + i] * vrow + voff + kv_offset<VC>(v0 * 8);
     __m256 vv[VN];
     if constexpr (is_q4<VC>) {
@@ -121,28 +125,122 @@ inline void value_block(const float* scores, const float* total, const VC* vc, c
       for (int64_t v = 0; v < VN; ++v) acc[g][v] = _mm256_fmadd_ps(p, vv[v], acc[g][v]);
     }
   }
-  for (int64_t g = 0; g < gn; ++g) {
-    const __m256 inv = _mm256_set1_ps(total[g0 + g]);
-    alignas(32) float o[8];
-    for (int64_t v = 0; v < VN; ++v) {
-      _mm256_store_ps(o, _mm256_div_ps(acc[g][v], inv));
-      O* dst = out + (g0 + g) * out_stride + (v0 + v) * 8;
-      for (int j = 0; j < 8; ++j) dst[j] = static_cast<O>(o[j]);
+  for (int64_t g = 0; g < gn; ++g)
+    for (int64_t v = 0; v < VN; ++v) _mm256_store_ps(acc_out + (g0 + g) * D + (v0 + v) * 8, acc[g][v]);
+}
+
+// value_block<GN, rest> for 1 <= rest <= R: a block's last `rest` vectors in one pass over the keys
+template <int64_t GN, int64_t R, typename VC>
+inline void value_rest(int64_t rest, const float* scores, const VC* vc, const int64_t* slots, int64_t first,
+                       int64_t n, int64_t i0, int64_t i1, int64_t vrow, int64_t voff, int64_t g0, int64_t gn,
+                       int64_t v0, int64_t D, float* acc_out) {
+  if constexpr (R > 0) {
+    if (rest == R) {
+      value_block<GN, R, VC>(scores, vc, slots, first, n, i0, i1, vrow, voff, g0, gn, v0, D, acc_out);
+      return;
+    }
+    value_rest<GN, R - 1, VC>(rest, scores, vc, slots, first, n, i0, i1, vrow, voff, g0, gn, v0, D, acc_out);
+  }
+}
+
+// One key's partial dot products with GN query heads: acc[g] += q[g, v*8 .. v*8+7] * key lanes, v in order.
+template <int64_t GN, typename KC>
+inline void key_dots(const float* q, const KC* k, int64_t D, __m256* acc) {
+  const int64_t V = D / 8;
+  if constexpr (is_q4<KC>) {
+    for (int64_t v = 0; v < V; v += 2) {
+      __m256 lo, hi;
+      load_q4x8(k + v * 4, lo, hi);
+      for (int64_t g = 0; g < GN; ++g) {
+        const float* qg = q + g * D + v * 8;
+        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg), lo, acc[g]);
+        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8), hi, acc[g]);
+      }
+    }
+  } else {
+    for (int64_t v = 0; v < V; ++v) {
+      const __m256 kv = load8<KC>(k + v * 8);
+      for (int64_t g = 0; g < GN; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + v * 8), kv, acc[g]);
     }
   }
 }
 
-// value_block<GN, rest> for 1 <= rest <= R: a block's last `rest` vectors in one pass over the keys
-template <int64_t GN, int64_t R, typename O, typename VC>
-inline void value_rest(int64_t rest, const float* scores, const float* total, const VC* vc, const int64_t* slots,
-                       int64_t first, int64_t n, int64_t vrow, int64_t voff, int64_t g0, int64_t gn, int64_t v0, O* out,
-                       int64_t out_stride) {
-  if constexpr (R > 0) {
-    if (rest == R) {
-      value_block<GN, R, O, VC>(scores, total, vc, slots, first, n, vrow, voff, g0, gn, v0, out, out_stride);
-      return;
+// Two keys' partial dot products with GN query heads (key_dots of each, interleaved): each head's FMA chain is a
+// dependency chain D/8 long, so one key and a few heads leave the FMA units waiting on its latency; two keys give
+// twice the chains in flight. Each (head, key) sum is the same operations in the same order as key_dots'.
+template <int64_t GN, typename KC>
+inline void key_dots2(const float* q, const KC* k0, const KC* k1, int64_t D, __m256* a0, __m256* a1) {
+  const int64_t V = D / 8;
+  if constexpr (is_q4<KC>) {
+    for (int64_t v = 0; v < V; v += 2) {
+      __m256 lo0, hi0, lo1, hi1;
+      load_q4x8(k0 + v * 4, lo0, hi0);
+      load_q4x8(k1 + v * 4, lo1, hi1);
+      for (int64_t g = 0; g < GN; ++g) {
+        const float* qg = q + g * D + v * 8;
+        const __m256 qa = _mm256_loadu_ps(qg), qb = _mm256_loadu_ps(qg + 8);
+        a0[g] = _mm256_fmadd_ps(qa, lo0, a0[g]);
+        a1[g] = _mm256_fmadd_ps(qa, lo1, a1[g]);
+        a0[g] = _mm256_fmadd_ps(qb, hi0, a0[g]);
+        a1[g] = _mm256_fmadd_ps(qb, hi1, a1[g]);
+      }
     }
-    value_rest<GN, R - 1, O, VC>(rest, scores, total, vc, slots, first, n, vrow, voff, g0, gn, v0, out, out_stride);
+  } else {
+    for (int64_t v = 0; v < V; ++v) {
+      const __m256 kv0 = load8<KC>(k0 + v * 8), kv1 = load8<KC>(k1 + v * 8);
+      for (int64_t g = 0; g < GN; ++g) {
+        const __m256 qv = _mm256_loadu_ps(q + g * D + v * 8);
+        a0[g] = _mm256_fmadd_ps(qv, kv0, a0[g]);
+        a1[g] = _mm256_fmadd_ps(qv, kv1, a1[g]);
+      }
+    }
+  }
+}
+
+// The scaled scores [GN, n] of GN query heads q [GN, D] against the keys key_slots[first:first + n] (row stride
+// krow, this kv head at koff), in blocks of 8 keys: each key's 8-lane partial sums, then hsum8x8 per head.
+template <int64_t GN, typename KC>
+inline void score_block(const float* q, const KC* kc, const int64_t* slots, int64_t first, int64_t n, int64_t krow,
+                        int64_t koff, int64_t D, float scale, float* scores) {
+  alignas(32) float part[GN][8][8];  // [query head, key, lane] partial dot products of one block of keys
+  alignas(32) float kscale[8];       // quantized rows: the block's key scales
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    const int64_t jn = std::min<int64_t>(8, n - j0);
+    int64_t j = 0;
+    for (; j + 2 <= jn; j += 2) {
+      __m256 a0[GN], a1[GN];
+      for (int64_t g = 0; g < GN; ++g) a0[g] = a1[g] = _mm256_setzero_ps();
+      const KC* k0 = kc + slots[first + j0 + j] * krow + koff;
+      const KC* k1 = kc + slots[first + j0 + j + 1] * krow + koff;
+      key_dots2<GN, KC>(q, k0, k1, D, a0, a1);
+      if constexpr (is_quant<KC>) {
+        kscale[j] = kv_scale(k0, D);
+        kscale[j + 1] = kv_scale(k1, D);
+      }
+      for (int64_t g = 0; g < GN; ++g) {
+        _mm256_store_ps(part[g][j], a0[g]);
+        _mm256_store_ps(part[g][j + 1], a1[g]);
+      }
+    }
+    for (; j < 8; ++j) {  // an odd key, and the zero lanes past the last key of the last block
+      __m256 acc[GN];
+      for (int64_t g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
+      if constexpr (is_quant<KC>) kscale[j] = 0.f;
+      if (j < jn) {
+        const KC* k = kc + slots[first + j0 + j] * krow + koff;
+        key_dots<GN, KC>(q, k, D, acc);
+        if constexpr (is_quant<KC>) kscale[j] = kv_scale(k, D);
+      }
+      for (int64_t g = 0; g < GN; ++g) _mm256_store_ps(part[g][j], acc[g]);
+    }
+    for (int64_t g = 0; g < GN; ++g) {
+      alignas(32) float s[8];
+      __m256 dot = hsum8x8(&part[g][0][0]);
+      if constexpr (is_quant<KC>) dot = _mm256_mul_ps(dot, _mm256_load_ps(kscale));
+      _mm256_store_ps(s, _mm256_mul_ps(dot, sv));
+      std::memcpy(scores + g * n + j0, s, jn * sizeof(float));
+    }
   }
 }
 
@@ -158,48 +256,15 @@ void attend_group8(const float* q, int64_t G, const KC* kc, const VC* vc, const 
                    int64_t out_stride) {
   const int64_t kw = kv_width<KC>(D), krow = kv_heads * kw, vw = kv_width<VC>(D), vrow = kv_heads * vw;
   const int64_t n = len - first, V = D / 8;
-  alignas(32) float part[4][8][8];  // [query head, key, lane] partial dot products of one block of keys
-  alignas(32) float kscale[8];      // quantized rows: the block's key scales
-  const __m256 sv = _mm256_set1_ps(scale);
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    const int64_t gn = std::min<int64_t>(4, G - g0);
-    for (int64_t j0 = 0; j0 < n; j0 += 8) {
-      const int64_t jn = std::min<int64_t>(8, n - j0);
-      for (int64_t j = 0; j < 8; ++j) {
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        if constexpr (is_quant<KC>) kscale[j] = 0.f;
-        if (j < jn) {
-          const KC* k = kc + slots[first + j0 + j] * krow + kvh * kw;
-          if constexpr (is_q4<KC>) {
-            for (int64_t v = 0; v < V; v += 2) {
-              __m256 lo, hi;
-              load_q4x8(k + v * 4, lo, hi);
-              for (int64_t g = 0; g < gn; ++g) {
-                const float* qg = q + (g0 + g) * D + v * 8;
-                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg), lo, acc[g]);
-                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8), hi, acc[g]);
-              }
-            }
-          } else {
-            for (int64_t v = 0; v < V; ++v) {
-              const __m256 kv = load8<KC>(k + v * 8);
-              for (int64_t g = 0; g < gn; ++g)
-                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (g0 + g) * D + v * 8), kv, acc[g]);
-            }
-          }
-          if constexpr (is_quant<KC>) kscale[j] = kv_scale(k, D);
-        }
-        for (int64_t g = 0; g < 4; ++g) _mm256_store_ps(part[g][j], acc[g]);
-      }
-      for (int64_t g = 0; g < gn; ++g) {
-        alignas(32) float s[8];
-        __m256 dot = hsum8x8(&part[g][0][0]);
-        if constexpr (is_quant<KC>) dot = _mm256_mul_ps(dot, _mm256_load_ps(kscale));
-        _mm256_store_ps(s, _mm256_mul_ps(dot, sv));
-        std::memcpy(scores + (g0 + g) * n + j0, s, jn * sizeof(float));
-      }
-    }
-  }
+  // scores in blocks of 4 query heads, then the 1-3 left (score_block: two keys at a time)
+  const int64_t koff = kvh * kw, g4 = G - G % 4;
+  for (int64_t g0 = 0; g0 < g4; g0 += 4)
+    score_block<4, KC>(q + g0 * D, kc, slots, first, n, krow, koff, D, scale, scores + g0 * n);
+  const float* qr = q + g4 * D;
+  float* sr = scores + g4 * n;
+  if (G % 4 == 3) score_block<3, KC>(qr, kc, slots, first, n, krow, koff, D, scale, sr);
+  if (G % 4 == 2) score_block<2, KC>(qr, kc, slots, first, n, krow, koff, D, scale, sr);
+  if (G % 4 == 1) score_block<1, KC>(qr, kc, slots, first, n, krow, koff, D, scale, sr);
   float total[64];  // G <= 64 (the caller checks)
   for (int64_t g = 0; g < G; ++g) {
     float* sc = scores + g * n;
@@ -235,18 +300,28 @@ void attend_group8(const float* q, int64_t G, const KC* kc, const VC* vc, const 
   }
   // value sums in blocks of GN query heads x VN value vectors (value_block), as many as fit AVX2's 16 registers
   // for this G: the fewer passes over the keys' value rows, the less they are read again (one head of 32 vectors
-  // took 16 passes in blocks of 4 x 2); 4-bit rows 4 x 2 (load_q4x8 gives two vectors; V is even)
+  // took 16 passes in blocks of 4 x 2); 4-bit rows 4 x 2 (load_q4x8 gives two vectors; V is even). The keys go
+  // in tiles of ~64 KB of value rows, every block's pass over one tile before the next: the passes read the tile
+  // from L2 where the whole of a long context's rows would come from L3 or memory each pass.
+  static thread_local std::vector<float> acc_buf;
+  if (static_cast<int64_t>(acc_buf.size()) < G * D + 8) acc_buf.resize(G * D + 8);
+  float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(acc_buf.data()) + 31) & ~uintptr_t(31));
+  std::fill(acc, acc + G * D, 0.f);
+  const int64_t tile = std::max<int64_t>(64, 65536 / static_cast<int64_t>(vw * sizeof(VC)));
   auto blocks = [&](auto gn_c, auto vn_c) {
     constexpr int64_t GN = decltype(gn_c)::value, VN = decltype(vn_c)::value;
-    for (int64_t g0 = 0; g0 < G; g0 += GN) {
-      const int64_t gn = std::min<int64_t>(GN, G - g0);
-      int64_t v0 = 0;
-      for (; v0 + VN <= V; v0 += VN)
-        value_block<GN, VN, O, VC>(scores, total, vc, slots, first, n, vrow, kvh * vw, g0, gn, v0, out, out_stride);
-      if constexpr (!is_q4<VC>)
-        if (v0 < V)  // the fewer than VN vectors left: one more pass
-          value_rest<GN, VN - 1, O, VC>(V - v0, scores, total, vc, slots, first, n, vrow, kvh * vw, g0, gn, v0, out,
-                                        out_stride);
+    for (int64_t i0 = 0; i0 < n; i0 += tile) {
+      const int64_t i1 = std::min(n, i0 + tile);
+      for (int64_t g0 = 0; g0 < G; g0 += GN) {
+        const int64_t gn = std::min<int64_t>(GN, G - g0);
+        int64_t v0 = 0;
+        for (; v0 + VN <= V; v0 += VN)
+          value_block<GN, VN, VC>(scores, vc, slots, first, n, i0, i1, vrow, kvh * vw, g0, gn, v0, D, acc);
+        if constexpr (!is_q4<VC>)
+          if (v0 < V)  // the fewer than VN vectors left: one more pass
+            value_rest<GN, VN - 1, VC>(V - v0, scores, vc, slots, first, n, i0, i1, vrow, kvh * vw, g0, gn, v0, D,
+                                       acc);
+      }
     }
   };
   using std::integral_constant;
@@ -260,6 +335,15 @@ void attend_group8(const float* q, int64_t G, const KC* kc, const VC* vc, const 
     blocks(integral_constant<int64_t, 2>(), integral_constant<int64_t, 4>());
   else
     blocks(integral_constant<int64_t, 1>(), integral_constant<int64_t, 6>());
+  for (int64_t g = 0; g < G; ++g) {  // each head's sums over its total
+    const __m256 inv = _mm256_set1_ps(total[g]);
+    alignas(32) float o[8];
+    for (int64_t v = 0; v < V; ++v) {
+      _mm256_store_ps(o, _mm256_div_ps(_mm256_load_ps(acc + g * D + v * 8), inv));
+      O* dst = out + g * out_stride + v * 8;
+      for (int j = 0; j < 8; ++j) dst[j] = static_cast<O>(o[j]);
+    }
+  }
 }
 
 }  // namespace superslm_rows
