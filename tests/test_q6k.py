@@ -59,15 +59,25 @@ def needs_kernels() -> None:
         pytest.skip("no C++ Q6_K kernels here: Q6_K becomes int8")
 
 
-def test_the_weight_is_the_files_bit_for_bit() -> None:
+def test_the_weight_is_the_files_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     n, k = 70, 768
     raw = q6k_blocks(n, k, seed=3)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
     ref = quants.dequantize(raw.reshape(n, -1), GGMLQuantizationType.Q6_K).reshape(n, k)
-    m = GGUFQ6KLinear.from_gguf(raw, Q6_K, (n, k), row_perm=perm)
+    monkeypatch.setattr("superslm.quant.q6k.ROWS", 16)  # rows copied in blocks, the file's pages released between
+    released = []
+    m = GGUFQ6KLinear.from_gguf_parts([(raw, Q6_K, (n, k), perm)], release=lambda: released.append(1))
+    assert len(released) == 5
     assert "Q6_K" in m.describe() and m.nbytes() == n * k // 256 * 210
     got = m.dequantize().numpy()
     np.testing.assert_array_equal(got.view(np.uint32), np.ascontiguousarray(ref[perm.numpy()]).view(np.uint32))
+    # fused parts (a q, k, v of Q6_K): each part's rows in its own place, its own permutation
+    m2 = GGUFQ6KLinear.from_gguf_parts([(raw, Q6_K, (n, k), None), (raw, Q6_K, (n, k), perm)])
+    both = m2.dequantize().numpy()
+    np.testing.assert_array_equal(both[:n].view(np.uint32), ref.view(np.uint32))
+    np.testing.assert_array_equal(both[n:].view(np.uint32), got.view(np.uint32))
+    with pytest.raises(InvalidArgument):
+        GGUFQ6KLinear.from_gguf_parts([(raw, Q6_K, (n, k), None), (raw[: n * 3 * 210], Q6_K, (n, 512), None)])
     ext = cext.extension()
     if ext is not None:
         again = ext.q6k_dequantize(m.blocks).numpy()

@@ -260,7 +260,7 @@ def linear_from_gguf(
         if fmt == "giq4":
             return GGUFIQ4Linear.from_gguf_parts(parts, bias)
         if fmt == "gq6k":
-            return GGUFQ6KLinear.from_gguf_parts(parts, bias)
+            return GGUFQ6KLinear.from_gguf_parts(parts, bias, release)
         if fmt == "gq80":
             return GGUFQ80Linear.from_gguf_parts(parts, bias, release)
         names = "+".join(dict.fromkeys(p[1].name for p in parts))

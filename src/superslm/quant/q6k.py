@@ -17,7 +17,7 @@ weight, built at first use.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -35,24 +35,34 @@ QK, BLOCK_BYTES = 256, 210
 #: GEMM. Measured on [1024, 3584] (2 threads, AVX2-only EPYC, loaded): the GEMV 4.1 ms at 16 rows and 19 ms at 64,
 #: the GEMM 14 ms and 91 ms; at 512 rows the GEMM 188 ms
 GEMV_ROWS = 64
+#: rows q6k_params copies between two calls of its `release`
+ROWS = 8192
 
 
 def q6k_params(raw: np.ndarray, block_type: type[BlockType], shape: Sequence[int],
-               row_perm: torch.Tensor | None = None) -> np.ndarray:
+               row_perm: torch.Tensor | None = None, release: Callable[[], None] | None = None,
+               out: np.ndarray | None = None) -> np.ndarray:
     """Q6_K bytes of a weight [out, in] -> its blocks uint8 [out, in / 256 * 210], rows in `row_perm` order if
-    given."""
+    given. Written `ROWS` rows at a time into `out` (or a new array), `release` called after each block of rows (the
+    loader drops the file's pages read so far): a 150k-row head is never held twice, its copy beside the file's."""
     n, k = (int(d) for d in shape)
     if block_type is not Q6_K:
         raise InvalidArgument(f"the q6k format runs Q6_K blocks, not {block_type.name}")
     if block_type.n_elements(raw) != n * k or k % QK:
         raise InvalidArgument(f"Q6_K: {raw.size} bytes do not hold a [{n}, {k}] weight")
-    rows = np.ascontiguousarray(raw).reshape(n, k // QK * BLOCK_BYTES)
+    perm = None
     if row_perm is not None:
         perm = torch.as_tensor(row_perm, dtype=torch.long).numpy()
         if perm.shape != (n,) or not np.array_equal(np.sort(perm), np.arange(n)):
             raise InvalidArgument(f"row_perm must be a permutation of {n} rows")
-        rows = rows[perm]
-    return np.ascontiguousarray(rows)
+    rows = raw.reshape(n, k // QK * BLOCK_BYTES)
+    if out is None:
+        out = np.empty(rows.shape, dtype=np.uint8)
+    for r in range(0, n, ROWS):
+        out[r : r + ROWS] = rows[r : r + ROWS] if perm is None else rows[perm[r : r + ROWS]]
+        if release is not None:
+            release()
+    return out
 
 
 def q6k_unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -176,14 +186,21 @@ class GGUFQ6KLinear(LinearFormat):
 
     @classmethod
     def from_gguf_parts(cls, parts: Sequence[tuple[np.ndarray, type[BlockType], Sequence[int], Any]],
-                        bias: torch.Tensor | None = None) -> GGUFQ6KLinear:
-        """Q6_K tensors (raw, block_type, shape, row_perm) fused along out (qkv, gate_up)."""
-        got = [q6k_params(*p) for p in parts]
-        if len({g.shape[1] for g in got}) != 1:
+                        bias: torch.Tensor | None = None, release: Callable[[], None] | None = None) -> GGUFQ6KLinear:
+        """Q6_K tensors (raw, block_type, shape, row_perm) fused along out (qkv, gate_up), each part's rows written
+        in place (`q6k_params`; `release` as there)."""
+        if not parts or len({int(p[2][1]) for p in parts}) != 1:
             raise InvalidArgument("gq6k: fused parts must share their input dimension")
-        blocks = torch.from_numpy(np.concatenate(got))
-        n, k = blocks.shape[0], blocks.shape[1] // BLOCK_BYTES * QK
-        return cls(blocks, k, n, as_bias(bias, n), "from Q6_K, codes exact")
+        k, n = int(parts[0][2][1]), sum(int(p[2][0]) for p in parts)
+        if k % QK:
+            raise InvalidArgument(f"Q6_K: rows of {k} values are not whole blocks of {QK}")
+        blocks = np.empty((n, k // QK * BLOCK_BYTES), dtype=np.uint8)
+        r = 0
+        for raw, block_type, shape, perm in parts:
+            m = int(shape[0])
+            q6k_params(raw, block_type, shape, perm, release, blocks[r : r + m])
+            r += m
+        return cls(torch.from_numpy(blocks), k, n, as_bias(bias, n), "from Q6_K, codes exact")
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, block_type: type[BlockType], shape: Sequence[int],  # type: ignore[override]
