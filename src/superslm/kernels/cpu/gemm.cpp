@@ -8,6 +8,7 @@
 #include "aten_ops.h"
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -148,8 +149,11 @@ const uint64_t* int5_bits(const at::Tensor& bits, int64_t N, int64_t K) {
   return reinterpret_cast<const uint64_t*>(bits.data_ptr<int64_t>());
 }
 
-// x [M, K] -> [M, N] float32 rounded to bf16: the 5-bit weights decoded one by one, (code - 8) * s + z,
-// summed in float32 (for rows whose int8 parts cannot carry x: NaN, inf, an outlier)
+// x [M, K] -> [M, N] float32 rounded to bf16: the 5-bit weights decoded, (code - 8) * s + z, and summed in float32
+// over k in order (for rows whose int8 parts cannot carry x: NaN, inf, an outlier). A block of 64 weight rows at a
+// time, k by k: one k's 32 bytes hold the block's 64 codes, so the decode and the sums run across the rows (loops the
+// compiler vectorizes) where row-by-row decoding read one byte of every 32. Each output is its own sum over k: a row
+// of x gets the same bits whatever the other rows.
 at::Tensor int5_reference(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, const at::Tensor& bits) {
   superslm_vnni::check_int4(x, qweight, sz, 32, "int5_reference");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
@@ -166,22 +170,36 @@ at::Tensor int5_reference(const at::Tensor& x, const at::Tensor& qweight, const 
       acc_of[superslm_vnni::lane_row(a, lane)] = a;
       lane_of[superslm_vnni::lane_row(a, lane)] = lane;
     }
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    std::vector<float> w(K);
-    for (int64_t n = n0; n < n1; ++n) {
-      const int64_t b = n / 64, r = n % 64;
-      for (int64_t k = 0; k < K; ++k) {  // row n decoded once, then every x row
-        const uint8_t byte = wp[(b * K + k) * 32 + r % 32];
-        const int nib = r < 32 ? (byte & 15) : (byte >> 4);
-        const int bit = (bp[(b * (K / 4) + k / 4) * 4 + acc_of[r]] >> (4 * lane_of[r] + k % 4)) & 1;
-        const int64_t at = ((k / 32) * N + n) * 2;
-        w[k] = (nib + 16 * bit - 8) * static_cast<float>(szp[at]) + static_cast<float>(szp[at + 1]);
+  at::parallel_for(0, N / 64, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> acc(M * 64);
+    alignas(32) float s[64], z[64], w[64], fifth[4][64];
+    for (int64_t b = b0; b < b1; ++b) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t k = 0; k < K; ++k) {
+        if (k % 32 == 0)  // the group's (s, z) of the block's rows
+          for (int r = 0; r < 64; ++r) {
+            const int64_t at = ((k / 32) * N + b * 64 + r) * 2;
+            s[r] = static_cast<float>(szp[at]);
+            z[r] = static_cast<float>(szp[at + 1]);
+          }
+        if (k % 4 == 0)  // the fifth bits of the quad k .. k + 3 (four masks, a bit per row and k)
+          for (int r = 0; r < 64; ++r) {
+            const uint64_t mask = bp[(b * (K / 4) + k / 4) * 4 + acc_of[r]] >> (4 * lane_of[r]);
+            for (int q = 0; q < 4; ++q) fifth[q][r] = static_cast<float>(16 * ((mask >> q) & 1));
+          }
+        const uint8_t* p = wp + (b * K + k) * 32;  // rows j (low nibbles) and 32 + j (high)
+        const float* f = fifth[k % 4];
+        for (int j = 0; j < 32; ++j) {
+          w[j] = (static_cast<float>(p[j] & 15) + f[j] - 8.f) * s[j] + z[j];
+          w[32 + j] = (static_cast<float>(p[j] >> 4) + f[32 + j] - 8.f) * s[32 + j] + z[32 + j];
+        }
+        for (int64_t m = 0; m < M; ++m) {
+          const float xv = xp[m * K + k];
+          float* am = acc.data() + m * 64;
+          for (int r = 0; r < 64; ++r) am[r] += w[r] * xv;
+        }
       }
-      for (int64_t m = 0; m < M; ++m) {
-        float acc = 0.f;
-        for (int64_t k = 0; k < K; ++k) acc += w[k] * xp[m * K + k];
-        op[m * N + n] = acc;
-      }
+      for (int64_t m = 0; m < M; ++m) std::copy(acc.begin() + m * 64, acc.begin() + (m + 1) * 64, op + m * N + b * 64);
     }
   });
   return out.to(at::kBFloat16);
