@@ -316,17 +316,15 @@ def test_dispatch_runs_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.slow
-def test_kernels_compile_for_gpus() -> None:
+@pytest.mark.parametrize("target", ["cuda:90", "hip:gfx942"])  # one test each: two workers take them at once
+def test_kernels_compile_for_gpus(target: str) -> None:
     """What the interpreter lets pass, the GPU compiler may refuse: compile each launcher's variants
     for sm_90 (H100/H200) and gfx942 (MI300) ahead of time, in a process without TRITON_INTERPRET."""
-    code = (
-        "import sys; from superslm.kernels.triton.aot import main; "
-        "sys.exit(main(['--target', 'cuda:90']) or main(['--target', 'hip:gfx942']))"
-    )
+    code = f"import sys; from superslm.kernels.triton.aot import main; sys.exit(main(['--target', {target!r}]))"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert r.stdout.count("ok ") == 2 * len(aot.cases())
+    assert r.stdout.count("ok ") == len(aot.cases())
 
 
 @pytest.mark.parametrize("groups", [1, 3])
