@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -98,6 +99,28 @@ def test_float32_equals_reference_and_generic(family: str, folders) -> None:
     assert (ref - generic).abs().max().item() <= 1e-5
     assert (cpp - ref).abs().max().item() <= 1e-5
     assert generic.std().item() > 0.1
+
+
+def test_row_key_slots_name_each_rows_keys() -> None:
+    """Each row's sequence, its visible key count and its sequence's key slots in position order (a page's slots
+    table[p] * page_size + offset), written out by hand: decode rows and prompt chunks, tables holding pages past
+    the keys (allocated ahead), page sizes 1, 4 and 16."""
+    rng = np.random.default_rng(3)
+    for _ in range(100):
+        ps = int(rng.choice([1, 4, 16]))
+        counts = [int(rng.integers(1, 6)) if rng.random() < 0.3 else 1 for _ in range(int(rng.integers(1, 6)))]
+        lens = [int(rng.integers(c, 80)) for c in counts]
+        tables = tuple(tuple(int(p) for p in rng.integers(0, 400, size=-(-n // ps) + int(rng.integers(0, 3))))
+                       for n in lens)
+        qs = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        pos = torch.tensor([n - c + j for n, c in zip(lens, counts) for j in range(c)])
+        meta = AttnMetadata(pos, torch.zeros(qs[-1], dtype=torch.long), tuple(qs), tuple(lens), tables, ps)
+        slots, rows, seen = cpu_decode.row_key_slots(meta, torch.device("cpu"))
+        assert slots.shape == (len(lens), max(lens)) and slots.is_contiguous()
+        for s, (t, n) in enumerate(zip(tables, lens)):
+            assert slots[s, :n].tolist() == [t[i // ps] * ps + i % ps for i in range(n)]
+        assert rows.tolist() == [s for s, c in enumerate(counts) for _ in range(c)]
+        assert seen.tolist() == (pos + 1).tolist()
 
 
 def test_long_contexts_value_tiles_equal_reference(folders) -> None:
