@@ -143,55 +143,31 @@ inline void value_rest(int64_t rest, const float* scores, const VC* vc, const in
   }
 }
 
-// One key's partial dot products with GN query heads: acc[g] += q[g, v*8 .. v*8+7] * key lanes, v in order.
-template <int64_t GN, typename KC>
-inline void key_dots(const float* q, const KC* k, int64_t D, __m256* acc) {
+// NK keys' partial dot products with GN query heads: acc[i][g] += q[g, v*8 .. v*8+7] * key i's lanes, v in order.
+// Each head's FMA chain is a dependency chain D/8 long, so one key and a few heads leave the FMA units waiting on
+// its latency; two keys give twice the chains in flight. Each (head, key) sum is the same operations in the same
+// order whatever NK.
+template <int64_t GN, int NK, typename KC>
+inline void key_dots(const float* q, const KC* const (&k)[NK], int64_t D, __m256 (&acc)[NK][GN]) {
   const int64_t V = D / 8;
   if constexpr (is_q4<KC>) {
     for (int64_t v = 0; v < V; v += 2) {
-      __m256 lo, hi;
-      load_q4x8(k + v * 4, lo, hi);
-      for (int64_t g = 0; g < GN; ++g) {
-        const float* qg = q + g * D + v * 8;
-        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg), lo, acc[g]);
-        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8), hi, acc[g]);
-      }
-    }
-  } else {
-    for (int64_t v = 0; v < V; ++v) {
-      const __m256 kv = load8<KC>(k + v * 8);
-      for (int64_t g = 0; g < GN; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + v * 8), kv, acc[g]);
-    }
-  }
-}
-
-// Two keys' partial dot products with GN query heads (key_dots of each, interleaved): each head's FMA chain is a
-// dependency chain D/8 long, so one key and a few heads leave the FMA units waiting on its latency; two keys give
-// twice the chains in flight. Each (head, key) sum is the same operations in the same order as key_dots'.
-template <int64_t GN, typename KC>
-inline void key_dots2(const float* q, const KC* k0, const KC* k1, int64_t D, __m256* a0, __m256* a1) {
-  const int64_t V = D / 8;
-  if constexpr (is_q4<KC>) {
-    for (int64_t v = 0; v < V; v += 2) {
-      __m256 lo0, hi0, lo1, hi1;
-      load_q4x8(k0 + v * 4, lo0, hi0);
-      load_q4x8(k1 + v * 4, lo1, hi1);
+      __m256 lo[NK], hi[NK];
+      for (int i = 0; i < NK; ++i) load_q4x8(k[i] + v * 4, lo[i], hi[i]);
       for (int64_t g = 0; g < GN; ++g) {
         const float* qg = q + g * D + v * 8;
         const __m256 qa = _mm256_loadu_ps(qg), qb = _mm256_loadu_ps(qg + 8);
-        a0[g] = _mm256_fmadd_ps(qa, lo0, a0[g]);
-        a1[g] = _mm256_fmadd_ps(qa, lo1, a1[g]);
-        a0[g] = _mm256_fmadd_ps(qb, hi0, a0[g]);
-        a1[g] = _mm256_fmadd_ps(qb, hi1, a1[g]);
+        for (int i = 0; i < NK; ++i) acc[i][g] = _mm256_fmadd_ps(qa, lo[i], acc[i][g]);
+        for (int i = 0; i < NK; ++i) acc[i][g] = _mm256_fmadd_ps(qb, hi[i], acc[i][g]);
       }
     }
   } else {
     for (int64_t v = 0; v < V; ++v) {
-      const __m256 kv0 = load8<KC>(k0 + v * 8), kv1 = load8<KC>(k1 + v * 8);
+      __m256 kv[NK];
+      for (int i = 0; i < NK; ++i) kv[i] = load8<KC>(k[i] + v * 8);
       for (int64_t g = 0; g < GN; ++g) {
         const __m256 qv = _mm256_loadu_ps(q + g * D + v * 8);
-        a0[g] = _mm256_fmadd_ps(qv, kv0, a0[g]);
-        a1[g] = _mm256_fmadd_ps(qv, kv1, a1[g]);
+        for (int i = 0; i < NK; ++i) acc[i][g] = _mm256_fmadd_ps(qv, kv[i], acc[i][g]);
       }
     }
   }
@@ -208,31 +184,27 @@ inline void score_block(const float* q, const KC* kc, const int64_t* slots, int6
   for (int64_t j0 = 0; j0 < n; j0 += 8) {
     const int64_t jn = std::min<int64_t>(8, n - j0);
     int64_t j = 0;
-    for (; j + 2 <= jn; j += 2) {
-      __m256 a0[GN], a1[GN];
-      for (int64_t g = 0; g < GN; ++g) a0[g] = a1[g] = _mm256_setzero_ps();
-      const KC* k0 = kc + slots[first + j0 + j] * krow + koff;
-      const KC* k1 = kc + slots[first + j0 + j + 1] * krow + koff;
-      key_dots2<GN, KC>(q, k0, k1, D, a0, a1);
-      if constexpr (is_quant<KC>) {
-        kscale[j] = kv_scale(k0, D);
-        kscale[j + 1] = kv_scale(k1, D);
+    // keys two at a time, then an odd one: each key's lanes into part, its scale into kscale
+    auto keys = [&](auto nk_c) {
+      constexpr int NK = decltype(nk_c)::value;
+      const KC* k[NK];
+      __m256 acc[NK][GN];
+      for (int i = 0; i < NK; ++i) {
+        k[i] = kc + slots[first + j0 + j + i] * krow + koff;
+        for (int64_t g = 0; g < GN; ++g) acc[i][g] = _mm256_setzero_ps();
       }
-      for (int64_t g = 0; g < GN; ++g) {
-        _mm256_store_ps(part[g][j], a0[g]);
-        _mm256_store_ps(part[g][j + 1], a1[g]);
+      key_dots<GN, NK, KC>(q, k, D, acc);
+      for (int i = 0; i < NK; ++i) {
+        if constexpr (is_quant<KC>) kscale[j + i] = kv_scale(k[i], D);
+        for (int64_t g = 0; g < GN; ++g) _mm256_store_ps(part[g][j + i], acc[i][g]);
       }
-    }
-    for (; j < 8; ++j) {  // an odd key, and the zero lanes past the last key of the last block
-      __m256 acc[GN];
-      for (int64_t g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
+      j += NK;
+    };
+    while (j + 2 <= jn) keys(std::integral_constant<int, 2>());
+    if (j < jn) keys(std::integral_constant<int, 1>());
+    for (; j < 8; ++j) {  // the zero lanes past the last key of the last block
       if constexpr (is_quant<KC>) kscale[j] = 0.f;
-      if (j < jn) {
-        const KC* k = kc + slots[first + j0 + j] * krow + koff;
-        key_dots<GN, KC>(q, k, D, acc);
-        if constexpr (is_quant<KC>) kscale[j] = kv_scale(k, D);
-      }
-      for (int64_t g = 0; g < GN; ++g) _mm256_store_ps(part[g][j], acc[g]);
+      for (int64_t g = 0; g < GN; ++g) _mm256_store_ps(part[g][j], _mm256_setzero_ps());
     }
     for (int64_t g = 0; g < GN; ++g) {
       alignas(32) float s[8];
