@@ -71,6 +71,17 @@ def as_bias(bias: torch.Tensor | Sequence[torch.Tensor | None] | None, out: int)
     return b
 
 
+def row_order(row_perm: torch.Tensor | None, n: int) -> np.ndarray | None:
+    """A GGUF weight's row permutation as numpy indices (None: the file's order); InvalidArgument unless it is a
+    permutation of the weight's n rows."""
+    if row_perm is None:
+        return None
+    perm = torch.as_tensor(row_perm, dtype=torch.long).numpy()
+    if perm.shape != (n,) or not np.array_equal(np.sort(perm), np.arange(n)):
+        raise InvalidArgument(f"row_perm must be a permutation of {n} rows")
+    return perm
+
+
 def dequantize_gguf(
     raw: np.ndarray, block_type: type[BlockType], shape: Sequence[int], row_perm: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -25,7 +25,7 @@ from superslm.formats.blocks import BlockType, Int4BlockType
 from superslm.kernels import dispatch
 from superslm.kernels.fused import Int4Weight
 from superslm.kernels.hadamard import pick_block, rotate_weight
-from superslm.quant.base import LinearFormat, as_bias, as_parts, register_format
+from superslm.quant.base import LinearFormat, as_bias, as_parts, register_format, row_order
 
 GROUPS = (32, 64, 128, 256)
 #: rows per block of the stored packed layout (torch's kernel's on AVX-512; the C++ VNNI kernels read it)
@@ -365,10 +365,8 @@ def gguf_int4_params(
         raise InvalidArgument(f"{block_type.name}: {raw.size} bytes do not hold a [{n}, {k}] weight")
     codes_np, scale_np, min_np = block_type.unpack_int4(raw)
     codes_np, scale_np, min_np = codes_np.reshape(n, k), scale_np.reshape(n, k // 32), min_np.reshape(n, k // 32)
-    if row_perm is not None:
-        perm = torch.as_tensor(row_perm, dtype=torch.long).numpy()
-        if perm.shape != (n,) or not np.array_equal(np.sort(perm), np.arange(n)):
-            raise InvalidArgument(f"row_perm must be a permutation of {n} rows")
+    perm = row_order(row_perm, n)
+    if perm is not None:
         codes_np, scale_np, min_np = codes_np[perm], scale_np[perm], min_np[perm]
     codes, scale, minimum = torch.from_numpy(codes_np), torch.from_numpy(scale_np), torch.from_numpy(min_np)
     # the kernel's zero is the value of code 8; one float32 rounding, then one bf16 rounding

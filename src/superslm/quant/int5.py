@@ -23,7 +23,7 @@ import torch
 from superslm import cext
 from superslm.errors import InvalidArgument
 from superslm.formats.blocks import Q5_0, BlockType, _f16, _q5_codes
-from superslm.quant.base import LinearFormat, as_bias, register_format
+from superslm.quant.base import LinearFormat, as_bias, register_format, row_order
 from superslm.quant.int4 import _BLOCK_N, load_nibbles, pack_int4, round_up, store_nibbles, unpack_int4
 from superslm.quant.split_rows import _fma, split_groups
 
@@ -59,10 +59,8 @@ def q5_0_params(raw: np.ndarray, shape: Sequence[int], row_perm: torch.Tensor | 
     blocks = np.ascontiguousarray(raw).reshape(-1, Q5_0.type_size)
     codes = _q5_codes(blocks, 2).reshape(n, k)
     d = _f16(blocks, 0).reshape(n, k // 32)
-    if row_perm is not None:
-        perm = torch.as_tensor(row_perm, dtype=torch.long).numpy()
-        if perm.shape != (n,) or not np.array_equal(np.sort(perm), np.arange(n)):
-            raise InvalidArgument(f"row_perm must be a permutation of {n} rows")
+    perm = row_order(row_perm, n)
+    if perm is not None:
         codes, d = codes[perm], d[perm]
     return codes, d
 

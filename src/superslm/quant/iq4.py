@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from superslm import cext
 from superslm.errors import InvalidArgument
 from superslm.formats.blocks import _IQ4_VALUES, IQ4_NL, IQ4_XS, BlockType, _f16
-from superslm.quant.base import LinearFormat, as_bias, register_format
+from superslm.quant.base import LinearFormat, as_bias, register_format, row_order
 from superslm.quant.split_rows import fma32 as _fma32
 from superslm.quant.split_rows import pair_rows_reference
 
@@ -65,10 +65,8 @@ def iq4_params(raw: np.ndarray, block_type: type[BlockType], shape: Sequence[int
     codes = np.ascontiguousarray(codes).reshape(n, k // 2)
     if block_type is IQ4_NL:
         scales = np.ascontiguousarray(scales, dtype=np.float32).reshape(n, k // 32)
-    if row_perm is not None:
-        perm = torch.as_tensor(row_perm, dtype=torch.long).numpy()
-        if perm.shape != (n,) or not np.array_equal(np.sort(perm), np.arange(n)):
-            raise InvalidArgument(f"row_perm must be a permutation of {n} rows")
+    perm = row_order(row_perm, n)
+    if perm is not None:
         codes, scales = codes[perm], scales[perm]
     return codes, scales
 

@@ -26,7 +26,7 @@ import torch
 from superslm import cext
 from superslm.errors import InvalidArgument
 from superslm.formats.blocks import Q6_K, BlockType
-from superslm.quant.base import LinearFormat, as_bias, register_format
+from superslm.quant.base import LinearFormat, as_bias, register_format, row_order
 from superslm.quant.split_rows import fma32 as _fma32
 
 #: values and bytes of a Q6_K block
@@ -50,11 +50,7 @@ def q6k_params(raw: np.ndarray, block_type: type[BlockType], shape: Sequence[int
         raise InvalidArgument(f"the q6k format runs Q6_K blocks, not {block_type.name}")
     if block_type.n_elements(raw) != n * k or k % QK:
         raise InvalidArgument(f"Q6_K: {raw.size} bytes do not hold a [{n}, {k}] weight")
-    perm = None
-    if row_perm is not None:
-        perm = torch.as_tensor(row_perm, dtype=torch.long).numpy()
-        if perm.shape != (n,) or not np.array_equal(np.sort(perm), np.arange(n)):
-            raise InvalidArgument(f"row_perm must be a permutation of {n} rows")
+    perm = row_order(row_perm, n)
     rows = raw.reshape(n, k // QK * BLOCK_BYTES)
     if out is None:
         out = np.empty(rows.shape, dtype=np.uint8)
@@ -192,8 +188,6 @@ class GGUFQ6KLinear(LinearFormat):
         if not parts or len({int(p[2][1]) for p in parts}) != 1:
             raise InvalidArgument("gq6k: fused parts must share their input dimension")
         k, n = int(parts[0][2][1]), sum(int(p[2][0]) for p in parts)
-        if k % QK:
-            raise InvalidArgument(f"Q6_K: rows of {k} values are not whole blocks of {QK}")
         blocks = np.empty((n, k // QK * BLOCK_BYTES), dtype=np.uint8)
         r = 0
         for raw, block_type, shape, perm in parts:

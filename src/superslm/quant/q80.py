@@ -26,7 +26,7 @@ import torch
 from superslm import cext
 from superslm.errors import InvalidArgument
 from superslm.formats.blocks import Q8_0, BlockType
-from superslm.quant.base import LinearFormat, as_bias, register_format
+from superslm.quant.base import LinearFormat, as_bias, register_format, row_order
 from superslm.quant.iq4 import quantize_groups
 from superslm.quant.split_rows import fma32 as _fma32
 
@@ -50,11 +50,7 @@ def q80_params(raw: np.ndarray, block_type: type[BlockType], shape: Sequence[int
         raise InvalidArgument(f"the q80 format runs Q8_0 blocks, not {block_type.name}")
     if block_type.n_elements(raw) != n * k or k % 32:
         raise InvalidArgument(f"Q8_0: {raw.size} bytes do not hold a [{n}, {k}] weight")
-    perm = None
-    if row_perm is not None:
-        perm = torch.as_tensor(row_perm, dtype=torch.long).numpy()
-        if perm.shape != (n,) or not np.array_equal(np.sort(perm), np.arange(n)):
-            raise InvalidArgument(f"row_perm must be a permutation of {n} rows")
+    perm = row_order(row_perm, n)
     codes, d = out if out is not None else (torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // 32,
                                                                                                 dtype=torch.float16))
     rows = raw.reshape(n, k // 32, BLOCK_BYTES)  # [out, groups, 34]
